@@ -1,0 +1,110 @@
+//! Human-readable durations for configuration: `250ms`, `5s`, `2m`, `1h`, `7d` (units ms, s, m, h, d;
+//! a bare number is seconds).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serializer};
+
+/// Parses a duration such as `250ms`, `5s`, `1.5s`, `2m`, `1h` or `7d`.
+///
+/// # Errors
+/// A message naming the expected form when `text` is not a duration.
+pub fn parse(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number.parse().map_err(|_| {
+        format!("`{text}` is not a duration: expected a number with a unit, such as 250ms, 5s, 2m, 1h or 7d")
+    })?;
+    let factor = match unit.trim() {
+        "ms" => 0.001,
+        "" | "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        "d" => 86400.0,
+        other => {
+            return Err(format!(
+                "`{text}` has an unknown unit `{other}`: expected ms, s, m, h or d"
+            ))
+        }
+    };
+    let secs = value * factor;
+    if !secs.is_finite() || secs < 0.0 || secs > 1e12 {
+        return Err(format!("`{text}` is out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Formats a duration in the shortest exact unit among ms, s, m, h.
+pub fn format(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms == 0 {
+        return "0s".to_string();
+    }
+    if ms % 3_600_000 == 0 {
+        format!("{}h", ms / 3_600_000)
+    } else if ms % 60_000 == 0 {
+        format!("{}m", ms / 60_000)
+    } else if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// `#[serde(with = "outbox_core::duration::serde_str")]` for `Duration` fields written as text.
+pub mod serde_str {
+    use super::*;
+
+    /// Serialises as text, such as `5s`.
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format(*d))
+    }
+
+    /// Deserialises from text (`5s`) or a number of seconds.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Secs(f64),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Text(t) => parse(&t).map_err(serde::de::Error::custom),
+            Raw::Secs(n) => parse(&n.to_string()).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_units() {
+        assert_eq!(parse("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse("5s").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse("5").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse("1h").unwrap(), Duration::from_secs(3600));
+        assert_eq!(parse("7d").unwrap(), Duration::from_secs(7 * 86400));
+        assert!(parse("5 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(parse("soon").unwrap_err().contains("not a duration"));
+        assert!(parse("-1s").is_err());
+    }
+
+    #[test]
+    fn formats_round_trip() {
+        for d in [
+            Duration::from_millis(250),
+            Duration::from_secs(5),
+            Duration::from_secs(120),
+            Duration::from_secs(7200),
+        ] {
+            assert_eq!(parse(&format(d)).unwrap(), d);
+        }
+    }
+}

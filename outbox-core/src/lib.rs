@@ -1,0 +1,28 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod duration;
+mod error;
+mod event;
+mod policy;
+mod ports;
+pub mod publishers;
+mod relay;
+#[cfg(test)]
+mod relay_tests;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testkit;
+
+pub use error::{Error, ErrorKind, ErrorStatus, Result};
+pub use event::{header, Event, NewEvent, Payload, JSON_CONTENT_TYPE};
+pub use policy::{OrderingPolicy, RetryPolicy};
+pub use ports::{
+    Action, Batch, ClaimRequest, EventTypeStats, Lease, PublishOutcome, Publisher, Settlement,
+    Store, StoreStats,
+};
+pub use relay::{
+    BatchReport, FailureDecision, NoopObserver, Relay, RelayConfig, RelayObserver, RelaySummary,
+    Wake,
+};
+pub use tokio_util::sync::CancellationToken;
+pub use uuid::Uuid;

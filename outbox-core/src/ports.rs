@@ -1,0 +1,188 @@
+//! The ports: [`Store`] (used only by the relay) and [`Publisher`] (talks only to a broker).
+//!
+//! The writer that enqueues events inside the caller's transaction lives with the store that defines
+//! the table (for PostgreSQL: `outbox_postgres::Writer`).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::event::Event;
+use crate::policy::OrderingPolicy;
+
+/// What the relay asks the store for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// The most events to return.
+    pub limit: usize,
+    /// Which events may be claimed together and side by side with other relays.
+    pub ordering: OrderingPolicy,
+}
+
+/// A claimed batch: the events, and the lease that holds them until it is settled or released.
+pub struct Batch {
+    /// The claimed events, in insertion order (per aggregate, the oldest first).
+    pub events: Vec<Event>,
+    /// The lease on the events. Dropping it without settling releases the events (as a crashed relay
+    /// would), so they become claimable again.
+    pub lease: Box<dyn Lease>,
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("events", &self.events.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What becomes of one claimed event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The broker acknowledged it: mark processed (or delete it, as the store is configured).
+    Published,
+    /// Try again after `delay`; the event has now been attempted `attempts` times in all and failed
+    /// with `error` the last time.
+    Retry {
+        /// Attempts made so far, this one included.
+        attempts: u32,
+        /// Time to wait before the event is claimable again.
+        delay: Duration,
+        /// The error text kept on the row.
+        error: String,
+    },
+    /// Give up: keep the event as a dead letter with its last error.
+    DeadLetter {
+        /// Attempts made, this one included.
+        attempts: u32,
+        /// The error text kept on the row.
+        error: String,
+    },
+    /// Not attempted (or not to be counted): give it back unchanged.
+    Release,
+}
+
+/// The outcome of one claimed event, as the relay settles it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settlement {
+    /// The event id.
+    pub id: Uuid,
+    /// What becomes of it.
+    pub action: Action,
+}
+
+/// The hold a relay has on a claimed batch.
+#[async_trait]
+pub trait Lease: Send {
+    /// Records the outcome of every event of the batch and ends the lease.
+    ///
+    /// # Behavior
+    /// - All settlements are applied atomically, in one round trip where the store allows: either all
+    ///   take effect or none does (and then the events are released, as on a crash).
+    /// - `Published` events are never claimed again. `Retry` events are claimable again after their
+    ///   delay, with their attempts and last error stored. `DeadLetter` events are never claimed
+    ///   again until an operator retries them; under [`OrderingPolicy::PerAggregate`] they hold back the
+    ///   later events of their aggregate. `Release` events are claimable again at once, unchanged.
+    /// - An event of the batch missing from `settlements` is released.
+    /// - Ids that are not part of the batch are ignored.
+    async fn settle(self: Box<Self>, settlements: Vec<Settlement>) -> Result<(), Error>;
+
+    /// Gives every event of the batch back, unchanged.
+    ///
+    /// # Behavior
+    /// The events become claimable again at once. Dropping the lease has the same effect, later.
+    async fn release(self: Box<Self>) -> Result<(), Error>;
+}
+
+/// Counts of one event type, part of [`StoreStats`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EventTypeStats {
+    /// The event type.
+    pub event_type: String,
+    /// Events waiting to be published (including those backing off or held back).
+    pub pending: u64,
+    /// Dead letters.
+    pub dead_letters: u64,
+    /// Age of the oldest pending event of this type, in seconds.
+    pub oldest_pending_age_seconds: Option<f64>,
+}
+
+/// What the outbox holds, for metrics and the `status` command.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StoreStats {
+    /// Events waiting to be published (including those backing off or held back).
+    pub pending: u64,
+    /// Age of the oldest pending event, in seconds.
+    pub oldest_pending_age_seconds: Option<f64>,
+    /// Dead letters.
+    pub dead_letters: u64,
+    /// The same figures per event type, sorted by event type.
+    pub by_event_type: Vec<EventTypeStats>,
+}
+
+/// The relay's view of the outbox.
+#[async_trait]
+pub trait Store: Send + Sync {
+    /// Claims up to `request.limit` publishable events.
+    ///
+    /// # Behavior
+    /// - Returns the oldest publishable events first; fewer (or none) when fewer are ready. An empty
+    ///   batch is not an error.
+    /// - A publishable event is pending, its retry delay (if any) has passed, and no live lease holds it.
+    ///   Under [`OrderingPolicy::PerAggregate`] it must also have no earlier event of its aggregate that
+    ///   is pending, backing off, claimed or dead-lettered; the batch may then hold a run of consecutive
+    ///   events of one aggregate, in order. No two live leases ever hold events of one aggregate.
+    /// - Claimed events stay claimed until the lease is settled, released or dropped, or the process
+    ///   holding it dies; then they are claimable again without waiting for a timeout.
+    /// - Several relays (processes) may claim concurrently; they never receive the same event while a
+    ///   lease on it is live.
+    async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error>;
+
+    /// Counts pending events and dead letters.
+    ///
+    /// # Behavior
+    /// Read-only; may be slower than `claim` on large outboxes (call it every few seconds, not per batch).
+    async fn stats(&self) -> Result<StoreStats, Error>;
+
+    /// Checks that the store is reachable (for readiness probes).
+    ///
+    /// # Behavior
+    /// Returns `Ok` when a trivial query succeeds.
+    async fn check(&self) -> Result<(), Error>;
+}
+
+/// The outcome of publishing one event.
+pub type PublishOutcome = Result<(), Error>;
+
+/// Sends events to a broker.
+#[async_trait]
+pub trait Publisher: Send + Sync {
+    /// Publishes a batch and reports one outcome per event, in input order.
+    ///
+    /// # Behavior
+    /// - Returns exactly `events.len()` outcomes; outcome `i` belongs to `events[i]`.
+    /// - `Ok(())` only once the broker acknowledged the event (delivery report, publisher confirm,
+    ///   per-entry success); never before.
+    /// - Events of one aggregate reach the broker in input order. The publisher may (and should) have
+    ///   many events in flight at once rather than awaiting each.
+    /// - Once an event fails, later events of the same aggregate in the same call should not reach the
+    ///   broker where the publisher can prevent it (report them as retryable failures). The relay gives
+    ///   them back unattempted in any case, and publishes them again after the failed event.
+    /// - Errors are classified: [`Error::is_retryable`] is true only when trying again may succeed.
+    ///   An error for one event does not fail the others.
+    /// - Must not panic on any event content; content the broker cannot carry is a permanent error
+    ///   for that event.
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome>;
+
+    /// Checks that the broker is reachable and usable (for readiness probes and `publish-test`).
+    ///
+    /// # Behavior
+    /// Returns `Ok` when the broker answers; does not publish anything.
+    async fn check(&self) -> Result<(), Error>;
+
+    /// A short name for logs and metrics, such as `kafka`.
+    fn name(&self) -> &str;
+}

@@ -1,0 +1,798 @@
+//! The relay engine: claim a batch, publish it, settle every outcome in one call; repeat.
+//!
+//! - **Batched**: one claim, one publish call and one settle call per batch, never one round trip per event.
+//! - **Pipelined**: up to `max_in_flight` batches are in flight at once, so the next claim overlaps the
+//!   current publish. Under per-aggregate ordering the store never hands two live batches events of one
+//!   aggregate, so pipelining keeps the order.
+//! - **Adaptive polling**: while batches come back full the relay claims again at once; after a partial
+//!   batch it pauses `min_poll_interval`; while they come back empty the pause doubles up to
+//!   `poll_interval`. A [`Wake`] handle (given to the writer side) ends a pause at once.
+//! - **Retry policy**: failed events are retried with backoff or dead-lettered, as classified by the
+//!   publisher; under per-aggregate ordering a failure holds back the rest of that aggregate's run.
+//! - **Graceful shutdown**: on cancellation the relay stops claiming, lets in-flight batches finish
+//!   until `shutdown_timeout`, then aborts the rest (their events are released, not lost).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn, Instrument};
+
+use crate::error::{Error, ErrorKind};
+use crate::event::Event;
+use crate::policy::{OrderingPolicy, RetryPolicy};
+use crate::ports::{Action, Batch, ClaimRequest, PublishOutcome, Publisher, Settlement, Store};
+
+/// Settings of the relay engine. Every field has a documented default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RelayConfig {
+    /// Most events claimed and published per batch. Default 500.
+    pub batch_size: usize,
+    /// Batches in flight at once (claim of the next overlaps the publish of the current). Default 2.
+    pub max_in_flight: usize,
+    /// Longest pause between polls of an idle outbox. Default 500 ms.
+    #[serde(with = "crate::duration::serde_str")]
+    pub poll_interval: Duration,
+    /// Pause after a partial batch, and the first pause once the outbox is empty. Default 10 ms.
+    #[serde(with = "crate::duration::serde_str")]
+    pub min_poll_interval: Duration,
+    /// Longest time a publish call may take; past it every event of the batch fails with a
+    /// retryable timeout. Default 30 s.
+    #[serde(with = "crate::duration::serde_str")]
+    pub publish_timeout: Duration,
+    /// Time in-flight batches get to finish after shutdown was asked; then they are aborted and
+    /// their events released. Default 30 s.
+    #[serde(with = "crate::duration::serde_str")]
+    pub shutdown_timeout: Duration,
+    /// Longest pause between attempts to reach a failing store (the pause doubles from 100 ms). Default 5 s.
+    #[serde(with = "crate::duration::serde_str")]
+    pub store_retry_max_backoff: Duration,
+    /// Retry policy of failed publishes.
+    pub retry: RetryPolicy,
+    /// Ordering policy. Default `per_aggregate`.
+    pub ordering: OrderingPolicy,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            batch_size: 500,
+            max_in_flight: 2,
+            poll_interval: Duration::from_millis(500),
+            min_poll_interval: Duration::from_millis(10),
+            publish_timeout: Duration::from_secs(30),
+            shutdown_timeout: Duration::from_secs(30),
+            store_retry_max_backoff: Duration::from_secs(5),
+            retry: RetryPolicy::default(),
+            ordering: OrderingPolicy::PerAggregate,
+        }
+    }
+}
+
+impl RelayConfig {
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// A config error naming the key, the value and what is expected.
+    pub fn validate(&self) -> Result<(), Error> {
+        if !(1..=100_000).contains(&self.batch_size) {
+            return Err(Error::config(format!(
+                "relay.batch_size = {}: expected 1 to 100000",
+                self.batch_size
+            )));
+        }
+        if !(1..=64).contains(&self.max_in_flight) {
+            return Err(Error::config(format!(
+                "relay.max_in_flight = {}: expected 1 to 64",
+                self.max_in_flight
+            )));
+        }
+        if self.poll_interval.is_zero() {
+            return Err(Error::config(
+                "relay.poll_interval = 0s: expected a positive duration such as 500ms",
+            ));
+        }
+        if self.min_poll_interval > self.poll_interval {
+            return Err(Error::config(format!(
+                "relay.min_poll_interval = {} exceeds relay.poll_interval = {}: expected min <= max",
+                crate::duration::format(self.min_poll_interval),
+                crate::duration::format(self.poll_interval)
+            )));
+        }
+        if self.publish_timeout.is_zero() {
+            return Err(Error::config(
+                "relay.publish_timeout = 0s: expected a positive duration such as 30s",
+            ));
+        }
+        self.retry.validate()
+    }
+}
+
+/// Wakes an idle relay at once (for instance after the writer committed new events).
+///
+/// Cheap to clone; waking a busy relay makes its next pause end immediately.
+#[derive(Debug, Clone, Default)]
+pub struct Wake(Arc<Notify>);
+
+impl Wake {
+    /// A new handle, not yet attached to a relay.
+    pub fn new() -> Self {
+        Wake::default()
+    }
+
+    /// Ends the relay's current (or next) pause.
+    pub fn wake(&self) {
+        self.0.notify_one();
+    }
+
+    async fn notified(&self) {
+        self.0.notified().await;
+    }
+}
+
+/// Figures of one settled batch, handed to the [`RelayObserver`].
+#[derive(Debug, Clone, Default)]
+pub struct BatchReport {
+    /// Events claimed.
+    pub claimed: usize,
+    /// Events acknowledged by the broker and marked published.
+    pub published: usize,
+    /// Events scheduled for another attempt.
+    pub retried: usize,
+    /// Events dead-lettered.
+    pub dead_lettered: usize,
+    /// Events given back unattempted (the rest of an aggregate's run after a failure).
+    pub released: usize,
+    /// Time spent in the publisher.
+    pub publish_duration: Duration,
+    /// Time spent settling the outcomes in the store.
+    pub settle_duration: Duration,
+    /// From the end of the claim to the end of the settlement.
+    pub total_duration: Duration,
+    /// Set when the settlement failed: the batch's events were released and will be published again.
+    pub settle_error: Option<Error>,
+}
+
+/// What the relay decided for a failed event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureDecision {
+    /// Retried after a delay.
+    Retry,
+    /// Dead-lettered.
+    DeadLetter,
+    /// Back-pressure: retried shortly without counting an attempt.
+    Backpressure,
+}
+
+/// Hooks for metrics. Every method has an empty default.
+pub trait RelayObserver: Send + Sync {
+    /// A claim returned `count` events after `duration`.
+    fn claimed(&self, count: usize, duration: Duration) {
+        let _ = (count, duration);
+    }
+    /// Publishing `event` failed with `error`; the relay decided `decision`.
+    fn event_failed(&self, event: &Event, error: &Error, decision: FailureDecision) {
+        let _ = (event, error, decision);
+    }
+    /// A batch was settled (or its settlement failed: see [`BatchReport::settle_error`]).
+    fn batch_settled(&self, report: &BatchReport) {
+        let _ = report;
+    }
+    /// A store operation (`claim`, `settle`) failed.
+    fn store_error(&self, operation: &'static str, error: &Error) {
+        let _ = (operation, error);
+    }
+}
+
+/// An observer that does nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoopObserver;
+
+impl RelayObserver for NoopObserver {}
+
+/// Totals of a relay run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RelaySummary {
+    /// Batches settled.
+    pub batches: u64,
+    /// Events published.
+    pub published: u64,
+    /// Events scheduled for retry.
+    pub retried: u64,
+    /// Events dead-lettered.
+    pub dead_lettered: u64,
+    /// Events released unattempted.
+    pub released: u64,
+    /// Batches whose settlement failed (their events will be published again).
+    pub settle_failures: u64,
+    /// Batches aborted at the shutdown deadline (their events were released).
+    pub aborted_batches: u64,
+}
+
+#[derive(Default)]
+struct Totals {
+    batches: AtomicU64,
+    published: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+    released: AtomicU64,
+    settle_failures: AtomicU64,
+}
+
+impl Totals {
+    fn add(&self, r: &BatchReport) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        if r.settle_error.is_some() {
+            self.settle_failures.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.published
+            .fetch_add(r.published as u64, Ordering::Relaxed);
+        self.retried.fetch_add(r.retried as u64, Ordering::Relaxed);
+        self.dead_lettered
+            .fetch_add(r.dead_lettered as u64, Ordering::Relaxed);
+        self.released
+            .fetch_add(r.released as u64, Ordering::Relaxed);
+    }
+
+    fn summary(&self, aborted_batches: u64) -> RelaySummary {
+        RelaySummary {
+            batches: self.batches.load(Ordering::Relaxed),
+            published: self.published.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            released: self.released.load(Ordering::Relaxed),
+            settle_failures: self.settle_failures.load(Ordering::Relaxed),
+            aborted_batches,
+        }
+    }
+}
+
+struct Shared {
+    store: Arc<dyn Store>,
+    publisher: Arc<dyn Publisher>,
+    config: RelayConfig,
+    observer: Arc<dyn RelayObserver>,
+    totals: Totals,
+}
+
+/// The relay: moves events from a [`Store`] to a [`Publisher`].
+///
+/// ```no_run
+/// # async fn demo(store: std::sync::Arc<dyn outbox_core::Store>, publisher: std::sync::Arc<dyn outbox_core::Publisher>) -> Result<(), outbox_core::Error> {
+/// use outbox_core::{Relay, RelayConfig};
+/// let relay = Relay::new(store, publisher, RelayConfig::default())?;
+/// let shutdown = tokio_util::sync::CancellationToken::new();
+/// let summary = relay.run(shutdown).await;
+/// println!("published {}", summary.published);
+/// # Ok(()) }
+/// ```
+pub struct Relay {
+    shared: Arc<Shared>,
+    wake: Wake,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("publisher", &self.shared.publisher.name())
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Relay {
+    /// A relay with the given settings and no observer.
+    ///
+    /// # Errors
+    /// A config error when `config` does not validate.
+    pub fn new(
+        store: Arc<dyn Store>,
+        publisher: Arc<dyn Publisher>,
+        config: RelayConfig,
+    ) -> Result<Self, Error> {
+        config.validate()?;
+        Ok(Relay {
+            shared: Arc::new(Shared {
+                store,
+                publisher,
+                config,
+                observer: Arc::new(NoopObserver),
+                totals: Totals::default(),
+            }),
+            wake: Wake::new(),
+        })
+    }
+
+    /// Sets the observer that receives per-batch figures (metrics).
+    pub fn with_observer(self, observer: Arc<dyn RelayObserver>) -> Self {
+        let shared = Shared {
+            store: self.shared.store.clone(),
+            publisher: self.shared.publisher.clone(),
+            config: self.shared.config.clone(),
+            observer,
+            totals: Totals::default(),
+        };
+        Relay {
+            shared: Arc::new(shared),
+            wake: self.wake,
+        }
+    }
+
+    /// Uses `wake` as this relay's wake-up handle (so a writer created earlier can wake it).
+    pub fn with_wake(mut self, wake: Wake) -> Self {
+        self.wake = wake;
+        self
+    }
+
+    /// The handle that ends the relay's idle pause at once.
+    pub fn wake_handle(&self) -> Wake {
+        self.wake.clone()
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &RelayConfig {
+        &self.shared.config
+    }
+
+    /// Runs until `shutdown` is cancelled, then shuts down gracefully (see the module docs).
+    pub async fn run(&self, shutdown: CancellationToken) -> RelaySummary {
+        self.run_inner(shutdown, false).await
+    }
+
+    /// Publishes until no event is publishable (the outbox is empty, or what is left is backing off,
+    /// held back or dead), then returns. For tests, benchmarks and one-shot jobs.
+    pub async fn drain(&self) -> RelaySummary {
+        self.run_inner(CancellationToken::new(), true).await
+    }
+
+    async fn pause(&self, d: Duration, shutdown: &CancellationToken) {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => {}
+            _ = self.wake.notified() => {}
+            _ = shutdown.cancelled() => {}
+        }
+    }
+
+    async fn run_inner(&self, shutdown: CancellationToken, until_idle: bool) -> RelaySummary {
+        let cfg = &self.shared.config;
+        let request = ClaimRequest {
+            limit: cfg.batch_size,
+            ordering: cfg.ordering,
+        };
+        let permits = Arc::new(Semaphore::new(cfg.max_in_flight));
+        let mut tasks: JoinSet<()> = JoinSet::new();
+        let mut idle_pause = cfg.min_poll_interval;
+        let mut store_pause = Duration::from_millis(100);
+        info!(
+            publisher = self.shared.publisher.name(),
+            batch_size = cfg.batch_size,
+            max_in_flight = cfg.max_in_flight,
+            ordering = cfg.ordering.as_str(),
+            "relay started"
+        );
+        loop {
+            while let Some(done) = tasks.try_join_next() {
+                report_join(done);
+            }
+            if shutdown.is_cancelled() {
+                break;
+            }
+            let permit = tokio::select! {
+                p = permits.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                _ = shutdown.cancelled() => break,
+            };
+            let started = Instant::now();
+            let claimed = tokio::select! {
+                r = self.shared.store.claim(request) => r,
+                _ = shutdown.cancelled() => break,
+            };
+            match claimed {
+                Err(e) => {
+                    drop(permit);
+                    self.shared.observer.store_error("claim", &e);
+                    warn!(error = %e, retry_in_ms = store_pause.as_millis() as u64, "claim failed; retrying");
+                    self.pause(store_pause, &shutdown).await;
+                    store_pause = (store_pause * 2).min(cfg.store_retry_max_backoff);
+                }
+                Ok(batch) if batch.events.is_empty() => {
+                    drop(permit);
+                    store_pause = Duration::from_millis(100);
+                    self.shared.observer.claimed(0, started.elapsed());
+                    if let Err(e) = batch.lease.release().await {
+                        debug!(error = %e, "releasing an empty claim failed");
+                    }
+                    if until_idle {
+                        if tasks.is_empty() {
+                            break;
+                        }
+                        while let Some(done) = tasks.join_next().await {
+                            report_join(done);
+                        }
+                        continue;
+                    }
+                    self.pause(idle_pause, &shutdown).await;
+                    idle_pause = (idle_pause * 2).min(cfg.poll_interval);
+                }
+                Ok(batch) => {
+                    store_pause = Duration::from_millis(100);
+                    idle_pause = cfg.min_poll_interval;
+                    let full = batch.events.len() >= cfg.batch_size;
+                    self.shared
+                        .observer
+                        .claimed(batch.events.len(), started.elapsed());
+                    let shared = self.shared.clone();
+                    let span = tracing::debug_span!("outbox.batch", size = batch.events.len());
+                    tasks.spawn(process_batch(shared, batch, permit).instrument(span));
+                    if !full && !until_idle {
+                        self.pause(cfg.min_poll_interval, &shutdown).await;
+                    }
+                }
+            }
+        }
+        let aborted = self.finish(tasks).await;
+        let summary = self.shared.totals.summary(aborted);
+        info!(
+            published = summary.published,
+            retried = summary.retried,
+            dead_lettered = summary.dead_lettered,
+            aborted_batches = summary.aborted_batches,
+            "relay stopped"
+        );
+        summary
+    }
+
+    /// Lets in-flight batches finish until the shutdown deadline, then aborts the rest.
+    async fn finish(&self, mut tasks: JoinSet<()>) -> u64 {
+        if tasks.is_empty() {
+            return 0;
+        }
+        let deadline = Instant::now() + self.shared.config.shutdown_timeout;
+        info!(in_flight = tasks.len(), "finishing in-flight batches");
+        loop {
+            tokio::select! {
+                next = tasks.join_next() => match next {
+                    Some(done) => report_join(done),
+                    None => return 0,
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    let aborted = tasks.len() as u64;
+                    warn!(aborted_batches = aborted, "shutdown deadline reached; releasing the batches still in flight");
+                    tasks.abort_all();
+                    while tasks.join_next().await.is_some() {}
+                    return aborted;
+                }
+            }
+        }
+    }
+}
+
+fn report_join(result: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = result {
+        if e.is_panic() {
+            error!(error = %e, "a batch task panicked; its events were released and will be published again");
+        }
+    }
+}
+
+async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphorePermit) {
+    let Batch { events, lease } = batch;
+    let cfg = &shared.config;
+    let started = Instant::now();
+    let outcomes = match tokio::time::timeout(
+        cfg.publish_timeout,
+        shared.publisher.publish(&events),
+    )
+    .await
+    {
+        Ok(outcomes) if outcomes.len() == events.len() => outcomes,
+        Ok(outcomes) => {
+            let e = Error::new(
+                ErrorKind::Unexpected,
+                format!(
+                    "publisher `{}` returned {} outcomes for {} events; every event of the batch is retried",
+                    shared.publisher.name(),
+                    outcomes.len(),
+                    events.len()
+                ),
+            )
+            .temporary();
+            vec![Err(e); events.len()]
+        }
+        Err(_) => {
+            let e = Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "publishing the batch took longer than relay.publish_timeout = {}",
+                    crate::duration::format(cfg.publish_timeout)
+                ),
+            )
+            .with_context("publisher", shared.publisher.name());
+            vec![Err(e); events.len()]
+        }
+    };
+    let publish_duration = started.elapsed();
+    let mut report = BatchReport {
+        claimed: events.len(),
+        publish_duration,
+        ..BatchReport::default()
+    };
+    let settlements = decide(
+        &events,
+        outcomes,
+        &cfg.retry,
+        cfg.ordering,
+        shared.observer.as_ref(),
+        &mut report,
+    );
+    let settle_started = Instant::now();
+    let result = lease.settle(settlements).await;
+    drop(permit);
+    report.settle_duration = settle_started.elapsed();
+    report.total_duration = started.elapsed();
+    if let Err(e) = result {
+        shared.observer.store_error("settle", &e);
+        error!(
+            error = %e,
+            events = events.len(),
+            "settling a batch failed; its events were released and will be published again"
+        );
+        report.settle_error = Some(e);
+    } else {
+        debug!(
+            claimed = report.claimed,
+            published = report.published,
+            retried = report.retried,
+            dead_lettered = report.dead_lettered,
+            released = report.released,
+            publish_ms = report.publish_duration.as_millis() as u64,
+            settle_ms = report.settle_duration.as_millis() as u64,
+            "batch settled"
+        );
+    }
+    shared.totals.add(&report);
+    shared.observer.batch_settled(&report);
+}
+
+/// Turns the publisher's outcomes into settlements, applying the retry and ordering policies.
+fn decide(
+    events: &[Event],
+    outcomes: Vec<PublishOutcome>,
+    retry: &RetryPolicy,
+    ordering: OrderingPolicy,
+    observer: &dyn RelayObserver,
+    report: &mut BatchReport,
+) -> Vec<Settlement> {
+    let mut held: HashSet<(&str, &str)> = HashSet::new();
+    let mut settlements = Vec::with_capacity(events.len());
+    for (event, outcome) in events.iter().zip(outcomes) {
+        let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+        if ordering == OrderingPolicy::PerAggregate && held.contains(&key) {
+            report.released += 1;
+            settlements.push(Settlement {
+                id: event.id,
+                action: Action::Release,
+            });
+            continue;
+        }
+        let action = match outcome {
+            Ok(()) => {
+                report.published += 1;
+                Action::Published
+            }
+            Err(err) => {
+                held.insert(key);
+                let (action, decision) = failure_action(event, &err, retry);
+                match decision {
+                    FailureDecision::DeadLetter => {
+                        report.dead_lettered += 1;
+                        error!(
+                            event_id = %event.id,
+                            event_type = %event.event_type,
+                            aggregate_id = %event.aggregate_id,
+                            attempt = event.attempt(),
+                            error = %err,
+                            "event dead-lettered"
+                        );
+                    }
+                    FailureDecision::Retry | FailureDecision::Backpressure => {
+                        report.retried += 1;
+                        warn!(
+                            event_id = %event.id,
+                            event_type = %event.event_type,
+                            aggregate_id = %event.aggregate_id,
+                            attempt = event.attempt(),
+                            error = %err,
+                            "publish failed; will retry"
+                        );
+                    }
+                }
+                observer.event_failed(event, &err, decision);
+                action
+            }
+        };
+        settlements.push(Settlement {
+            id: event.id,
+            action,
+        });
+    }
+    settlements
+}
+
+fn failure_action(event: &Event, err: &Error, retry: &RetryPolicy) -> (Action, FailureDecision) {
+    if err.kind() == ErrorKind::Backpressure && err.is_retryable() {
+        return (
+            Action::Retry {
+                attempts: event.attempts,
+                delay: retry.initial_backoff.min(Duration::from_secs(1)),
+                error: err.to_string(),
+            },
+            FailureDecision::Backpressure,
+        );
+    }
+    let attempts = event.attempt();
+    if err.is_retryable() && retry.may_retry(attempts) {
+        (
+            Action::Retry {
+                attempts,
+                delay: retry.backoff(attempts),
+                error: err.to_string(),
+            },
+            FailureDecision::Retry,
+        )
+    } else {
+        let error = if err.is_retryable() {
+            format!(
+                "gave up after {attempts} attempts: {}",
+                err.clone().persistent()
+            )
+        } else {
+            err.to_string()
+        };
+        (
+            Action::DeadLetter { attempts, error },
+            FailureDecision::DeadLetter,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Utc;
+    use std::collections::BTreeMap;
+    use uuid::Uuid;
+
+    fn event(agg: &str, attempts: u32) -> Event {
+        Event {
+            id: Uuid::now_v7(),
+            aggregate_type: "order".into(),
+            aggregate_id: agg.into(),
+            event_type: "order.created".into(),
+            payload: b"{}".to_vec(),
+            content_type: "application/json".into(),
+            headers: BTreeMap::new(),
+            destination: None,
+            created_at: Utc::now(),
+            attempts,
+        }
+    }
+
+    fn retryable() -> Error {
+        Error::new(ErrorKind::Connection, "down")
+    }
+
+    #[test]
+    fn failure_holds_back_the_rest_of_the_aggregate_only() {
+        let evs = vec![event("a", 0), event("a", 0), event("b", 0), event("a", 0)];
+        let outcomes = vec![Err(retryable()), Ok(()), Ok(()), Ok(())];
+        let mut report = BatchReport::default();
+        let s = decide(
+            &evs,
+            outcomes,
+            &RetryPolicy::default(),
+            OrderingPolicy::PerAggregate,
+            &NoopObserver,
+            &mut report,
+        );
+        assert!(matches!(s[0].action, Action::Retry { attempts: 1, .. }));
+        assert_eq!(s[1].action, Action::Release);
+        assert_eq!(s[2].action, Action::Published);
+        assert_eq!(s[3].action, Action::Release);
+        assert_eq!(
+            (report.published, report.retried, report.released),
+            (1, 1, 2)
+        );
+    }
+
+    #[test]
+    fn unordered_settles_each_outcome_on_its_own() {
+        let evs = vec![event("a", 0), event("a", 0)];
+        let outcomes = vec![Err(retryable()), Ok(())];
+        let mut report = BatchReport::default();
+        let s = decide(
+            &evs,
+            outcomes,
+            &RetryPolicy::default(),
+            OrderingPolicy::Unordered,
+            &NoopObserver,
+            &mut report,
+        );
+        assert!(matches!(s[0].action, Action::Retry { .. }));
+        assert_eq!(s[1].action, Action::Published);
+    }
+
+    #[test]
+    fn permanent_and_exhausted_errors_dead_letter() {
+        let policy = RetryPolicy {
+            max_attempts: 3,
+            ..RetryPolicy::default()
+        };
+        let permanent = Error::new(ErrorKind::PayloadTooLarge, "too big");
+        let (a, d) = failure_action(&event("a", 0), &permanent, &policy);
+        assert_eq!(d, FailureDecision::DeadLetter);
+        assert_eq!(
+            a,
+            Action::DeadLetter {
+                attempts: 1,
+                error: permanent.to_string()
+            }
+        );
+        let (a, d) = failure_action(&event("a", 2), &retryable(), &policy);
+        assert_eq!(d, FailureDecision::DeadLetter);
+        match a {
+            Action::DeadLetter { attempts, error } => {
+                assert_eq!(attempts, 3);
+                assert!(
+                    error.starts_with("gave up after 3 attempts: connection (persistent)"),
+                    "{error}"
+                );
+            }
+            other => panic!("expected a dead letter, got {other:?}"),
+        }
+        let (a, _) = failure_action(&event("a", 1), &retryable(), &policy);
+        assert!(matches!(a, Action::Retry { attempts: 2, .. }));
+    }
+
+    #[test]
+    fn backpressure_does_not_count_an_attempt() {
+        let e = Error::new(ErrorKind::Backpressure, "queue full");
+        let (a, d) = failure_action(&event("a", 4), &e, &RetryPolicy::default());
+        assert_eq!(d, FailureDecision::Backpressure);
+        assert!(matches!(a, Action::Retry { attempts: 4, .. }));
+    }
+
+    #[test]
+    fn config_validation_names_keys() {
+        let c = RelayConfig {
+            batch_size: 0,
+            ..RelayConfig::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .message()
+            .contains("relay.batch_size"));
+        let c = RelayConfig {
+            min_poll_interval: Duration::from_secs(5),
+            poll_interval: Duration::from_secs(1),
+            ..RelayConfig::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .message()
+            .contains("relay.min_poll_interval"));
+        RelayConfig::default().validate().unwrap();
+    }
+}

@@ -1,0 +1,478 @@
+//! Relay engine tests over the in-memory store and scripted publishers, on tokio's paused clock.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::testkit::{sample_event, Behavior, EventStatus, MemoryStore, ScriptedPublisher};
+use crate::{
+    CancellationToken, Error, ErrorKind, Event, OrderingPolicy, PublishOutcome, Publisher, Relay,
+    RelayConfig, RetryPolicy,
+};
+
+fn config() -> RelayConfig {
+    RelayConfig {
+        batch_size: 10,
+        retry: RetryPolicy {
+            max_attempts: 3,
+            initial_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(10),
+            multiplier: 2.0,
+            jitter: 0.0,
+        },
+        ..RelayConfig::default()
+    }
+}
+
+fn fill(store: &MemoryStore, aggregates: usize, per: usize) -> Vec<Uuid> {
+    let mut events = Vec::new();
+    for n in 0..per {
+        for a in 0..aggregates {
+            events.push(sample_event(&format!("a{a}"), n));
+        }
+    }
+    store.push(events).unwrap()
+}
+
+/// Asserts that, per aggregate, the delivered events keep insertion order (duplicates allowed only
+/// as re-deliveries of a suffix) and that every written id was delivered.
+fn assert_complete_and_ordered(written: &[Uuid], delivered: &[Event]) {
+    let pos: HashMap<Uuid, usize> = written.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    for e in delivered {
+        let i = pos[&e.id];
+        if let Some(prev) = last.insert(e.aggregate_id.as_str(), i) {
+            assert!(
+                prev < i,
+                "aggregate {}: event #{i} delivered after #{prev}",
+                e.aggregate_id
+            );
+        }
+    }
+    for id in written {
+        assert!(
+            delivered.iter().any(|e| e.id == *id),
+            "event {id} never delivered"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn drains_everything_in_aggregate_order() {
+    let store = MemoryStore::new();
+    let written = fill(&store, 7, 9);
+    let publisher = ScriptedPublisher::new();
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap();
+    let summary = relay.drain().await;
+    assert_eq!(summary.published, 63);
+    assert_eq!(store.pending(), 0);
+    let delivered = publisher.delivered();
+    assert_eq!(
+        delivered.len(),
+        63,
+        "each event exactly once when nothing fails"
+    );
+    assert_complete_and_ordered(&written, &delivered);
+    assert!(publisher.calls() >= 7, "batches of at most 10 events");
+}
+
+#[tokio::test(start_paused = true)]
+async fn retryable_failure_holds_back_only_its_aggregate() {
+    let store = MemoryStore::new();
+    let written = fill(&store, 3, 5);
+    // Event #1 of aggregate a1 (index 1*3 + 1 = 4) fails twice, then succeeds.
+    let failing = written[4];
+    let publisher = ScriptedPublisher::new();
+    publisher.on_event(failing, Behavior::FailRetryableTimes(2));
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap();
+
+    relay.drain().await;
+    let delivered = publisher.delivered();
+    let a1: Vec<&Event> = delivered
+        .iter()
+        .filter(|e| e.aggregate_id == "a1")
+        .collect();
+    assert_eq!(
+        a1.len(),
+        1,
+        "only a1's first event may pass before the failing one"
+    );
+    assert_eq!(
+        delivered.iter().filter(|e| e.aggregate_id != "a1").count(),
+        10,
+        "other aggregates are not delayed"
+    );
+    let st = store.get(failing).unwrap();
+    assert_eq!((st.status, st.attempts), (EventStatus::Pending, 1));
+    assert!(st
+        .last_error
+        .unwrap()
+        .contains("scripted retryable failure"));
+
+    tokio::time::advance(Duration::from_millis(1100)).await;
+    relay.drain().await;
+    assert_eq!(store.get(failing).unwrap().attempts, 2);
+    tokio::time::advance(Duration::from_millis(2100)).await;
+    relay.drain().await;
+    assert_eq!(store.pending(), 0);
+    let delivered = publisher.delivered();
+    assert_eq!(delivered.len(), 15);
+    assert_complete_and_ordered(&written, &delivered);
+}
+
+#[tokio::test(start_paused = true)]
+async fn exhausted_attempts_dead_letter_with_last_error() {
+    let store = MemoryStore::new();
+    let written = fill(&store, 2, 3);
+    let publisher = ScriptedPublisher::new();
+    publisher.on_event(written[0], Behavior::FailRetryable);
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap();
+    for _ in 0..5 {
+        relay.drain().await;
+        tokio::time::advance(Duration::from_secs(11)).await;
+    }
+    assert_eq!(store.dead_letters(), vec![written[0]]);
+    let st = store.get(written[0]).unwrap();
+    assert_eq!(st.attempts, 3);
+    let err = st.last_error.unwrap();
+    assert!(
+        err.starts_with("gave up after 3 attempts: connection (persistent)"),
+        "{err}"
+    );
+    assert_eq!(publisher.tries(written[0]), 3);
+    // a0's later events are held back behind the dead letter; a1 is complete.
+    assert_eq!(store.pending(), 2);
+    assert_eq!(
+        publisher
+            .delivered()
+            .iter()
+            .filter(|e| e.aggregate_id == "a1")
+            .count(),
+        3
+    );
+    // An operator retries the dead letter once the broker is fixed: everything flows, in order.
+    publisher.clear_rules();
+    store.retry_dead_letters();
+    relay.drain().await;
+    assert_eq!(store.pending(), 0);
+    assert_complete_and_ordered(&written, &publisher.delivered());
+}
+
+#[tokio::test(start_paused = true)]
+async fn permanent_failure_dead_letters_at_once() {
+    let store = MemoryStore::new();
+    let written = fill(&store, 4, 2);
+    let publisher = ScriptedPublisher::new();
+    publisher.on_aggregate("a2", Behavior::FailPermanent);
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap();
+    let summary = relay.drain().await;
+    assert_eq!(summary.dead_lettered, 1);
+    assert_eq!(store.dead_letters(), vec![written[2]]);
+    assert_eq!(store.get(written[2]).unwrap().attempts, 1);
+    assert_eq!(
+        publisher.delivered().len(),
+        6,
+        "the other three aggregates are complete"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn unordered_mode_does_not_hold_back() {
+    let store = MemoryStore::new();
+    let written = fill(&store, 1, 4);
+    let publisher = ScriptedPublisher::new();
+    publisher.on_event(written[0], Behavior::FailRetryable);
+    publisher.set_fencing(false);
+    let cfg = RelayConfig {
+        ordering: OrderingPolicy::Unordered,
+        ..config()
+    };
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap();
+    relay.drain().await;
+    assert_eq!(
+        publisher.delivered().len(),
+        3,
+        "later events of the aggregate pass in unordered mode"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn backpressure_does_not_count_attempts() {
+    let store = MemoryStore::new();
+    let written = fill(&store, 1, 1);
+    let publisher = ScriptedPublisher::new();
+    publisher.on_event(written[0], Behavior::Backpressure);
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap();
+    for _ in 0..5 {
+        relay.drain().await;
+        tokio::time::advance(Duration::from_secs(2)).await;
+    }
+    let st = store.get(written[0]).unwrap();
+    assert_eq!((st.status, st.attempts), (EventStatus::Pending, 0));
+    assert!(publisher.tries(written[0]) >= 5);
+    publisher.clear_rules();
+    relay.drain().await;
+    assert_eq!(store.pending(), 0);
+}
+
+struct WrongCount;
+
+#[async_trait]
+impl Publisher for WrongCount {
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        vec![Ok(()); events.len().saturating_sub(1)]
+    }
+    async fn check(&self) -> Result<(), Error> {
+        Ok(())
+    }
+    fn name(&self) -> &str {
+        "wrong-count"
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_publisher_returning_the_wrong_number_of_outcomes_loses_nothing() {
+    let store = MemoryStore::new();
+    let written = fill(&store, 2, 2);
+    let relay = Relay::new(Arc::new(store.clone()), Arc::new(WrongCount), config()).unwrap();
+    let summary = relay.drain().await;
+    assert_eq!(summary.published, 0);
+    assert_eq!(store.pending(), 4);
+    let st = store.get(written[0]).unwrap();
+    assert_eq!(st.attempts, 1);
+    assert!(st
+        .last_error
+        .unwrap()
+        .contains("returned 3 outcomes for 4 events"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn slow_publish_times_out_as_retryable() {
+    let store = MemoryStore::new();
+    let written = fill(&store, 1, 1);
+    let publisher = ScriptedPublisher::new();
+    publisher.set_latency(Duration::from_secs(60));
+    let cfg = RelayConfig {
+        publish_timeout: Duration::from_secs(5),
+        ..config()
+    };
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap();
+    relay.drain().await;
+    let st = store.get(written[0]).unwrap();
+    assert_eq!((st.status, st.attempts), (EventStatus::Pending, 1));
+    assert!(st.last_error.unwrap().starts_with("timeout (temporary)"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn wake_ends_the_idle_pause() {
+    let store = MemoryStore::new();
+    let publisher = ScriptedPublisher::new();
+    let cfg = RelayConfig {
+        poll_interval: Duration::from_secs(3600),
+        min_poll_interval: Duration::from_secs(3600),
+        ..config()
+    };
+    let relay = Arc::new(Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap());
+    let wake = relay.wake_handle();
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (r, s) = (relay.clone(), shutdown.clone());
+        tokio::spawn(async move { r.run(s).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await; // the relay is now in its one-hour pause
+    let started = Instant::now();
+    fill(&store, 1, 1);
+    wake.wake();
+    while publisher.delivered().is_empty() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "woken relay must not wait for the poll interval: {:?}",
+        started.elapsed()
+    );
+    shutdown.cancel();
+    let summary = task.await.unwrap();
+    assert_eq!(summary.published, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_polling_backs_off_to_the_poll_interval() {
+    #[derive(Clone)]
+    struct Counting(MemoryStore, Arc<AtomicUsize>);
+    #[async_trait]
+    impl crate::Store for Counting {
+        async fn claim(&self, r: crate::ClaimRequest) -> Result<crate::Batch, Error> {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            self.0.claim(r).await
+        }
+        async fn stats(&self) -> Result<crate::StoreStats, Error> {
+            self.0.stats().await
+        }
+        async fn check(&self) -> Result<(), Error> {
+            Ok(())
+        }
+    }
+    let claims = Arc::new(AtomicUsize::new(0));
+    let store = Counting(MemoryStore::new(), claims.clone());
+    let cfg = RelayConfig {
+        poll_interval: Duration::from_secs(1),
+        min_poll_interval: Duration::from_millis(10),
+        ..config()
+    };
+    let relay = Arc::new(Relay::new(Arc::new(store), ScriptedPublisher::new(), cfg).unwrap());
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (r, s) = (relay.clone(), shutdown.clone());
+        tokio::spawn(async move { r.run(s).await })
+    };
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    shutdown.cancel();
+    task.await.unwrap();
+    let n = claims.load(Ordering::SeqCst);
+    // 10ms, 20ms, ... 640ms, then 1 s pauses: about 8 + 59 claims in a minute, never 6,000.
+    assert!(
+        (50..=80).contains(&n),
+        "idle relay claimed {n} times in 60 s"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_lets_in_flight_batches_finish_before_the_deadline() {
+    let store = MemoryStore::new();
+    fill(&store, 5, 1);
+    let publisher = ScriptedPublisher::new();
+    publisher.set_latency(Duration::from_secs(10));
+    let cfg = RelayConfig {
+        shutdown_timeout: Duration::from_secs(30),
+        ..config()
+    };
+    let relay = Arc::new(Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap());
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (r, s) = (relay.clone(), shutdown.clone());
+        tokio::spawn(async move { r.run(s).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(store.leased(), 5, "the batch is in flight");
+    shutdown.cancel();
+    let summary = task.await.unwrap();
+    assert_eq!(summary.published, 5);
+    assert_eq!(summary.aborted_batches, 0);
+    assert_eq!(store.pending(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_deadline_releases_what_is_still_in_flight() {
+    let store = MemoryStore::new();
+    fill(&store, 5, 1);
+    let publisher = ScriptedPublisher::new();
+    publisher.set_latency(Duration::from_secs(600));
+    let cfg = RelayConfig {
+        shutdown_timeout: Duration::from_secs(3),
+        publish_timeout: Duration::from_secs(3600),
+        ..config()
+    };
+    let relay = Arc::new(Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap());
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (r, s) = (relay.clone(), shutdown.clone());
+        tokio::spawn(async move { r.run(s).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let asked = Instant::now();
+    shutdown.cancel();
+    let summary = task.await.unwrap();
+    assert!(
+        asked.elapsed() <= Duration::from_secs(4),
+        "stopped after {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(summary.aborted_batches, 1);
+    assert_eq!(store.leased(), 0, "aborted batches release their events");
+    assert_eq!(store.pending(), 5, "nothing lost");
+    let st = store.get(
+        store
+            .dead_letters()
+            .first()
+            .copied()
+            .unwrap_or_else(Uuid::nil),
+    );
+    assert!(st.is_none());
+}
+
+struct Concurrency {
+    now: AtomicUsize,
+    max: AtomicUsize,
+    seen: std::sync::Mutex<Vec<Vec<String>>>,
+}
+
+#[async_trait]
+impl Publisher for Concurrency {
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max.fetch_max(n, Ordering::SeqCst);
+        self.seen
+            .lock()
+            .unwrap()
+            .push(events.iter().map(|e| e.aggregate_id.clone()).collect());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        self.now.fetch_sub(1, Ordering::SeqCst);
+        vec![Ok(()); events.len()]
+    }
+    async fn check(&self) -> Result<(), Error> {
+        Ok(())
+    }
+    fn name(&self) -> &str {
+        "concurrency"
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn batches_are_pipelined_without_sharing_an_aggregate() {
+    let store = MemoryStore::new();
+    fill(&store, 40, 3);
+    let publisher = Arc::new(Concurrency {
+        now: AtomicUsize::new(0),
+        max: AtomicUsize::new(0),
+        seen: std::sync::Mutex::new(Vec::new()),
+    });
+    let cfg = RelayConfig {
+        max_in_flight: 3,
+        ..config()
+    };
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap();
+    let summary = relay.drain().await;
+    assert_eq!(summary.published, 120);
+    assert_eq!(
+        publisher.max.load(Ordering::SeqCst),
+        3,
+        "three batches in flight at once"
+    );
+    let _ = ErrorKind::Unexpected;
+}
+
+struct MemoryFixture;
+
+#[async_trait]
+impl crate::testkit::StoreFixture for MemoryFixture {
+    async fn store(&self) -> Arc<dyn crate::testkit::TestStore> {
+        Arc::new(MemoryStore::new())
+    }
+}
+
+#[tokio::test]
+async fn memory_store_passes_the_store_conformance_suite() {
+    crate::testkit::store_suite::run_all(&MemoryFixture).await;
+}
+
+#[tokio::test]
+async fn scripted_publisher_passes_the_publisher_conformance_suite() {
+    crate::testkit::publisher_suite::run_all(&ScriptedPublisher::new()).await;
+}
