@@ -1,1 +1,52 @@
-//! placeholder
+#![doc = include_str!("../README.md")]
+
+mod config;
+mod error;
+pub mod migrate;
+mod store;
+#[cfg(feature = "test-utils")]
+pub mod testing;
+mod writer;
+
+pub use config::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
+pub use error::{classify_sqlstate, map_sqlx};
+pub use migrate::{migrate, schema_sql};
+pub use store::{DeadLetter, DeadLetterFilter, PostgresStore, Retention};
+pub use writer::Writer;
+
+/// Re-exported so users need not depend on sqlx versions by hand.
+pub use sqlx;
+
+/// Opens a connection pool to `url` with at most `max_connections` connections.
+///
+/// # Errors
+/// A connection error naming the host (the password is never shown) and how to fix it.
+pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, outbox_core::Error> {
+    use sqlx::postgres::PgPoolOptions;
+    let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| {
+        outbox_core::Error::new(
+            outbox_core::ErrorKind::Config,
+            "database.url is not a valid PostgreSQL URL: expected postgres://user[:password]@host[:port]/database",
+        )
+        .with_source(e)
+    })?;
+    let where_ = format!(
+        "{}:{}/{}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("")
+    );
+    PgPoolOptions::new()
+        .max_connections(max_connections.max(1))
+        .acquire_timeout(std::time::Duration::from_secs(10))
+        .connect_with(options)
+        .await
+        .map_err(|e| {
+            let base = map_sqlx("connect", e);
+            outbox_core::Error::new(
+                base.kind(),
+                format!("cannot connect to PostgreSQL at {where_}: is the server running and the database created?"),
+            )
+            .with_source(base)
+        })
+}

@@ -1,0 +1,191 @@
+//! Schema migrations.
+//!
+//! The SQL lives in `outbox-postgres/migrations/` as plain files written for the default names
+//! (`outbox_events` in the search path), so users of other migration tools can apply them as they
+//! are. They are embedded with `sqlx::migrate!`; [`migrate`] renders them for the configured schema
+//! and table and applies the ones not yet applied, recording them in `<table>_migrations` next to the
+//! outbox table (not in `_sqlx_migrations`, so the application's own sqlx migrations are untouched).
+
+use sqlx::migrate::Migrator;
+use sqlx::{Executor, PgPool};
+
+use outbox_core::{Error, ErrorKind};
+
+use crate::config::OutboxTable;
+use crate::error::map_sqlx;
+
+/// The embedded migrations, as written for the default names.
+pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// One migration rendered for a table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedMigration {
+    /// Version (from the file name).
+    pub version: i64,
+    /// Description (from the file name).
+    pub description: String,
+    /// The SQL, with names replaced by the configured ones.
+    pub sql: String,
+}
+
+/// Replaces the default names in `sql` with the table's names: `outbox_events` becomes the qualified
+/// table, `outbox_dead_letters` the qualified view, and `outbox_events_<suffix>` (index names) becomes
+/// `<table>_<suffix>`.
+pub fn render_sql(sql: &str, table: &OutboxTable) -> String {
+    let mut out = String::with_capacity(sql.len() + 64);
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if word == "outbox_events" {
+            out.push_str(&table.qualified());
+        } else if word == "outbox_dead_letters" {
+            out.push_str(&format!(
+                "\"{}\".\"{}\"",
+                table.schema(),
+                table.dead_letters_view()
+            ));
+        } else if let Some(rest) = word.strip_prefix("outbox_events_") {
+            out.push_str(&format!("\"{}_{rest}\"", table.table()));
+        } else {
+            out.push_str(word);
+        }
+        word.clear();
+    };
+    for c in sql.chars() {
+        if c.is_ascii_alphanumeric() || c == '_' {
+            word.push(c);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
+/// Every embedded migration, rendered for `table`, in version order.
+pub fn rendered(table: &OutboxTable) -> Vec<RenderedMigration> {
+    MIGRATOR
+        .iter()
+        .map(|m| RenderedMigration {
+            version: m.version,
+            description: m.description.to_string(),
+            sql: render_sql(&m.sql, table),
+        })
+        .collect()
+}
+
+/// The whole schema as one SQL script for `table` (what `outbox migrate --print` shows).
+pub fn schema_sql(table: &OutboxTable) -> String {
+    let mut s = format!("CREATE SCHEMA IF NOT EXISTS \"{}\";\n\n", table.schema());
+    for m in rendered(table) {
+        s.push_str(&format!("-- migration {} {}\n", m.version, m.description));
+        s.push_str(m.sql.trim_end());
+        s.push_str("\n\n");
+    }
+    s
+}
+
+fn checksum(sql: &str) -> String {
+    // FNV-1a 64: stable, dependency-free; detects edits of an applied migration.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in sql.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Applies the migrations not yet applied to `table`, in one transaction, and returns their versions.
+///
+/// Idempotent and safe to run from several processes at once (an advisory lock serialises them).
+///
+/// # Errors
+/// A database error, or [`ErrorKind::Config`] when an applied migration differs from the embedded one.
+pub async fn migrate(pool: &PgPool, table: &OutboxTable) -> Result<Vec<i64>, Error> {
+    let mut tx = pool.begin().await.map_err(|e| map_sqlx("migrate", e))?;
+    let lock_key = format!("outbox-migrate:{}", table.qualified());
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(&lock_key)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| map_sqlx("migrate", e))?;
+    let bookkeeping = table.qualified_derived("migrations");
+    let setup = format!(
+        "CREATE SCHEMA IF NOT EXISTS \"{}\";
+         CREATE TABLE IF NOT EXISTS {bookkeeping} (
+             version bigint PRIMARY KEY,
+             description text NOT NULL,
+             checksum text NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         );",
+        table.schema()
+    );
+    (&mut *tx)
+        .execute(sqlx::raw_sql(&setup))
+        .await
+        .map_err(|e| map_sqlx("migrate", e))?;
+    let applied: Vec<(i64, String)> =
+        sqlx::query_as(&format!("SELECT version, checksum FROM {bookkeeping}"))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| map_sqlx("migrate", e))?;
+    let mut done = Vec::new();
+    for m in rendered(table) {
+        let sum = checksum(&m.sql);
+        if let Some((_, old)) = applied.iter().find(|(v, _)| *v == m.version) {
+            if *old != sum {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    format!(
+                        "migration {} ({}) of {} was applied with different SQL: restore the original migration file or fix {bookkeeping} by hand",
+                        m.version,
+                        m.description,
+                        table.qualified()
+                    ),
+                ));
+            }
+            continue;
+        }
+        (&mut *tx)
+            .execute(sqlx::raw_sql(&m.sql))
+            .await
+            .map_err(|e| map_sqlx("migrate", e).with_context("migration", m.version))?;
+        sqlx::query(&format!(
+            "INSERT INTO {bookkeeping} (version, description, checksum) VALUES ($1, $2, $3)"
+        ))
+        .bind(m.version)
+        .bind(&m.description)
+        .bind(&sum)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| map_sqlx("migrate", e))?;
+        done.push(m.version);
+    }
+    tx.commit().await.map_err(|e| map_sqlx("migrate", e))?;
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_names() {
+        let t = OutboxTable::new("billing", "events").unwrap();
+        let sql = "CREATE INDEX outbox_events_pending_idx ON outbox_events (seq);\nDROP VIEW IF EXISTS outbox_dead_letters;\nSELECT my_outbox_events_x FROM outbox_events;";
+        assert_eq!(
+            render_sql(sql, &t),
+            "CREATE INDEX \"events_pending_idx\" ON \"billing\".\"events\" (seq);\nDROP VIEW IF EXISTS \"billing\".\"events_dead_letters\";\nSELECT my_outbox_events_x FROM \"billing\".\"events\";"
+        );
+    }
+
+    #[test]
+    fn embedded_migrations_render_for_the_default_table() {
+        let all = rendered(&OutboxTable::default());
+        assert!(!all.is_empty());
+        assert!(all[0]
+            .sql
+            .contains("CREATE TABLE IF NOT EXISTS \"public\".\"outbox_events\""));
+        assert!(schema_sql(&OutboxTable::default()).contains("\"public\".\"outbox_dead_letters\""));
+    }
+}

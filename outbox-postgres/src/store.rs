@@ -1,0 +1,571 @@
+//! The relay's store: claim with `FOR UPDATE SKIP LOCKED`, settle a batch in one statement.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use outbox_core::{
+    Action, Batch, ClaimRequest, Error, ErrorKind, Event, EventTypeStats, Lease, OrderingPolicy,
+    Settlement, Store, StoreStats,
+};
+
+use crate::config::OutboxTable;
+use crate::error::map_sqlx;
+
+/// What happens to a row once its event is published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Retention {
+    /// Delete it in the settling statement (the default: cheapest, keeps the table small).
+    #[default]
+    Delete,
+    /// Keep it with `processed_at` set; remove it later with [`PostgresStore::cleanup`].
+    Keep,
+}
+
+struct Sql {
+    claim_ordered: String,
+    claim_unordered: String,
+    settle: String,
+}
+
+const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
+    CASE WHEN e.payload_bytes IS NOT NULL THEN e.payload_bytes ELSE convert_to(e.payload::text, 'UTF8') END AS payload,
+    e.content_type, e.headers::text AS headers, e.destination, e.created_at, e.attempts";
+
+const READY: &str = "e.processed_at IS NULL AND e.dead_lettered_at IS NULL
+      AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())";
+
+impl Sql {
+    fn new(table: &OutboxTable, retention: Retention) -> Self {
+        let t = table.qualified();
+        // A head is the oldest unprocessed row of its aggregate (an earlier pending, backing-off,
+        // claimed or dead-lettered row makes it not a head). Locking the heads with SKIP LOCKED gives
+        // this relay the aggregates' runs for the life of its transaction; other relays skip the
+        // locked heads and cannot see the runs' later rows as heads.
+        let claim_ordered = format!(
+            "WITH heads AS MATERIALIZED (
+                SELECT e.seq, e.aggregate_type, e.aggregate_id
+                FROM {t} e
+                WHERE {READY}
+                  AND NOT EXISTS (
+                      SELECT 1 FROM {t} p
+                      WHERE p.aggregate_type = e.aggregate_type
+                        AND p.aggregate_id = e.aggregate_id
+                        AND p.processed_at IS NULL
+                        AND p.seq < e.seq)
+                ORDER BY e.seq
+                LIMIT $1
+                FOR UPDATE SKIP LOCKED
+            )
+            SELECT {EVENT_COLUMNS}
+            FROM heads h
+            JOIN {t} e ON e.aggregate_type = h.aggregate_type
+                      AND e.aggregate_id = h.aggregate_id
+                      AND e.seq >= h.seq
+            WHERE {READY}
+            ORDER BY e.seq
+            LIMIT $1
+            FOR UPDATE OF e SKIP LOCKED"
+        );
+        let claim_unordered = format!(
+            "SELECT {EVENT_COLUMNS}
+            FROM {t} e
+            WHERE {READY}
+            ORDER BY e.seq
+            LIMIT $1
+            FOR UPDATE SKIP LOCKED"
+        );
+        let published = match retention {
+            Retention::Delete => format!("DELETE FROM {t} WHERE id = ANY($1::uuid[])"),
+            Retention::Keep => format!(
+                "UPDATE {t} SET processed_at = now(), retry_after = NULL WHERE id = ANY($1::uuid[])"
+            ),
+        };
+        let settle = format!(
+            "WITH published AS ({published}),
+            retried AS (
+                UPDATE {t} o
+                SET attempts = u.attempts,
+                    retry_after = clock_timestamp() + u.delay_ms * interval '1 millisecond',
+                    last_error = u.error
+                FROM UNNEST($2::uuid[], $3::int[], $4::bigint[], $5::text[]) AS u(id, attempts, delay_ms, error)
+                WHERE o.id = u.id
+            ),
+            dead AS (
+                UPDATE {t} o
+                SET attempts = u.attempts, last_error = u.error, dead_lettered_at = now(), retry_after = NULL
+                FROM UNNEST($6::uuid[], $7::int[], $8::text[]) AS u(id, attempts, error)
+                WHERE o.id = u.id
+            )
+            SELECT 1"
+        );
+        Sql {
+            claim_ordered,
+            claim_unordered,
+            settle,
+        }
+    }
+}
+
+/// The PostgreSQL implementation of [`Store`], plus the operator's tools (dead letters, cleanup).
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    table: OutboxTable,
+    retention: Retention,
+    sql: Arc<Sql>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.table.qualified())
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+fn decode_event(row: &PgRow) -> Result<Event, Error> {
+    let get = |e: sqlx::Error| map_sqlx("claim", e);
+    let headers_text: String = row.try_get("headers").map_err(get)?;
+    let headers = parse_headers(&headers_text);
+    let attempts: i32 = row.try_get("attempts").map_err(get)?;
+    Ok(Event {
+        id: row.try_get("id").map_err(get)?,
+        aggregate_type: row.try_get("aggregate_type").map_err(get)?,
+        aggregate_id: row.try_get("aggregate_id").map_err(get)?,
+        event_type: row.try_get("event_type").map_err(get)?,
+        payload: row.try_get("payload").map_err(get)?,
+        content_type: row.try_get("content_type").map_err(get)?,
+        headers,
+        destination: row.try_get("destination").map_err(get)?,
+        created_at: row.try_get("created_at").map_err(get)?,
+        attempts: u32::try_from(attempts).unwrap_or(0),
+    })
+}
+
+/// Headers as stored: a JSON object. Non-string values (from plain-SQL writers) keep their JSON text;
+/// anything that is not an object yields no headers rather than a failure.
+fn parse_headers(text: &str) -> BTreeMap<String, String> {
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+impl PostgresStore {
+    /// A store over `table` (migrate it first with [`crate::migrate`]). Published rows are deleted.
+    pub fn new(pool: PgPool, table: OutboxTable) -> Self {
+        Self::with_retention(pool, table, Retention::Delete)
+    }
+
+    /// A store with the given retention of published rows.
+    pub fn with_retention(pool: PgPool, table: OutboxTable, retention: Retention) -> Self {
+        let sql = Arc::new(Sql::new(&table, retention));
+        PostgresStore {
+            pool,
+            table,
+            retention,
+            sql,
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table.
+    pub fn table(&self) -> &OutboxTable {
+        &self.table
+    }
+
+    /// The retention in force.
+    pub fn retention(&self) -> Retention {
+        self.retention
+    }
+
+    /// Applies the schema migrations to this store's table (see [`crate::migrate`]).
+    ///
+    /// # Errors
+    /// As [`crate::migrate`].
+    pub async fn migrate(&self) -> Result<Vec<i64>, Error> {
+        crate::migrate::migrate(&self.pool, &self.table).await
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error> {
+        let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
+        let sql = match request.ordering {
+            OrderingPolicy::PerAggregate => &self.sql.claim_ordered,
+            OrderingPolicy::Unordered => &self.sql.claim_unordered,
+        };
+        let mut tx = self.pool.begin().await.map_err(|e| map_sqlx("claim", e))?;
+        let rows = sqlx::query(sql)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| map_sqlx("claim", e))?;
+        if rows.is_empty() {
+            tx.rollback().await.map_err(|e| map_sqlx("claim", e))?;
+            return Ok(Batch {
+                events: Vec::new(),
+                lease: Box::new(EmptyLease),
+            });
+        }
+        let events = rows
+            .iter()
+            .map(decode_event)
+            .collect::<Result<Vec<_>, _>>()?;
+        let ids = events.iter().map(|e| e.id).collect();
+        Ok(Batch {
+            events,
+            lease: Box::new(PgLease {
+                tx,
+                ids,
+                sql: self.sql.clone(),
+            }),
+        })
+    }
+
+    async fn stats(&self) -> Result<StoreStats, Error> {
+        let sql = format!(
+            "SELECT event_type,
+                    count(*) FILTER (WHERE dead_lettered_at IS NULL) AS pending,
+                    count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) AS dead,
+                    EXTRACT(EPOCH FROM (now() - min(created_at) FILTER (WHERE dead_lettered_at IS NULL)))::float8 AS oldest
+             FROM {} WHERE processed_at IS NULL
+             GROUP BY event_type ORDER BY event_type",
+            self.table.qualified()
+        );
+        let rows = sqlx::query(&sql)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| map_sqlx("stats", e))?;
+        let mut stats = StoreStats::default();
+        for r in rows {
+            let get = |e: sqlx::Error| map_sqlx("stats", e);
+            let pending: i64 = r.try_get("pending").map_err(get)?;
+            let dead: i64 = r.try_get("dead").map_err(get)?;
+            let oldest: Option<f64> = r.try_get("oldest").map_err(get)?;
+            let t = EventTypeStats {
+                event_type: r.try_get("event_type").map_err(get)?,
+                pending: pending.max(0) as u64,
+                dead_letters: dead.max(0) as u64,
+                oldest_pending_age_seconds: oldest.map(|o| o.max(0.0)),
+            };
+            stats.pending += t.pending;
+            stats.dead_letters += t.dead_letters;
+            if let Some(o) = t.oldest_pending_age_seconds {
+                stats.oldest_pending_age_seconds =
+                    Some(stats.oldest_pending_age_seconds.unwrap_or(0.0).max(o));
+            }
+            stats.by_event_type.push(t);
+        }
+        Ok(stats)
+    }
+
+    async fn check(&self) -> Result<(), Error> {
+        sqlx::query(&format!("SELECT 1 FROM {} LIMIT 0", self.table.qualified()))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| map_sqlx("check", e))?;
+        Ok(())
+    }
+}
+
+struct EmptyLease;
+
+#[async_trait]
+impl Lease for EmptyLease {
+    async fn settle(self: Box<Self>, _settlements: Vec<Settlement>) -> Result<(), Error> {
+        Ok(())
+    }
+    async fn release(self: Box<Self>) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// A claimed batch: the claiming transaction holds the row locks until it commits or rolls back
+/// (including when the connection drops or the process dies).
+struct PgLease {
+    tx: Transaction<'static, Postgres>,
+    ids: Vec<Uuid>,
+    sql: Arc<Sql>,
+}
+
+#[async_trait]
+impl Lease for PgLease {
+    async fn settle(self: Box<Self>, settlements: Vec<Settlement>) -> Result<(), Error> {
+        let PgLease { mut tx, ids, sql } = *self;
+        let mine: HashSet<Uuid> = ids.into_iter().collect();
+        let mut published = Vec::new();
+        let (mut r_ids, mut r_attempts, mut r_delay, mut r_err) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut d_ids, mut d_attempts, mut d_err) = (Vec::new(), Vec::new(), Vec::new());
+        for s in settlements {
+            if !mine.contains(&s.id) {
+                continue;
+            }
+            match s.action {
+                Action::Published => published.push(s.id),
+                Action::Retry {
+                    attempts,
+                    delay,
+                    error,
+                } => {
+                    r_ids.push(s.id);
+                    r_attempts.push(i32::try_from(attempts).unwrap_or(i32::MAX));
+                    r_delay.push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+                    r_err.push(error);
+                }
+                Action::DeadLetter { attempts, error } => {
+                    d_ids.push(s.id);
+                    d_attempts.push(i32::try_from(attempts).unwrap_or(i32::MAX));
+                    d_err.push(error);
+                }
+                Action::Release => {}
+            }
+        }
+        if published.is_empty() && r_ids.is_empty() && d_ids.is_empty() {
+            return tx.rollback().await.map_err(|e| map_sqlx("settle", e));
+        }
+        sqlx::query(&sql.settle)
+            .bind(&published)
+            .bind(&r_ids)
+            .bind(&r_attempts)
+            .bind(&r_delay)
+            .bind(&r_err)
+            .bind(&d_ids)
+            .bind(&d_attempts)
+            .bind(&d_err)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| map_sqlx("settle", e))?;
+        tx.commit().await.map_err(|e| map_sqlx("settle", e))
+    }
+
+    async fn release(self: Box<Self>) -> Result<(), Error> {
+        self.tx.rollback().await.map_err(|e| map_sqlx("release", e))
+    }
+}
+
+/// Which dead letters an operation applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadLetterFilter {
+    /// These ids.
+    Ids(Vec<Uuid>),
+    /// Every dead letter of this event type.
+    EventType(String),
+    /// Every dead letter.
+    All,
+}
+
+impl DeadLetterFilter {
+    fn clause(&self) -> &'static str {
+        match self {
+            DeadLetterFilter::Ids(_) => "id = ANY($1::uuid[])",
+            DeadLetterFilter::EventType(_) => "event_type = $1",
+            DeadLetterFilter::All => "($1::text IS NULL)",
+        }
+    }
+
+    fn bind<'q>(
+        &'q self,
+        q: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+        match self {
+            DeadLetterFilter::Ids(ids) => q.bind(ids),
+            DeadLetterFilter::EventType(t) => q.bind(t),
+            DeadLetterFilter::All => q.bind(None::<String>),
+        }
+    }
+}
+
+/// A dead-lettered event, as listed for operators.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DeadLetter {
+    /// Event id.
+    pub id: Uuid,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Attempts made.
+    pub attempts: i32,
+    /// The last error.
+    pub last_error: Option<String>,
+    /// When the event was written.
+    pub created_at: DateTime<Utc>,
+    /// When it was dead-lettered.
+    pub dead_lettered_at: Option<DateTime<Utc>>,
+}
+
+impl PostgresStore {
+    /// Lists dead letters, oldest first, at most `limit`.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        limit: i64,
+    ) -> Result<Vec<DeadLetter>, Error> {
+        let sql = format!(
+            "SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, dead_lettered_at
+             FROM {} WHERE dead_lettered_at IS NOT NULL AND processed_at IS NULL AND {}
+             ORDER BY seq LIMIT $2",
+            self.table.qualified(),
+            filter.clause()
+        );
+        let rows = filter
+            .bind(sqlx::query(&sql))
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| map_sqlx("dead_letters", e))?;
+        rows.iter()
+            .map(|r| {
+                let get = |e: sqlx::Error| map_sqlx("dead_letters", e);
+                Ok(DeadLetter {
+                    id: r.try_get("id").map_err(get)?,
+                    aggregate_type: r.try_get("aggregate_type").map_err(get)?,
+                    aggregate_id: r.try_get("aggregate_id").map_err(get)?,
+                    event_type: r.try_get("event_type").map_err(get)?,
+                    attempts: r.try_get("attempts").map_err(get)?,
+                    last_error: r.try_get("last_error").map_err(get)?,
+                    created_at: r.try_get("created_at").map_err(get)?,
+                    dead_lettered_at: r.try_get("dead_lettered_at").map_err(get)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Makes matching dead letters pending again, with attempts reset (the last error is kept), and
+    /// returns how many.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn retry_dead_letters(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
+        let sql = format!(
+            "UPDATE {} SET dead_lettered_at = NULL, attempts = 0, retry_after = NULL
+             WHERE dead_lettered_at IS NOT NULL AND processed_at IS NULL AND {}",
+            self.table.qualified(),
+            filter.clause()
+        );
+        let done = filter
+            .bind(sqlx::query(&sql))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| map_sqlx("retry_dead_letters", e))?;
+        Ok(done.rows_affected())
+    }
+
+    /// Deletes matching dead letters for good and returns how many. Under per-aggregate ordering this
+    /// lets the later events of their aggregates flow.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn discard_dead_letters(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
+        let sql = format!(
+            "DELETE FROM {} WHERE dead_lettered_at IS NOT NULL AND processed_at IS NULL AND {}",
+            self.table.qualified(),
+            filter.clause()
+        );
+        let done = filter
+            .bind(sqlx::query(&sql))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| map_sqlx("discard_dead_letters", e))?;
+        Ok(done.rows_affected())
+    }
+
+    /// Deletes processed rows older than `older_than`, `batch_size` rows per statement (each its own
+    /// short transaction, so vacuum and writers are never held up), calling `progress` with the running
+    /// total after each batch. Returns the total. Pending rows and dead letters are never touched.
+    ///
+    /// # Errors
+    /// A database error, or [`ErrorKind::Config`] for a zero batch size.
+    pub async fn cleanup(
+        &self,
+        older_than: std::time::Duration,
+        batch_size: i64,
+        mut progress: impl FnMut(u64) + Send,
+    ) -> Result<u64, Error> {
+        if batch_size <= 0 {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("cleanup batch size = {batch_size}: expected a positive number"),
+            ));
+        }
+        let t = self.table.qualified();
+        let sql = format!(
+            "DELETE FROM {t} WHERE id IN (
+                SELECT id FROM {t}
+                WHERE processed_at IS NOT NULL AND processed_at < now() - $1 * interval '1 millisecond'
+                ORDER BY processed_at LIMIT $2)"
+        );
+        let ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        let mut total = 0u64;
+        loop {
+            let n = sqlx::query(&sql)
+                .bind(ms)
+                .bind(batch_size)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| map_sqlx("cleanup", e))?
+                .rows_affected();
+            if n == 0 {
+                break;
+            }
+            total += n;
+            progress(total);
+        }
+        Ok(total)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_parse_leniently() {
+        assert_eq!(
+            parse_headers(r#"{"a":"x","n":3}"#),
+            BTreeMap::from([
+                ("a".to_string(), "x".to_string()),
+                ("n".to_string(), "3".to_string())
+            ])
+        );
+        assert!(parse_headers("[1,2]").is_empty());
+        assert!(parse_headers("not json").is_empty());
+    }
+
+    #[test]
+    fn claim_sql_locks_heads_and_honours_the_table() {
+        let t = OutboxTable::new("s", "events").unwrap();
+        let sql = Sql::new(&t, Retention::Delete);
+        assert!(sql.claim_ordered.contains("FOR UPDATE SKIP LOCKED"));
+        assert!(sql.claim_ordered.contains("\"s\".\"events\""));
+        assert!(!sql.claim_unordered.contains("NOT EXISTS"));
+        assert!(sql.settle.contains("DELETE FROM \"s\".\"events\""));
+        let keep = Sql::new(&t, Retention::Keep);
+        assert!(keep.settle.contains("SET processed_at = now()"));
+    }
+}

@@ -1,0 +1,136 @@
+//! Helpers for tests against a real PostgreSQL (feature `test-utils`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+use outbox_core::testkit::{EventState, EventStatus, StoreFixture, TestStore};
+use outbox_core::{Error, NewEvent};
+
+use crate::{connect, migrate, OutboxTable, PostgresStore, Retention, Writer};
+
+/// The default test database.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// `DATABASE_URL`, or the local default.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_string())
+}
+
+/// A pool to the test database; panics with how to start the server when it is unreachable.
+pub async fn pool(max_connections: u32) -> PgPool {
+    let url = database_url();
+    match connect(&url, max_connections).await {
+        Ok(p) => p,
+        Err(e) => panic!(
+            "PostgreSQL is required for this test and is unreachable: {e}\n\
+             Start it with `bash scripts/test-env.sh` (it runs `pg_ctlcluster --skip-systemctl-redirect <version> main start` \
+             and creates the database), or point DATABASE_URL at a running server."
+        ),
+    }
+}
+
+/// A new, migrated outbox table in a schema of its own (`outbox_t_<random>`), isolated from every
+/// other test. `scripts/test-env.sh` drops these schemas before each run.
+pub async fn fresh_table(pool: &PgPool) -> OutboxTable {
+    let schema = format!("outbox_t_{}", &Uuid::new_v4().simple().to_string()[..12]);
+    let table = OutboxTable::new(schema, "outbox_events").unwrap();
+    migrate(pool, &table).await.expect("migrate a fresh table");
+    table
+}
+
+/// A [`TestStore`] over a [`PostgresStore`]: inserts through the [`Writer`], one transaction per call.
+#[derive(Debug, Clone)]
+pub struct PgTestStore {
+    /// The store under test.
+    pub store: PostgresStore,
+    /// A writer for the same table.
+    pub writer: Writer,
+}
+
+impl PgTestStore {
+    /// Wraps `store`.
+    pub fn new(store: PostgresStore) -> Self {
+        let writer = Writer::new(store.table().clone());
+        PgTestStore { store, writer }
+    }
+}
+
+#[async_trait]
+impl outbox_core::Store for PgTestStore {
+    async fn claim(&self, r: outbox_core::ClaimRequest) -> Result<outbox_core::Batch, Error> {
+        self.store.claim(r).await
+    }
+    async fn stats(&self) -> Result<outbox_core::StoreStats, Error> {
+        self.store.stats().await
+    }
+    async fn check(&self) -> Result<(), Error> {
+        self.store.check().await
+    }
+}
+
+#[async_trait]
+impl TestStore for PgTestStore {
+    async fn insert(&self, events: Vec<NewEvent>) -> Result<(), Error> {
+        let mut tx = self
+            .store
+            .pool()
+            .begin()
+            .await
+            .map_err(|e| crate::map_sqlx("begin", e))?;
+        self.writer.enqueue_many(&mut tx, events).await?;
+        self.writer.commit(tx).await
+    }
+
+    async fn state(&self, id: Uuid) -> Result<Option<EventState>, Error> {
+        let sql = format!(
+            "SELECT attempts, last_error, processed_at IS NOT NULL AS processed, dead_lettered_at IS NOT NULL AS dead FROM {} WHERE id = $1",
+            self.store.table().qualified()
+        );
+        let row = sqlx::query(&sql)
+            .bind(id)
+            .fetch_optional(self.store.pool())
+            .await
+            .map_err(|e| crate::map_sqlx("state", e))?;
+        Ok(row.map(|r| {
+            let processed: bool = r.get("processed");
+            let dead: bool = r.get("dead");
+            let attempts: i32 = r.get("attempts");
+            EventState {
+                status: if processed {
+                    EventStatus::Processed
+                } else if dead {
+                    EventStatus::DeadLettered
+                } else {
+                    EventStatus::Pending
+                },
+                attempts: attempts as u32,
+                last_error: r.get("last_error"),
+            }
+        }))
+    }
+}
+
+/// Builds a fresh PostgreSQL outbox for each conformance check.
+#[derive(Debug, Clone)]
+pub struct PgFixture {
+    /// The pool shared by the stores.
+    pub pool: PgPool,
+    /// Retention of the stores built.
+    pub retention: Retention,
+}
+
+#[async_trait]
+impl StoreFixture for PgFixture {
+    async fn store(&self) -> Arc<dyn TestStore> {
+        let table = fresh_table(&self.pool).await;
+        Arc::new(PgTestStore::new(PostgresStore::with_retention(
+            self.pool.clone(),
+            table,
+            self.retention,
+        )))
+    }
+}

@@ -1,0 +1,146 @@
+//! The writer: enqueues events inside the caller's transaction.
+
+use std::sync::Arc;
+
+use sqlx::{Postgres, Transaction};
+use uuid::Uuid;
+
+use outbox_core::{Error, NewEvent, Payload, Wake};
+
+use crate::config::OutboxTable;
+use crate::error::map_sqlx;
+
+/// Enqueues events in the caller's transaction, so each event commits or rolls back with the business
+/// data written next to it.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_postgres::{OutboxTable, Writer};
+/// use outbox_core::NewEvent;
+///
+/// let writer = Writer::new(OutboxTable::default());
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("INSERT INTO orders (id, total) VALUES ($1, $2)").bind(42_i64).bind(99_i64).execute(&mut *tx).await?;
+/// writer.enqueue(&mut tx, NewEvent::new("order", "42", "order.created", serde_json::json!({"total": 99}))).await?;
+/// writer.commit(tx).await?; // commits, then wakes an in-process relay
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Writer {
+    insert_sql: Arc<str>,
+    wake: Option<Wake>,
+}
+
+impl Writer {
+    /// A writer for `table`.
+    pub fn new(table: OutboxTable) -> Self {
+        let insert_sql = format!(
+            "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type, headers, destination)
+             SELECT u.id, u.aggregate_type, u.aggregate_id, u.event_type, u.payload::jsonb, u.payload_bytes, u.content_type, u.headers::jsonb, u.destination
+             FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[], $7::text[], $8::text[], $9::text[])
+                  WITH ORDINALITY AS u(id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type, headers, destination, ord)
+             ORDER BY u.ord",
+            table.qualified()
+        );
+        Writer {
+            insert_sql: insert_sql.into(),
+            wake: None,
+        }
+    }
+
+    /// Wakes this relay after each [`Writer::commit`] (for a relay running in the same process).
+    pub fn with_wake(mut self, wake: Wake) -> Self {
+        self.wake = Some(wake);
+        self
+    }
+
+    /// Enqueues one event in `tx` and returns its id.
+    ///
+    /// # Errors
+    /// [`outbox_core::ErrorKind::InvalidInput`] when the event does not validate; a database error
+    /// otherwise. Either way the caller's transaction decides: roll it back and nothing was written.
+    pub async fn enqueue(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        event: NewEvent,
+    ) -> Result<Uuid, Error> {
+        let id = event.id;
+        self.enqueue_many(tx, vec![event]).await?;
+        Ok(id)
+    }
+
+    /// Enqueues many events in `tx` with one statement, in order, and returns their ids.
+    ///
+    /// # Errors
+    /// As [`Writer::enqueue`]; no event is written when one is invalid.
+    pub async fn enqueue_many(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        events: Vec<NewEvent>,
+    ) -> Result<Vec<Uuid>, Error> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = events.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut aggregate_types = Vec::with_capacity(n);
+        let mut aggregate_ids = Vec::with_capacity(n);
+        let mut event_types = Vec::with_capacity(n);
+        let mut payloads = Vec::with_capacity(n);
+        let mut payload_bytes: Vec<Option<Vec<u8>>> = Vec::with_capacity(n);
+        let mut content_types = Vec::with_capacity(n);
+        let mut headers = Vec::with_capacity(n);
+        let mut destinations = Vec::with_capacity(n);
+        for e in events {
+            e.validate()?;
+            ids.push(e.id);
+            content_types.push(e.payload.content_type().to_string());
+            match e.payload {
+                Payload::Json(v) => {
+                    payloads.push(v.to_string());
+                    payload_bytes.push(None);
+                }
+                Payload::Binary { data, .. } => {
+                    payloads.push("null".to_string());
+                    payload_bytes.push(Some(data));
+                }
+            }
+            headers.push(serde_json::to_string(&e.headers).unwrap_or_else(|_| "{}".into()));
+            aggregate_types.push(e.aggregate_type);
+            aggregate_ids.push(e.aggregate_id);
+            event_types.push(e.event_type);
+            destinations.push(e.destination);
+        }
+        sqlx::query(&self.insert_sql)
+            .bind(&ids)
+            .bind(&aggregate_types)
+            .bind(&aggregate_ids)
+            .bind(&event_types)
+            .bind(&payloads)
+            .bind(&payload_bytes)
+            .bind(&content_types)
+            .bind(&headers)
+            .bind(&destinations)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("enqueue", e))?;
+        Ok(ids)
+    }
+
+    /// Commits `tx`, then wakes the in-process relay (if one was given with [`Writer::with_wake`]).
+    ///
+    /// # Errors
+    /// A database error when the commit fails (then nothing was written).
+    pub async fn commit(&self, tx: Transaction<'_, Postgres>) -> Result<(), Error> {
+        tx.commit().await.map_err(|e| map_sqlx("commit", e))?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Wakes the in-process relay, if any.
+    pub fn wake(&self) {
+        if let Some(w) = &self.wake {
+            w.wake();
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! The PostgreSQL store against the real server: conformance suite, schema, writer, operations.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::Duration;
+
+use outbox_core::testkit::{sample_event, store_suite, EventStatus, TestStore};
+use outbox_core::{Action, ClaimRequest, NewEvent, OrderingPolicy, Settlement, Store};
+use outbox_postgres::testing::{fresh_table, pool, PgFixture, PgTestStore};
+use outbox_postgres::{migrate, DeadLetterFilter, OutboxTable, PostgresStore, Retention, Writer};
+use sqlx::Row;
+
+fn strict(limit: usize) -> ClaimRequest {
+    ClaimRequest {
+        limit,
+        ordering: OrderingPolicy::PerAggregate,
+    }
+}
+
+#[tokio::test]
+async fn conformance_with_deleted_rows() {
+    let fx = PgFixture {
+        pool: pool(16).await,
+        retention: Retention::Delete,
+    };
+    store_suite::run_all(&fx).await;
+}
+
+#[tokio::test]
+async fn conformance_with_kept_rows() {
+    let fx = PgFixture {
+        pool: pool(16).await,
+        retention: Retention::Keep,
+    };
+    store_suite::run_all(&fx).await;
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_plain_sql_inserts_work() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    assert!(
+        migrate(&pool, &table).await.unwrap().is_empty(),
+        "second run applies nothing"
+    );
+    // The classic insert, unchanged, from any language.
+    let sql = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ($1, $2, $3, $4)",
+        table.qualified()
+    );
+    sqlx::query(&sql)
+        .bind("order")
+        .bind("7")
+        .bind("order.created")
+        .bind(serde_json::json!({"total": 1}))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    let b = store.claim(strict(10)).await.unwrap();
+    assert_eq!(b.events.len(), 1);
+    let e = &b.events[0];
+    assert_eq!(
+        (e.aggregate_id.as_str(), e.event_type.as_str(), e.attempts),
+        ("7", "order.created", 0)
+    );
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&e.payload).unwrap(),
+        serde_json::json!({"total": 1})
+    );
+    assert_eq!(e.content_type, "application/json");
+    assert!(e.headers.is_empty());
+    b.lease.release().await.unwrap();
+    // The dead-letters view exists under its classic name.
+    let n: i64 = sqlx::query(&format!(
+        "SELECT count(*) AS n FROM \"{}\".outbox_dead_letters",
+        table.schema()
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+    .get("n");
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn migrate_upgrades_a_classic_table_in_place() {
+    let pool = pool(4).await;
+    let schema = format!(
+        "outbox_t_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    sqlx::raw_sql(&format!(
+        "CREATE SCHEMA {schema};
+         CREATE TABLE {schema}.outbox_events (
+            id UUID PRIMARY KEY DEFAULT gen_random_uuid(),
+            aggregate_type VARCHAR(100) NOT NULL, aggregate_id VARCHAR(100) NOT NULL,
+            event_type VARCHAR(100) NOT NULL, payload JSONB NOT NULL,
+            attempts INT NOT NULL DEFAULT 0, created_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
+            processed_at TIMESTAMPTZ);
+         CREATE INDEX idx_outbox_unprocessed ON {schema}.outbox_events (created_at) WHERE processed_at IS NULL;
+         INSERT INTO {schema}.outbox_events (aggregate_type, aggregate_id, event_type, payload)
+            VALUES ('order', '1', 'order.created', '{{}}'), ('order', '1', 'order.paid', '{{}}');"
+    )).execute(&pool).await.unwrap();
+    let table = OutboxTable::new(schema, "outbox_events").unwrap();
+    migrate(&pool, &table).await.unwrap();
+    let store = PostgresStore::new(pool.clone(), table);
+    let b = store.claim(strict(10)).await.unwrap();
+    let types: Vec<&str> = b.events.iter().map(|e| e.event_type.as_str()).collect();
+    assert_eq!(
+        types,
+        ["order.created", "order.paid"],
+        "existing rows keep their order"
+    );
+    b.lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn rolled_back_transactions_leave_no_event() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let writer = Writer::new(table.clone());
+    sqlx::query(&format!(
+        "CREATE TABLE \"{}\".orders (id bigint PRIMARY KEY)",
+        table.schema()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let orders = format!("INSERT INTO \"{}\".orders (id) VALUES ($1)", table.schema());
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&orders)
+        .bind(1_i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    writer.enqueue(&mut tx, sample_event("1", 0)).await.unwrap();
+    tx.rollback().await.unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&orders)
+        .bind(2_i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let kept = writer
+        .enqueue_many(&mut tx, vec![sample_event("2", 0), sample_event("2", 1)])
+        .await
+        .unwrap();
+    writer.commit(tx).await.unwrap();
+
+    // An invalid event fails the enqueue; the caller's transaction then writes nothing.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&orders)
+        .bind(3_i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let err = writer
+        .enqueue_many(
+            &mut tx,
+            vec![
+                sample_event("3", 0),
+                NewEvent::new("order", "", "x", serde_json::json!({})),
+            ],
+        )
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("aggregate_id"), "{err}");
+    tx.rollback().await.unwrap();
+
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    let b = store.claim(strict(10)).await.unwrap();
+    assert_eq!(b.events.iter().map(|e| e.id).collect::<Vec<_>>(), kept);
+    b.lease.release().await.unwrap();
+    let n: i64 = sqlx::query(&format!(
+        "SELECT count(*) AS n FROM \"{}\".orders",
+        table.schema()
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+    .get("n");
+    assert_eq!(n, 1);
+}
+
+#[tokio::test]
+async fn dead_letters_list_retry_discard() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let store = PostgresStore::new(pool.clone(), table);
+    let ts = PgTestStore::new(store.clone());
+    let events = vec![
+        sample_event("a", 0),
+        NewEvent::new("invoice", "i", "invoice.paid", serde_json::json!({})),
+        sample_event("c", 0),
+        sample_event("a", 1),
+    ];
+    let ids: Vec<_> = events.iter().map(|e| e.id).collect();
+    ts.insert(events).await.unwrap();
+    let b = store.claim(strict(3)).await.unwrap();
+    assert_eq!(b.events.len(), 3);
+    let dead = |id, error: &str| Settlement {
+        id,
+        action: Action::DeadLetter {
+            attempts: 2,
+            error: error.into(),
+        },
+    };
+    b.lease
+        .settle(vec![
+            dead(ids[0], "too large"),
+            dead(ids[1], "denied"),
+            dead(ids[2], "bad"),
+        ])
+        .await
+        .unwrap();
+
+    let all = store
+        .dead_letters(&DeadLetterFilter::All, 100)
+        .await
+        .unwrap();
+    assert_eq!(
+        all.iter().map(|d| d.id).collect::<Vec<_>>(),
+        ids[..3].to_vec()
+    );
+    assert_eq!(all[0].last_error.as_deref(), Some("too large"));
+    assert_eq!(all[0].attempts, 2);
+    let by_type = store
+        .dead_letters(&DeadLetterFilter::EventType("invoice.paid".into()), 100)
+        .await
+        .unwrap();
+    assert_eq!(by_type.len(), 1);
+
+    // Retry by id: the event is pending again with attempts reset; a's later event stays behind it.
+    assert_eq!(
+        store
+            .retry_dead_letters(&DeadLetterFilter::Ids(vec![ids[0]]))
+            .await
+            .unwrap(),
+        1
+    );
+    let st = ts.state(ids[0]).await.unwrap().unwrap();
+    assert_eq!((st.status, st.attempts), (EventStatus::Pending, 0));
+    assert_eq!(
+        st.last_error.as_deref(),
+        Some("too large"),
+        "the last error is kept for the record"
+    );
+    let b = store.claim(strict(10)).await.unwrap();
+    assert_eq!(
+        b.events.iter().map(|e| e.id).collect::<Vec<_>>(),
+        vec![ids[0], ids[3]]
+    );
+    b.lease.release().await.unwrap();
+
+    // Discard by type, then retry all.
+    assert_eq!(
+        store
+            .discard_dead_letters(&DeadLetterFilter::EventType("invoice.paid".into()))
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(ts.state(ids[1]).await.unwrap().is_none());
+    assert_eq!(
+        store
+            .retry_dead_letters(&DeadLetterFilter::All)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        store
+            .dead_letters(&DeadLetterFilter::All, 100)
+            .await
+            .unwrap()
+            .len(),
+        0
+    );
+    assert_eq!(
+        store
+            .discard_dead_letters(&DeadLetterFilter::All)
+            .await
+            .unwrap(),
+        0,
+        "pending events are never discarded"
+    );
+}
+
+#[tokio::test]
+async fn cleanup_removes_only_old_processed_rows() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let store = PostgresStore::with_retention(pool.clone(), table.clone(), Retention::Keep);
+    let ts = PgTestStore::new(store.clone());
+    ts.insert((0..25).map(|i| sample_event(&format!("k{i}"), 0)).collect())
+        .await
+        .unwrap();
+    let b = store.claim(strict(20)).await.unwrap();
+    let settled: Vec<_> = b
+        .events
+        .iter()
+        .map(|e| Settlement {
+            id: e.id,
+            action: Action::Published,
+        })
+        .collect();
+    b.lease.settle(settled).await.unwrap();
+    // A dead letter, and 5 pending rows.
+    let b = store.claim(strict(1)).await.unwrap();
+    let dl = b.events[0].id;
+    b.lease
+        .settle(vec![Settlement {
+            id: dl,
+            action: Action::DeadLetter {
+                attempts: 1,
+                error: "x".into(),
+            },
+        }])
+        .await
+        .unwrap();
+    // Age 15 of the 20 processed rows by an hour.
+    sqlx::query(&format!(
+        "UPDATE {t} SET processed_at = processed_at - interval '1 hour' WHERE id IN (SELECT id FROM {t} WHERE processed_at IS NOT NULL ORDER BY seq LIMIT 15)",
+        t = table.qualified()
+    )).execute(&pool).await.unwrap();
+
+    let mut progress = Vec::new();
+    let removed = store
+        .cleanup(Duration::from_secs(600), 4, |n| progress.push(n))
+        .await
+        .unwrap();
+    assert_eq!(removed, 15);
+    assert_eq!(
+        progress,
+        vec![4, 8, 12, 15],
+        "bounded batches with progress"
+    );
+    let counts = sqlx::query(&format!(
+        "SELECT count(*) FILTER (WHERE processed_at IS NOT NULL) AS processed,
+                count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) AS dead,
+                count(*) FILTER (WHERE processed_at IS NULL AND dead_lettered_at IS NULL) AS pending FROM {}",
+        table.qualified()
+    )).fetch_one(&pool).await.unwrap();
+    let (p, d, q): (i64, i64, i64) = (
+        counts.get("processed"),
+        counts.get("dead"),
+        counts.get("pending"),
+    );
+    assert_eq!((p, d, q), (5, 1, 4));
+    assert!(store
+        .cleanup(Duration::from_secs(600), 0, |_| {})
+        .await
+        .is_err());
+}
+
+#[tokio::test]
+async fn a_terminated_claiming_session_releases_its_events() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    let ts = PgTestStore::new(store.clone());
+    ts.insert(vec![sample_event("x", 0), sample_event("x", 1)])
+        .await
+        .unwrap();
+    let b = store.claim(strict(10)).await.unwrap();
+    assert_eq!(b.events.len(), 2);
+    // Kill the claiming session, as a crash or a network cut would.
+    let killed: i64 = sqlx::query(
+        "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'
+           AND query LIKE '%FOR UPDATE%' AND strpos(query, $1) > 0",
+    )
+    .bind(table.schema())
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+    .get("n");
+    assert_eq!(killed, 1, "the claiming session must be found");
+    let err = b.lease.settle(vec![]).await;
+    drop(err);
+    let again = store.claim(strict(10)).await.unwrap();
+    assert_eq!(
+        again.events.len(),
+        2,
+        "the events of the dead session are claimable at once"
+    );
+    again.lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn stats_and_check_report_missing_schema_clearly() {
+    let pool = pool(2).await;
+    let store = PostgresStore::new(
+        pool,
+        OutboxTable::new("outbox_t_missing", "nothing_here").unwrap(),
+    );
+    let err = store.check().await.unwrap_err();
+    assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
+    assert!(err.to_string().contains("run `outbox migrate`"), "{err}");
+}
