@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # The whole test suite: starts what the tests need (scripts/test-env.sh), then runs every test of the
-# workspace against the real servers. CI runs exactly this (.ci/run).
+# workspace against the real servers, and ends with one summary line. CI runs exactly this (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/test-env.sh
-cargo test --workspace --all-features --locked -- --test-threads="${TEST_THREADS:-4}"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace --all-features --locked -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee "$log" || status=$?
+passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
+failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
+if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
+echo "summary: $passed passed, $failed failed"
+exit "$status"

@@ -31,7 +31,7 @@ pub fn parse(text: &str) -> Result<Duration, String> {
         }
     };
     let secs = value * factor;
-    if !secs.is_finite() || secs < 0.0 || secs > 1e12 {
+    if !secs.is_finite() || !(0.0..=1e12).contains(&secs) {
         return Err(format!("`{text}` is out of range"));
     }
     Ok(Duration::from_secs_f64(secs))

@@ -1,1 +1,97 @@
-//! placeholder
+#![doc = include_str!("../README.md")]
+//! End-to-end and fault tests of the outbox toolkit against real servers; see `tests/*.rs`.
+//!
+//! This library holds the checker shared by the scenarios.
+
+use std::collections::HashMap;
+
+use uuid::Uuid;
+
+/// What a checker found when comparing what was committed with what the broker received.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// Events committed to the outbox.
+    pub committed: usize,
+    /// Distinct committed events received.
+    pub delivered: usize,
+    /// Extra receptions of an event already received.
+    pub duplicates: usize,
+    /// Receptions where an aggregate's event arrived after a later event of that aggregate had
+    /// arrived for the first time.
+    pub order_violations: usize,
+    /// Committed events never received.
+    pub lost: usize,
+}
+
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "committed={} delivered={} duplicates={} order_violations={} lost={}",
+            self.committed, self.delivered, self.duplicates, self.order_violations, self.lost
+        )
+    }
+}
+
+/// Compares the committed events (`(aggregate, id)` in commit order per aggregate) with the ids
+/// received, in reception order.
+///
+/// Order is checked on first receptions: the first time each event of an aggregate arrives must follow
+/// the aggregate's commit order. A re-delivery (duplicate) is counted, not judged.
+pub fn check(committed: &[(String, Uuid)], received: &[Uuid]) -> Verdict {
+    let mut position: HashMap<Uuid, (&str, usize)> = HashMap::new();
+    let mut per_aggregate: HashMap<&str, usize> = HashMap::new();
+    for (agg, id) in committed {
+        let n = per_aggregate.entry(agg.as_str()).or_insert(0);
+        position.insert(*id, (agg.as_str(), *n));
+        *n += 1;
+    }
+    let mut seen: HashMap<Uuid, usize> = HashMap::new();
+    let mut high_water: HashMap<&str, usize> = HashMap::new();
+    let mut v = Verdict {
+        committed: committed.len(),
+        ..Verdict::default()
+    };
+    for id in received {
+        let count = seen.entry(*id).or_insert(0);
+        *count += 1;
+        if *count > 1 {
+            v.duplicates += 1;
+            continue;
+        }
+        let Some((agg, n)) = position.get(id) else {
+            continue;
+        };
+        let high = high_water.entry(agg).or_insert(0);
+        if *n < *high {
+            v.order_violations += 1;
+        }
+        *high = (*high).max(n + 1);
+    }
+    v.delivered = position.keys().filter(|id| seen.contains_key(id)).count();
+    v.lost = v.committed - v.delivered;
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checker_counts_loss_duplicates_and_order() {
+        let ids: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();
+        let committed: Vec<(String, Uuid)> = vec![
+            ("a".into(), ids[0]),
+            ("a".into(), ids[1]),
+            ("b".into(), ids[2]),
+            ("a".into(), ids[3]),
+        ];
+        let ok = check(&committed, &[ids[2], ids[0], ids[1], ids[1], ids[3]]);
+        assert_eq!(
+            (ok.delivered, ok.duplicates, ok.order_violations, ok.lost),
+            (4, 1, 0, 0)
+        );
+        let bad = check(&committed, &[ids[1], ids[0], ids[2]]);
+        assert_eq!((bad.order_violations, bad.lost), (1, 1));
+    }
+}
