@@ -30,6 +30,18 @@ fn config() -> RelayConfig {
     }
 }
 
+/// Runs `relay` in a task until the returned token is cancelled.
+fn spawn(
+    relay: Relay,
+) -> (
+    tokio::task::JoinHandle<crate::RelaySummary>,
+    CancellationToken,
+) {
+    let shutdown = CancellationToken::new();
+    let s = shutdown.clone();
+    (tokio::spawn(async move { relay.run(s).await }), shutdown)
+}
+
 fn fill(store: &MemoryStore, aggregates: usize, per: usize) -> Vec<Uuid> {
     let mut events = Vec::new();
     for n in 0..per {
@@ -278,13 +290,9 @@ async fn wake_ends_the_idle_pause() {
         min_poll_interval: Duration::from_secs(3600),
         ..config()
     };
-    let relay = Arc::new(Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap());
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap();
     let wake = relay.wake_handle();
-    let shutdown = CancellationToken::new();
-    let task = {
-        let (r, s) = (relay.clone(), shutdown.clone());
-        tokio::spawn(async move { r.run(s).await })
-    };
+    let (task, shutdown) = spawn(relay);
     tokio::time::sleep(Duration::from_secs(1)).await; // the relay is now in its one-hour pause
     let started = Instant::now();
     fill(&store, 1, 1);
@@ -326,12 +334,8 @@ async fn idle_polling_backs_off_to_the_poll_interval() {
         min_poll_interval: Duration::from_millis(10),
         ..config()
     };
-    let relay = Arc::new(Relay::new(Arc::new(store), ScriptedPublisher::new(), cfg).unwrap());
-    let shutdown = CancellationToken::new();
-    let task = {
-        let (r, s) = (relay.clone(), shutdown.clone());
-        tokio::spawn(async move { r.run(s).await })
-    };
+    let relay = Relay::new(Arc::new(store), ScriptedPublisher::new(), cfg).unwrap();
+    let (task, shutdown) = spawn(relay);
     tokio::time::sleep(Duration::from_secs(60)).await;
     shutdown.cancel();
     task.await.unwrap();
@@ -353,12 +357,8 @@ async fn shutdown_lets_in_flight_batches_finish_before_the_deadline() {
         shutdown_timeout: Duration::from_secs(30),
         ..config()
     };
-    let relay = Arc::new(Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap());
-    let shutdown = CancellationToken::new();
-    let task = {
-        let (r, s) = (relay.clone(), shutdown.clone());
-        tokio::spawn(async move { r.run(s).await })
-    };
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap();
+    let (task, shutdown) = spawn(relay);
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(store.leased(), 5, "the batch is in flight");
     shutdown.cancel();
@@ -379,12 +379,8 @@ async fn shutdown_deadline_releases_what_is_still_in_flight() {
         publish_timeout: Duration::from_secs(3600),
         ..config()
     };
-    let relay = Arc::new(Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap());
-    let shutdown = CancellationToken::new();
-    let task = {
-        let (r, s) = (relay.clone(), shutdown.clone());
-        tokio::spawn(async move { r.run(s).await })
-    };
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap();
+    let (task, shutdown) = spawn(relay);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let asked = Instant::now();
     shutdown.cancel();

@@ -462,18 +462,12 @@ impl PostgresStore {
     /// # Errors
     /// A database error.
     pub async fn retry_dead_letters(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
-        let sql = format!(
-            "UPDATE {} SET dead_lettered_at = NULL, attempts = 0, retry_after = NULL
-             WHERE dead_lettered_at IS NOT NULL AND processed_at IS NULL AND {}",
-            self.table.qualified(),
-            filter.clause()
+        let change = format!(
+            "UPDATE {} SET dead_lettered_at = NULL, attempts = 0, retry_after = NULL",
+            self.table.qualified()
         );
-        let done = filter
-            .bind(sqlx::query(&sql))
-            .execute(&self.pool)
+        self.change_dead_letters("retry_dead_letters", &change, filter)
             .await
-            .map_err(|e| map_sqlx("retry_dead_letters", e))?;
-        Ok(done.rows_affected())
     }
 
     /// Deletes matching dead letters for good and returns how many. Under per-aggregate ordering this
@@ -482,16 +476,27 @@ impl PostgresStore {
     /// # Errors
     /// A database error.
     pub async fn discard_dead_letters(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
+        let change = format!("DELETE FROM {}", self.table.qualified());
+        self.change_dead_letters("discard_dead_letters", &change, filter)
+            .await
+    }
+
+    /// Runs `change` (an UPDATE or DELETE without WHERE) on the dead letters matching `filter`.
+    async fn change_dead_letters(
+        &self,
+        operation: &'static str,
+        change: &str,
+        filter: &DeadLetterFilter,
+    ) -> Result<u64, Error> {
         let sql = format!(
-            "DELETE FROM {} WHERE dead_lettered_at IS NOT NULL AND processed_at IS NULL AND {}",
-            self.table.qualified(),
+            "{change} WHERE dead_lettered_at IS NOT NULL AND processed_at IS NULL AND {}",
             filter.clause()
         );
         let done = filter
             .bind(sqlx::query(&sql))
             .execute(&self.pool)
             .await
-            .map_err(|e| map_sqlx("discard_dead_letters", e))?;
+            .map_err(|e| map_sqlx(operation, e))?;
         Ok(done.rows_affected())
     }
 
