@@ -10,6 +10,7 @@ pub mod publishers;
 mod relay;
 #[cfg(test)]
 mod relay_tests;
+pub mod routing;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testkit;
 

@@ -1,6 +1,6 @@
 //! The relay's store: claim with `FOR UPDATE SKIP LOCKED`, settle a batch in one statement.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -28,7 +28,8 @@ pub enum Retention {
 }
 
 struct Sql {
-    claim_ordered: String,
+    claim_heads: String,
+    claim_runs: String,
     claim_unordered: String,
     settle: String,
 }
@@ -47,30 +48,34 @@ impl Sql {
         // claimed or dead-lettered row makes it not a head). Locking the heads with SKIP LOCKED gives
         // this relay the aggregates' runs for the life of its transaction; other relays skip the
         // locked heads and cannot see the runs' later rows as heads.
-        let claim_ordered = format!(
-            "WITH heads AS MATERIALIZED (
-                SELECT e.seq, e.aggregate_type, e.aggregate_id
-                FROM {t} e
-                WHERE {READY}
-                  AND NOT EXISTS (
-                      SELECT 1 FROM {t} p
-                      WHERE p.aggregate_type = e.aggregate_type
-                        AND p.aggregate_id = e.aggregate_id
-                        AND p.processed_at IS NULL
-                        AND p.seq < e.seq)
-                ORDER BY e.seq
-                LIMIT $1
-                FOR UPDATE SKIP LOCKED
-            )
-            SELECT {EVENT_COLUMNS}
-            FROM heads h
-            JOIN {t} e ON e.aggregate_type = h.aggregate_type
-                      AND e.aggregate_id = h.aggregate_id
-                      AND e.seq >= h.seq
+        // Step 1 locks the heads; step 2 (a new statement, so a fresh snapshot in which the heads are
+        // ours) reads every unprocessed row of those aggregates, and the store keeps, per aggregate,
+        // the ready rows from the head on, up to the first row that is not ready. An aggregate whose
+        // oldest unprocessed row is not the locked head (it changed since step 1's snapshot) is left
+        // out of this batch.
+        let claim_heads = format!(
+            "SELECT e.seq, e.aggregate_type, e.aggregate_id
+            FROM {t} e
             WHERE {READY}
+              AND NOT EXISTS (
+                  SELECT 1 FROM {t} p
+                  WHERE p.aggregate_type = e.aggregate_type
+                    AND p.aggregate_id = e.aggregate_id
+                    AND p.processed_at IS NULL
+                    AND p.seq < e.seq)
             ORDER BY e.seq
             LIMIT $1
-            FOR UPDATE OF e SKIP LOCKED"
+            FOR UPDATE SKIP LOCKED"
+        );
+        let claim_runs = format!(
+            "SELECT {EVENT_COLUMNS}, e.seq,
+                (e.dead_lettered_at IS NULL AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())) AS ready
+            FROM {t} e
+            JOIN UNNEST($1::text[], $2::text[]) AS h(aggregate_type, aggregate_id)
+              ON e.aggregate_type = h.aggregate_type AND e.aggregate_id = h.aggregate_id
+            WHERE e.processed_at IS NULL
+            ORDER BY e.seq
+            LIMIT $3"
         );
         let claim_unordered = format!(
             "SELECT {EVENT_COLUMNS}
@@ -105,7 +110,8 @@ impl Sql {
             SELECT 1"
         );
         Sql {
-            claim_ordered,
+            claim_heads,
+            claim_runs,
             claim_unordered,
             settle,
         }
@@ -147,6 +153,40 @@ fn decode_event(row: &PgRow) -> Result<Event, Error> {
         created_at: row.try_get("created_at").map_err(get)?,
         attempts: u32::try_from(attempts).unwrap_or(0),
     })
+}
+
+/// Keeps, per aggregate, the rows from its locked head on while they are ready. `rows` hold every
+/// unprocessed row of the locked aggregates (or a seq-ordered prefix of them), in seq order.
+fn runs_from_heads(
+    rows: &[PgRow],
+    head_seq: &HashMap<(String, String), i64>,
+) -> Result<Vec<Event>, Error> {
+    #[derive(PartialEq)]
+    enum Run {
+        Taking,
+        Stopped,
+    }
+    let mut state: HashMap<(String, String), Run> = HashMap::new();
+    let mut events = Vec::new();
+    for row in rows {
+        let get = |e: sqlx::Error| map_sqlx("claim", e);
+        let key: (String, String) = (
+            row.try_get("aggregate_type").map_err(get)?,
+            row.try_get("aggregate_id").map_err(get)?,
+        );
+        let seq: i64 = row.try_get("seq").map_err(get)?;
+        let ready: bool = row.try_get("ready").map_err(get)?;
+        let take = match state.get(&key) {
+            None => ready && head_seq.get(&key) == Some(&seq),
+            Some(Run::Taking) => ready,
+            Some(Run::Stopped) => false,
+        };
+        state.insert(key, if take { Run::Taking } else { Run::Stopped });
+        if take {
+            events.push(decode_event(row)?);
+        }
+    }
+    Ok(events)
 }
 
 /// Headers as stored: a JSON object. Non-string values (from plain-SQL writers) keep their JSON text;
@@ -209,27 +249,57 @@ impl PostgresStore {
 impl Store for PostgresStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error> {
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
-        let sql = match request.ordering {
-            OrderingPolicy::PerAggregate => &self.sql.claim_ordered,
-            OrderingPolicy::Unordered => &self.sql.claim_unordered,
-        };
         let mut tx = self.pool.begin().await.map_err(|e| map_sqlx("claim", e))?;
-        let rows = sqlx::query(sql)
-            .bind(limit)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(|e| map_sqlx("claim", e))?;
-        if rows.is_empty() {
+        let events = match request.ordering {
+            OrderingPolicy::Unordered => {
+                let rows = sqlx::query(&self.sql.claim_unordered)
+                    .bind(limit)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(|e| map_sqlx("claim", e))?;
+                rows.iter()
+                    .map(decode_event)
+                    .collect::<Result<Vec<_>, _>>()?
+            }
+            OrderingPolicy::PerAggregate => {
+                let heads = sqlx::query(&self.sql.claim_heads)
+                    .bind(limit)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(|e| map_sqlx("claim", e))?;
+                if heads.is_empty() {
+                    Vec::new()
+                } else {
+                    let mut head_seq: HashMap<(String, String), i64> = HashMap::new();
+                    let (mut types, mut ids) = (Vec::new(), Vec::new());
+                    for r in &heads {
+                        let get = |e: sqlx::Error| map_sqlx("claim", e);
+                        let key: (String, String) = (
+                            r.try_get("aggregate_type").map_err(get)?,
+                            r.try_get("aggregate_id").map_err(get)?,
+                        );
+                        types.push(key.0.clone());
+                        ids.push(key.1.clone());
+                        head_seq.insert(key, r.try_get("seq").map_err(get)?);
+                    }
+                    let rows = sqlx::query(&self.sql.claim_runs)
+                        .bind(&types)
+                        .bind(&ids)
+                        .bind(limit)
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(|e| map_sqlx("claim", e))?;
+                    runs_from_heads(&rows, &head_seq)?
+                }
+            }
+        };
+        if events.is_empty() {
             tx.rollback().await.map_err(|e| map_sqlx("claim", e))?;
             return Ok(Batch {
                 events: Vec::new(),
                 lease: Box::new(EmptyLease),
             });
         }
-        let events = rows
-            .iter()
-            .map(decode_event)
-            .collect::<Result<Vec<_>, _>>()?;
         let ids = events.iter().map(|e| e.id).collect();
         Ok(Batch {
             events,
@@ -566,8 +636,9 @@ mod tests {
     fn claim_sql_locks_heads_and_honours_the_table() {
         let t = OutboxTable::new("s", "events").unwrap();
         let sql = Sql::new(&t, Retention::Delete);
-        assert!(sql.claim_ordered.contains("FOR UPDATE SKIP LOCKED"));
-        assert!(sql.claim_ordered.contains("\"s\".\"events\""));
+        assert!(sql.claim_heads.contains("FOR UPDATE SKIP LOCKED"));
+        assert!(sql.claim_heads.contains("\"s\".\"events\""));
+        assert!(sql.claim_runs.contains("\"s\".\"events\""));
         assert!(!sql.claim_unordered.contains("NOT EXISTS"));
         assert!(sql.settle.contains("DELETE FROM \"s\".\"events\""));
         let keep = Sql::new(&t, Retention::Keep);

@@ -90,9 +90,9 @@ async fn concurrent_relays_keep_order(relays: usize) {
     let table = fresh_table(&pool).await;
     let committed = write(&table, 200, 20).await;
     let publisher = ScriptedPublisher::new();
-    // Random retryable failures on ~3% of the events (each fails once or twice, then succeeds).
+    // Random retryable failures on ~8% of the events (each fails once or twice, then succeeds).
     for (i, (_, id)) in committed.iter().enumerate() {
-        if fastrand::u32(0..100) < 3 {
+        if fastrand::u32(0..100) < 8 {
             publisher.on_event(*id, Behavior::FailRetryableTimes(1 + (i % 2) as u32));
         }
     }
