@@ -1,1 +1,13 @@
 #![doc = include_str!("../README.md")]
+
+mod config;
+mod error;
+mod publisher;
+#[cfg(feature = "test-utils")]
+pub mod testing;
+
+pub use config::{
+    redact_url, AmqpConfig, ExchangeType, DEFAULT_EXCHANGE, DEFAULT_ROUTING_KEY, DEFAULT_URL,
+};
+pub use error::{classify_reply_code, map_lapin};
+pub use publisher::AmqpPublisher;

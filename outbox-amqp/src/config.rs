@@ -1,0 +1,250 @@
+//! Settings of the AMQP publisher, with documented defaults.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use outbox_core::routing::Template;
+use outbox_core::{duration, Error};
+
+/// The default broker URL (a local RabbitMQ with its default account).
+pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The default exchange.
+pub const DEFAULT_EXCHANGE: &str = "outbox.events";
+/// The default routing key template: the event type.
+pub const DEFAULT_ROUTING_KEY: &str = "{event_type}";
+
+/// The kind of exchange declared at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExchangeType {
+    /// Routing keys matched against binding patterns (`order.*`, `#`). The default.
+    #[default]
+    Topic,
+    /// Exact routing-key match.
+    Direct,
+    /// Every bound queue gets every message.
+    Fanout,
+    /// Routing on headers.
+    Headers,
+}
+
+/// Settings of [`crate::AmqpPublisher`].
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AmqpConfig {
+    /// Broker URL, `amqp://user:password@host:port/vhost` (`amqps://` for TLS). Default
+    /// `amqp://guest:guest@127.0.0.1:5672/%2f`. The password is never logged.
+    pub url: String,
+    /// Exchange events are published to. Default `outbox.events`. An event's own `destination`
+    /// (set by the writer) names another exchange for that event.
+    pub exchange: String,
+    /// Type of the exchange when it is declared. Default `topic`.
+    pub exchange_type: ExchangeType,
+    /// Declare the exchange (durable) at start-up. When false the exchange must already exist, and a
+    /// missing one is reported (events wait, retrying, until it exists). Default true.
+    pub declare_exchange: bool,
+    /// Routing key template over `{aggregate_type}`, `{aggregate_id}`, `{event_type}`. Default `{event_type}`.
+    pub routing_key: String,
+    /// Publish as `mandatory`, so that a message no queue is bound for comes back as a failure
+    /// instead of vanishing. Default true.
+    pub mandatory: bool,
+    /// Treat an unroutable (returned) message as retryable instead of permanent (dead-lettered).
+    /// Default false.
+    pub unroutable_is_retryable: bool,
+    /// Persistent delivery mode (survives a broker restart in durable queues). Default true.
+    pub persistent: bool,
+    /// Largest message body accepted; larger events fail permanently without being sent. Default
+    /// 128 MiB, RabbitMQ's default `max_message_size`.
+    pub max_message_bytes: usize,
+    /// Time allowed to connect and open the channel. Default 10 s.
+    #[serde(with = "duration::serde_str")]
+    pub connect_timeout: Duration,
+    /// Time allowed for the broker to confirm a batch; unconfirmed events then fail (retryably) and
+    /// the channel is reopened. Default 30 s.
+    #[serde(with = "duration::serde_str")]
+    pub confirm_timeout: Duration,
+    /// First pause before reconnecting after a connection failure (it doubles). Default 500 ms.
+    #[serde(with = "duration::serde_str")]
+    pub reconnect_initial_backoff: Duration,
+    /// Longest pause between reconnection attempts. Default 30 s.
+    #[serde(with = "duration::serde_str")]
+    pub reconnect_max_backoff: Duration,
+}
+
+impl Default for AmqpConfig {
+    fn default() -> Self {
+        AmqpConfig {
+            url: DEFAULT_URL.into(),
+            exchange: DEFAULT_EXCHANGE.into(),
+            exchange_type: ExchangeType::Topic,
+            declare_exchange: true,
+            routing_key: DEFAULT_ROUTING_KEY.into(),
+            mandatory: true,
+            unroutable_is_retryable: false,
+            persistent: true,
+            max_message_bytes: 128 * 1024 * 1024,
+            connect_timeout: Duration::from_secs(10),
+            confirm_timeout: Duration::from_secs(30),
+            reconnect_initial_backoff: Duration::from_millis(500),
+            reconnect_max_backoff: Duration::from_secs(30),
+        }
+    }
+}
+
+/// `url` with the password replaced by `***`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, tail) = match rest.find('/') {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:***@{host}{tail}")
+            } else {
+                format!("{scheme}://{user}@{host}{tail}")
+            }
+        }
+        None => url.to_string(),
+    }
+}
+
+impl std::fmt::Debug for AmqpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpConfig")
+            .field("url", &redact_url(&self.url))
+            .field("exchange", &self.exchange)
+            .field("exchange_type", &self.exchange_type)
+            .field("declare_exchange", &self.declare_exchange)
+            .field("routing_key", &self.routing_key)
+            .field("mandatory", &self.mandatory)
+            .field("unroutable_is_retryable", &self.unroutable_is_retryable)
+            .field("persistent", &self.persistent)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("reconnect_initial_backoff", &self.reconnect_initial_backoff)
+            .field("reconnect_max_backoff", &self.reconnect_max_backoff)
+            .finish()
+    }
+}
+
+impl AmqpConfig {
+    /// Checks the values and parses the routing key template.
+    ///
+    /// # Errors
+    /// A config error naming the key (`amqp.<key>`), the value and what is expected.
+    pub fn validate(&self) -> Result<Template, Error> {
+        if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
+            return Err(Error::config(format!(
+                "amqp.url = {:?}: expected amqp://user:password@host:port/vhost (or amqps:// for TLS)",
+                redact_url(&self.url)
+            )));
+        }
+        if self.exchange.len() > 255 {
+            return Err(Error::config(format!(
+                "amqp.exchange is {} bytes long: expected at most 255",
+                self.exchange.len()
+            )));
+        }
+        if self.exchange.is_empty() && self.declare_exchange {
+            return Err(Error::config(
+                "amqp.exchange = \"\" (the default exchange) cannot be declared: set amqp.declare_exchange = false to publish straight to queues named by the routing key",
+            ));
+        }
+        if self.max_message_bytes == 0 {
+            return Err(Error::config(
+                "amqp.max_message_bytes = 0: expected a positive size in bytes",
+            ));
+        }
+        for (key, d) in [
+            ("amqp.connect_timeout", self.connect_timeout),
+            ("amqp.confirm_timeout", self.confirm_timeout),
+            (
+                "amqp.reconnect_initial_backoff",
+                self.reconnect_initial_backoff,
+            ),
+        ] {
+            if d.is_zero() {
+                return Err(Error::config(format!(
+                    "{key} = 0s: expected a positive duration"
+                )));
+            }
+        }
+        if self.reconnect_max_backoff < self.reconnect_initial_backoff {
+            return Err(Error::config(
+                "amqp.reconnect_max_backoff is below amqp.reconnect_initial_backoff: expected max >= initial",
+            ));
+        }
+        Template::parse("amqp.routing_key", &self.routing_key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_show() {
+        assert_eq!(
+            redact_url("amqp://guest:s3cret@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(redact_url("amqp://127.0.0.1"), "amqp://127.0.0.1");
+        let c = AmqpConfig {
+            url: "amqps://app:hunter2@mq.internal/prod".into(),
+            ..AmqpConfig::default()
+        };
+        let debug = format!("{c:?}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("app:***@mq.internal"), "{debug}");
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let bad = |c: AmqpConfig| c.validate().unwrap_err().message().to_string();
+        assert!(bad(AmqpConfig {
+            url: "http://x".into(),
+            ..AmqpConfig::default()
+        })
+        .starts_with("amqp.url"));
+        assert!(bad(AmqpConfig {
+            routing_key: "{nope}".into(),
+            ..AmqpConfig::default()
+        })
+        .starts_with("amqp.routing_key"));
+        assert!(bad(AmqpConfig {
+            exchange: String::new(),
+            ..AmqpConfig::default()
+        })
+        .contains("amqp.declare_exchange"));
+        assert!(bad(AmqpConfig {
+            confirm_timeout: Duration::ZERO,
+            ..AmqpConfig::default()
+        })
+        .starts_with("amqp.confirm_timeout"));
+        assert!(AmqpConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn deserialises_with_defaults_and_rejects_unknown_keys() {
+        let c: AmqpConfig = serde_json::from_value(
+            serde_json::json!({"exchange": "orders", "confirm_timeout": "5s"}),
+        )
+        .unwrap();
+        assert_eq!(c.exchange, "orders");
+        assert_eq!(c.confirm_timeout, Duration::from_secs(5));
+        assert_eq!(c.routing_key, DEFAULT_ROUTING_KEY);
+        let err =
+            serde_json::from_value::<AmqpConfig>(serde_json::json!({"exchnage": "x"})).unwrap_err();
+        assert!(
+            err.to_string().contains("unknown field `exchnage`"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,535 @@
+//! The RabbitMQ publisher: one connection, one confirm-mode channel, batches published without
+//! waiting per message, one outcome per event from its own confirm.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex as StdMutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::join_all;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use outbox_core::routing::Template;
+use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
+
+use crate::config::{redact_url, AmqpConfig, ExchangeType};
+use crate::error::map_lapin;
+
+const MAX_SHORT_STRING: usize = 255;
+
+struct Link {
+    connection: std::sync::Arc<Connection>,
+    channel: Channel,
+}
+
+struct LinkState {
+    link: Option<Link>,
+    next_attempt: Option<Instant>,
+    backoff: Duration,
+    last_error: Option<Error>,
+}
+
+/// Publishes events to RabbitMQ with publisher confirms.
+///
+/// - Each event becomes one persistent message: `message_id` = event id, `type` = event type,
+///   `timestamp` = creation time, `content_type`, and headers `outbox-event-id`,
+///   `outbox-aggregate-type`, `outbox-aggregate-id`, `outbox-event-type` plus every event header
+///   (`traceparent` included).
+/// - Exchange: [`AmqpConfig::exchange`], or the event's own destination. Routing key: the
+///   [`AmqpConfig::routing_key`] template.
+/// - A batch is published without waiting per message; each outcome comes from the message's confirm:
+///   ack = published, nack = retryable, returned as unroutable (`mandatory`) = permanent (configurable).
+/// - When the connection or channel is lost, events in flight fail retryably and the next batch
+///   reconnects, with exponential backoff between attempts.
+pub struct AmqpPublisher {
+    config: AmqpConfig,
+    routing_key: Template,
+    state: Mutex<LinkState>,
+    known_exchanges: StdMutex<HashSet<String>>,
+}
+
+impl std::fmt::Debug for AmqpPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpPublisher")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One event ready to send.
+struct Outgoing<'a> {
+    index: usize,
+    event: &'a Event,
+    exchange: ShortString,
+    routing_key: ShortString,
+    properties: BasicProperties,
+}
+
+fn short(field: &str, value: &str) -> Result<ShortString, Error> {
+    ShortString::try_new(value.to_string()).map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "{field} is {} bytes long; AMQP allows at most {MAX_SHORT_STRING}",
+                value.len()
+            ),
+        )
+        .with_context("adapter", "amqp")
+    })
+}
+
+fn kind_of(t: ExchangeType) -> ExchangeKind {
+    match t {
+        ExchangeType::Topic => ExchangeKind::Topic,
+        ExchangeType::Direct => ExchangeKind::Direct,
+        ExchangeType::Fanout => ExchangeKind::Fanout,
+        ExchangeType::Headers => ExchangeKind::Headers,
+    }
+}
+
+fn connection_lost(reason: &str) -> Error {
+    Error::new(ErrorKind::Connection, reason.to_string()).with_context("adapter", "amqp")
+}
+
+impl AmqpPublisher {
+    /// A publisher with `config`. Connects lazily (on the first publish or check).
+    ///
+    /// # Errors
+    /// A config error naming the key when `config` does not validate.
+    pub fn new(config: AmqpConfig) -> Result<Self, Error> {
+        let routing_key = config.validate()?;
+        let backoff = config.reconnect_initial_backoff;
+        Ok(AmqpPublisher {
+            config,
+            routing_key,
+            state: Mutex::new(LinkState {
+                link: None,
+                next_attempt: None,
+                backoff,
+                last_error: None,
+            }),
+            known_exchanges: StdMutex::new(HashSet::new()),
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &AmqpConfig {
+        &self.config
+    }
+
+    /// Connects now (instead of at the first publish), declaring or checking the exchange.
+    ///
+    /// # Errors
+    /// The connection error, classified.
+    pub async fn connect(&self) -> Result<(), Error> {
+        self.channel().await.map(|_| ())
+    }
+
+    async fn open(&self) -> Result<Link, Error> {
+        let c = &self.config;
+        let props =
+            ConnectionProperties::default().with_connection_name(LongString::from("outbox relay"));
+        let connect = async {
+            let connection = Connection::connect(&c.url, props)
+                .await
+                .map_err(|e| map_lapin("connect", e))?;
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(|e| map_lapin("open channel", e))?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|e| map_lapin("confirm select", e))?;
+            if !c.exchange.is_empty() {
+                let options = ExchangeDeclareOptions {
+                    passive: !c.declare_exchange,
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                };
+                channel
+                    .exchange_declare(
+                        short("amqp.exchange", &c.exchange)?,
+                        kind_of(c.exchange_type),
+                        options,
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|e| {
+                        let base = map_lapin("declare exchange", e);
+                        // A missing or mismatched configured exchange is an operator's fix, not the
+                        // events' fault: they wait (retryably) until it is fixed.
+                        Error::new(
+                            base.kind(),
+                            format!(
+                                "exchange {:?} cannot be used: {}; create it, fix amqp.exchange, or set amqp.declare_exchange = true",
+                                c.exchange,
+                                base.message()
+                            ),
+                        )
+                        .temporary()
+                        .with_context("adapter", "amqp")
+                        .with_source(base)
+                    })?;
+            }
+            Ok::<Link, Error>(Link {
+                connection: std::sync::Arc::new(connection),
+                channel,
+            })
+        };
+        match tokio::time::timeout(c.connect_timeout, connect).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "connecting to {} took longer than amqp.connect_timeout = {}",
+                    redact_url(&c.url),
+                    outbox_core::duration::format(c.connect_timeout)
+                ),
+            )
+            .with_context("adapter", "amqp")),
+        }
+    }
+
+    /// A live confirm-mode channel, reconnecting (with backoff) when needed.
+    async fn channel(&self) -> Result<Channel, Error> {
+        let mut st = self.state.lock().await;
+        if let Some(link) = &st.link {
+            if link.connection.status().connected() && link.channel.status().connected() {
+                return Ok(link.channel.clone());
+            }
+            st.link = None;
+        }
+        if let Some(at) = st.next_attempt {
+            if Instant::now() < at {
+                let wait = at - Instant::now();
+                let mut e = connection_lost(&format!(
+                    "RabbitMQ at {} is unreachable; next connection attempt in {} ms",
+                    redact_url(&self.config.url),
+                    wait.as_millis()
+                ));
+                if let Some(last) = &st.last_error {
+                    e = e.with_source(last.clone());
+                }
+                return Err(e.temporary());
+            }
+        }
+        match self.open().await {
+            Ok(link) => {
+                info!(url = %redact_url(&self.config.url), exchange = %self.config.exchange, "connected to RabbitMQ");
+                let channel = link.channel.clone();
+                st.link = Some(link);
+                st.next_attempt = None;
+                st.backoff = self.config.reconnect_initial_backoff;
+                st.last_error = None;
+                Ok(channel)
+            }
+            Err(e) => {
+                warn!(error = %e, retry_in_ms = st.backoff.as_millis() as u64, "cannot connect to RabbitMQ");
+                st.next_attempt = Some(Instant::now() + st.backoff);
+                st.backoff = (st.backoff * 2).min(self.config.reconnect_max_backoff);
+                st.last_error = Some(e.clone());
+                Err(e)
+            }
+        }
+    }
+
+    /// Drops the link after a failure so the next batch reconnects.
+    async fn reset(&self, reason: &Error) {
+        let mut st = self.state.lock().await;
+        if let Some(link) = st.link.take() {
+            warn!(error = %reason, "dropping the RabbitMQ channel; the next batch reconnects");
+            let _ = link.connection.close(320, "outbox reconnect".into()).await;
+        }
+    }
+
+    fn prepare<'a>(&self, index: usize, event: &'a Event) -> Result<Outgoing<'a>, Error> {
+        self.build(index, event)
+            .map_err(|e| e.with_context("event_id", event.id))
+    }
+
+    fn build<'a>(&self, index: usize, event: &'a Event) -> Result<Outgoing<'a>, Error> {
+        if event.payload.len() > self.config.max_message_bytes {
+            return Err(Error::new(
+                ErrorKind::PayloadTooLarge,
+                format!(
+                    "payload is {} bytes; amqp.max_message_bytes is {}",
+                    event.payload.len(),
+                    self.config.max_message_bytes
+                ),
+            )
+            .with_context("adapter", "amqp"));
+        }
+        let exchange = event
+            .destination
+            .clone()
+            .unwrap_or_else(|| self.config.exchange.clone());
+        let exchange = short("exchange name", &exchange)?;
+        let routing_key = short("routing key", &self.routing_key.render(event))?;
+        let mut headers = FieldTable::default();
+        let put = |headers: &mut FieldTable, k: &str, v: &str| -> Result<(), Error> {
+            headers.insert(
+                short("header name", k)?,
+                AMQPValue::LongString(LongString::from(v.as_bytes().to_vec())),
+            );
+            Ok(())
+        };
+        for (k, v) in &event.headers {
+            put(&mut headers, k, v)?;
+        }
+        put(&mut headers, header::EVENT_ID, &event.id.to_string())?;
+        put(&mut headers, header::EVENT_TYPE, &event.event_type)?;
+        put(&mut headers, header::AGGREGATE_TYPE, &event.aggregate_type)?;
+        put(&mut headers, header::AGGREGATE_ID, &event.aggregate_id)?;
+        let mut properties = BasicProperties::default()
+            .with_message_id(short("message id", &event.id.to_string())?)
+            .with_type(short("event type", &event.event_type)?)
+            .with_content_type(short("content type", &event.content_type)?)
+            .with_timestamp(event.created_at.timestamp().max(0) as u64)
+            .with_app_id("outbox".into())
+            .with_headers(headers);
+        if self.config.persistent {
+            properties = properties.with_delivery_mode(2);
+        }
+        Ok(Outgoing {
+            index,
+            event,
+            exchange,
+            routing_key,
+            properties,
+        })
+    }
+
+    /// Checks that per-event exchanges exist (once per name), on a throw-away channel so a missing
+    /// exchange closes that channel only. Returns the names that do not exist, with the error.
+    async fn check_exchanges(&self, names: HashSet<String>) -> HashMap<String, Error> {
+        let mut missing = HashMap::new();
+        let unknown: Vec<String> = {
+            let known = match self.known_exchanges.lock() {
+                Ok(k) => k,
+                Err(p) => p.into_inner(),
+            };
+            names.into_iter().filter(|n| !known.contains(n)).collect()
+        };
+        if unknown.is_empty() {
+            return missing;
+        }
+        let connection = {
+            let st = self.state.lock().await;
+            match &st.link {
+                Some(l) => l.connection.clone(),
+                None => return missing,
+            }
+        };
+        for name in unknown {
+            let Ok(short_name) = ShortString::try_new(name.clone()) else {
+                continue;
+            };
+            let probe = match connection.create_channel().await {
+                Ok(c) => c,
+                Err(_) => return missing,
+            };
+            let result = probe
+                .exchange_declare(
+                    short_name,
+                    ExchangeKind::Direct,
+                    ExchangeDeclareOptions {
+                        passive: true,
+                        ..ExchangeDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            match result {
+                Ok(()) => {
+                    let _ = probe.close(200, "ok".into()).await;
+                    if let Ok(mut k) = self.known_exchanges.lock() {
+                        k.insert(name);
+                    }
+                }
+                Err(e) => {
+                    let err = map_lapin("check exchange", e);
+                    if err.kind() == ErrorKind::DestinationNotFound {
+                        missing.insert(
+                            name.clone(),
+                            Error::new(
+                                ErrorKind::DestinationNotFound,
+                                format!(
+                                    "exchange {name:?} (the event's destination) does not exist"
+                                ),
+                            )
+                            .with_context("adapter", "amqp")
+                            .with_source(err),
+                        );
+                    }
+                }
+            }
+        }
+        missing
+    }
+}
+
+#[async_trait]
+impl Publisher for AmqpPublisher {
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
+        if events.is_empty() {
+            return Vec::new();
+        }
+        let channel = match self.channel().await {
+            Ok(c) => c,
+            Err(e) => return vec![Err(e); events.len()],
+        };
+        let destinations: HashSet<String> = events
+            .iter()
+            .filter_map(|e| e.destination.clone())
+            .filter(|d| *d != self.config.exchange)
+            .collect();
+        let missing = self.check_exchanges(destinations).await;
+
+        // Send every message without waiting for its confirm.
+        let mut fenced: HashSet<(&str, &str)> = HashSet::new();
+        let mut pending = Vec::with_capacity(events.len());
+        let mut broken: Option<Error> = None;
+        for (i, event) in events.iter().enumerate() {
+            let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+            if let Some(e) = &broken {
+                outcomes[i] = Some(Err(e.clone()));
+                continue;
+            }
+            if fenced.contains(&key) {
+                outcomes[i] = Some(Err(Error::new(
+                    ErrorKind::Rejected,
+                    "not sent: an earlier event of the aggregate failed in this batch",
+                )
+                .with_context("adapter", "amqp")));
+                continue;
+            }
+            let prepared = match event.destination.as_ref().and_then(|d| missing.get(d)) {
+                Some(err) => Err(err.clone().with_context("event_id", event.id)),
+                None => self.prepare(i, event),
+            };
+            let out = match prepared {
+                Ok(o) => o,
+                Err(e) => {
+                    fenced.insert(key);
+                    outcomes[i] = Some(Err(e));
+                    continue;
+                }
+            };
+            let sent = channel
+                .basic_publish(
+                    out.exchange,
+                    out.routing_key,
+                    BasicPublishOptions {
+                        mandatory: self.config.mandatory,
+                        immediate: false,
+                    },
+                    &out.event.payload,
+                    out.properties,
+                )
+                .await;
+            match sent {
+                Ok(confirm) => pending.push((out.index, confirm)),
+                Err(e) => {
+                    let err = map_lapin("publish", e).temporary();
+                    outcomes[i] = Some(Err(err.clone()));
+                    broken = Some(err);
+                }
+            }
+        }
+
+        // Collect every confirm, concurrently, within the confirm timeout.
+        let indexes: Vec<usize> = pending.iter().map(|(i, _)| *i).collect();
+        let confirms = join_all(pending.into_iter().map(|(_, c)| c));
+        match tokio::time::timeout(self.config.confirm_timeout, confirms).await {
+            Ok(results) => {
+                for (i, result) in indexes.into_iter().zip(results) {
+                    let outcome = match result {
+                        Ok(Confirmation::Ack(None)) => Ok(()),
+                        Ok(Confirmation::Ack(Some(returned)))
+                        | Ok(Confirmation::Nack(Some(returned))) => {
+                            let e = Error::new(
+                                ErrorKind::Unroutable,
+                                format!(
+                                    "returned by the broker: {} {} (exchange {:?}, routing key {:?}): no queue is bound for it",
+                                    returned.reply_code,
+                                    returned.reply_text,
+                                    returned.delivery.exchange.as_str(),
+                                    returned.delivery.routing_key.as_str()
+                                ),
+                            )
+                            .with_context("adapter", "amqp")
+                            .with_context("event_id", events[i].id);
+                            Err(if self.config.unroutable_is_retryable {
+                                e.temporary()
+                            } else {
+                                e.permanent()
+                            })
+                        }
+                        Ok(Confirmation::Nack(None)) => Err(Error::new(
+                            ErrorKind::Rejected,
+                            "the broker negatively acknowledged the message (basic.nack)",
+                        )
+                        .with_context("adapter", "amqp")
+                        .with_context("event_id", events[i].id)),
+                        Ok(Confirmation::NotRequested) => Err(Error::new(
+                            ErrorKind::Unexpected,
+                            "the channel is not in confirm mode; the message may not have arrived",
+                        )
+                        .temporary()
+                        .with_context("adapter", "amqp")),
+                        Err(e) => {
+                            // The channel or connection closed before the confirm: nobody can tell
+                            // which message caused it, so every such event is retried.
+                            let err = map_lapin("confirm", e).temporary();
+                            broken.get_or_insert_with(|| err.clone());
+                            Err(err.with_context("event_id", events[i].id))
+                        }
+                    };
+                    outcomes[i] = Some(outcome);
+                }
+            }
+            Err(_) => {
+                let e = Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "no publisher confirm within amqp.confirm_timeout = {}",
+                        outbox_core::duration::format(self.config.confirm_timeout)
+                    ),
+                )
+                .with_context("adapter", "amqp");
+                for i in indexes {
+                    outcomes[i] = Some(Err(e.clone()));
+                }
+                broken.get_or_insert(e);
+            }
+        }
+        if let Some(reason) = &broken {
+            self.reset(reason).await;
+        }
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| {
+                    Err(Error::new(ErrorKind::Unexpected, "no outcome recorded").temporary())
+                })
+            })
+            .collect()
+    }
+
+    async fn check(&self) -> Result<(), Error> {
+        self.channel().await.map(|_| ())
+    }
+
+    fn name(&self) -> &str {
+        "amqp"
+    }
+}

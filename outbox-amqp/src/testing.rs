@@ -1,0 +1,196 @@
+//! Helpers for tests against a real RabbitMQ (feature `test-utils`): a consumer fixture that reads
+//! what the publisher sent, and the Publisher conformance fixture.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::{AmqpConfig, AmqpPublisher};
+use async_trait::async_trait;
+use futures::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+use outbox_core::testkit::{PublisherFixture, Received};
+use outbox_core::Publisher;
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_string())
+}
+
+pub async fn connect() -> Connection {
+    let url = amqp_url();
+    match Connection::connect(&url, ConnectionProperties::default().with_connection_name("outbox test consumer".into())).await {
+        Ok(c) => c,
+        Err(e) => panic!(
+            "RabbitMQ is required for this test and is unreachable at {}: {e}\n\
+             Start it with `bash scripts/test-env.sh` (it runs `rabbitmq-server -detached` and waits), \
+             or point AMQP_URL at a running broker.",
+            crate::redact_url(&url)
+        ),
+    }
+}
+
+/// A message as the consumer saw it, with its AMQP properties.
+#[derive(Debug, Clone)]
+pub struct Delivered {
+    pub received: Received,
+    pub properties: BasicProperties,
+    pub routing_key: String,
+}
+
+/// An exchange of its own, bound to an exclusive queue with `#`, consumed in the background.
+pub struct Fixture {
+    pub exchange: String,
+    pub connection: Connection,
+    pub got: Arc<Mutex<Vec<Delivered>>>,
+}
+
+fn text(v: &AMQPValue) -> String {
+    match v {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+impl Fixture {
+    pub async fn new() -> Fixture {
+        let exchange = format!("outbox.test.{}", uuid::Uuid::new_v4().simple());
+        let connection = connect().await;
+        let ch = connection.create_channel().await.unwrap();
+        ch.exchange_declare(
+            exchange.clone().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        let q = ch
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        ch.queue_bind(
+            q.name().clone(),
+            exchange.clone().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        let mut consumer = ch
+            .basic_consume(
+                q.name().clone(),
+                "outbox-test".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let got: Arc<Mutex<Vec<Delivered>>> = Arc::default();
+        let sink = got.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(d)) = consumer.next().await {
+                let props = d.properties.clone();
+                let mut headers = BTreeMap::new();
+                if let Some(h) = props.headers() {
+                    for (k, v) in h.inner() {
+                        headers.insert(k.to_string(), text(v));
+                    }
+                }
+                let received = Received {
+                    event_id: props
+                        .message_id()
+                        .as_ref()
+                        .and_then(|m| m.as_str().parse().ok()),
+                    aggregate_id: headers.get("outbox-aggregate-id").cloned(),
+                    event_type: props.kind().as_ref().map(|t| t.to_string()),
+                    payload: d.data.clone(),
+                    headers,
+                    destination: d.exchange.to_string(),
+                };
+                sink.lock().unwrap().push(Delivered {
+                    received,
+                    properties: props,
+                    routing_key: d.routing_key.to_string(),
+                });
+            }
+        });
+        Fixture {
+            exchange,
+            connection,
+            got,
+        }
+    }
+
+    pub fn config(&self) -> AmqpConfig {
+        AmqpConfig {
+            url: amqp_url(),
+            exchange: self.exchange.clone(),
+            ..AmqpConfig::default()
+        }
+    }
+
+    pub fn publisher(&self) -> Arc<AmqpPublisher> {
+        Arc::new(AmqpPublisher::new(self.config()).unwrap())
+    }
+
+    pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let got = self.got.lock().unwrap().clone();
+            if got.len() >= count || tokio::time::Instant::now() >= deadline {
+                return got;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn cleanup(self) {
+        if let Ok(ch) = self.connection.create_channel().await {
+            let _ = ch
+                .exchange_delete(
+                    self.exchange.clone().into(),
+                    ExchangeDeleteOptions::default(),
+                )
+                .await;
+        }
+        let _ = self.connection.close(200, "done".into()).await;
+    }
+}
+
+#[async_trait]
+impl PublisherFixture for Fixture {
+    async fn publisher(&self) -> Arc<dyn Publisher> {
+        Fixture::publisher(self)
+    }
+
+    async fn receive(&self, count: usize, timeout: Duration) -> Vec<Received> {
+        self.wait_for(count, timeout)
+            .await
+            .into_iter()
+            .map(|d| d.received)
+            .collect()
+    }
+}

@@ -1,0 +1,116 @@
+//! PostgreSQL -> relay -> RabbitMQ, end to end, with an independent consumer as the checker.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_amqp::testing::Fixture;
+use outbox_core::testkit::sample_event;
+use outbox_core::{CancellationToken, Relay, RelayConfig, Store};
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::{DeadLetterFilter, PostgresStore, Writer};
+use outbox_tests::check;
+use uuid::Uuid;
+
+fn config() -> RelayConfig {
+    RelayConfig {
+        batch_size: 100,
+        poll_interval: Duration::from_millis(50),
+        min_poll_interval: Duration::from_millis(5),
+        ..RelayConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_deliver_everything_in_aggregate_order() {
+    let pg = pool(8).await;
+    let table = fresh_table(&pg).await;
+    let fx = Fixture::new().await;
+    let writer = Writer::new(table.clone());
+    let mut committed = Vec::new();
+    for n in 0..10 {
+        let mut tx = pg.begin().await.unwrap();
+        let events: Vec<_> = (0..50)
+            .map(|a| sample_event(&format!("agg-{a}"), n))
+            .collect();
+        committed.extend(events.iter().map(|e| (e.aggregate_id.clone(), e.id)));
+        writer.enqueue_many(&mut tx, events).await.unwrap();
+        writer.commit(tx).await.unwrap();
+    }
+    let shutdown = CancellationToken::new();
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let store = PostgresStore::new(pool(4).await, table.clone());
+        let relay = Relay::new(Arc::new(store), fx.publisher(), config()).unwrap();
+        let s = shutdown.clone();
+        relays.push(tokio::spawn(async move { relay.run(s).await }));
+    }
+    let got = fx.wait_for(committed.len(), Duration::from_secs(60)).await;
+    shutdown.cancel();
+    for r in relays {
+        r.await.unwrap();
+    }
+    let received: Vec<Uuid> = got.iter().filter_map(|d| d.received.event_id).collect();
+    let verdict = check(&committed, &received);
+    println!("postgres -> 2 relays -> rabbitmq: {verdict}");
+    assert_eq!(
+        (verdict.lost, verdict.order_violations),
+        (0, 0),
+        "{verdict}"
+    );
+    let stats = PostgresStore::new(pg.clone(), table).stats().await.unwrap();
+    assert_eq!(stats.pending, 0);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
+    let pg = pool(4).await;
+    let table = fresh_table(&pg).await;
+    let fx = Fixture::new().await;
+    let writer = Writer::new(table.clone());
+    let mut tx = pg.begin().await.unwrap();
+    let poisoned = sample_event("poisoned", 0).with_destination(format!("{}.nowhere", fx.exchange));
+    let held_back = sample_event("poisoned", 1);
+    let healthy: Vec<_> = (0..20)
+        .map(|i| sample_event(&format!("ok-{i}"), 0))
+        .collect();
+    let mut all = vec![poisoned.clone(), held_back.clone()];
+    all.extend(healthy.iter().cloned());
+    writer.enqueue_many(&mut tx, all).await.unwrap();
+    writer.commit(tx).await.unwrap();
+
+    let store = PostgresStore::new(pg.clone(), table.clone());
+    let relay = Relay::new(Arc::new(store.clone()), fx.publisher(), config()).unwrap();
+    relay.drain().await;
+    let got = fx.wait_for(20, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 20, "every healthy event arrives");
+    let dead = store
+        .dead_letters(&DeadLetterFilter::All, 10)
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, poisoned.id);
+    let err = dead[0].last_error.clone().unwrap();
+    assert!(
+        err.contains("destination_not_found") && err.contains("nowhere"),
+        "{err}"
+    );
+    let stats = store.stats().await.unwrap();
+    assert_eq!(
+        (stats.pending, stats.dead_letters),
+        (1, 1),
+        "the poisoned aggregate's next event waits"
+    );
+    // Discarding the dead letter lets the aggregate flow again.
+    store
+        .discard_dead_letters(&DeadLetterFilter::Ids(vec![poisoned.id]))
+        .await
+        .unwrap();
+    relay.drain().await;
+    let got = fx.wait_for(21, Duration::from_secs(30)).await;
+    assert!(got
+        .iter()
+        .any(|d| d.received.event_id == Some(held_back.id)));
+    fx.cleanup().await;
+}
