@@ -1,9 +1,10 @@
-//! The `outbox` command (not implemented yet: see README.md).
+//! The `outbox` command.
 
-fn main() {
-    eprintln!(
-        "outbox: the command-line relay is not built yet. Use the library crates, e.g. \
-         `cargo run -p outbox-postgres --example orders_to_stdout`."
-    );
-    std::process::exit(2);
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = outbox_bin::cli::Cli::parse();
+    outbox_bin::cli::run(cli, std::env::vars().collect())
 }

@@ -132,7 +132,8 @@ impl Wake {
         self.0.notify_one();
     }
 
-    async fn notified(&self) {
+    /// Waits until woken (consumes the wake-up). The relay waits on this between polls.
+    pub async fn notified(&self) {
         self.0.notified().await;
     }
 }

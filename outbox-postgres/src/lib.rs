@@ -3,6 +3,8 @@
 mod config;
 mod error;
 pub mod migrate;
+pub mod notify;
+mod settings;
 mod store;
 #[cfg(feature = "test-utils")]
 pub mod testing;
@@ -11,6 +13,7 @@ mod writer;
 pub use config::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use error::{classify_sqlstate, map_sqlx};
 pub use migrate::{migrate, schema_sql};
+pub use settings::{redact_url, DatabaseConfig, DEFAULT_DATABASE_URL};
 pub use store::{DeadLetter, DeadLetterFilter, PostgresStore, Retention};
 pub use writer::Writer;
 
@@ -22,6 +25,22 @@ pub use sqlx;
 /// # Errors
 /// A connection error naming the host (the password is never shown) and how to fix it.
 pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, outbox_core::Error> {
+    connect_with(url, max_connections, std::time::Duration::from_secs(10)).await
+}
+
+/// Opens a pool as [`DatabaseConfig`] says (URL, pool size, acquire timeout).
+///
+/// # Errors
+/// As [`connect`].
+pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, outbox_core::Error> {
+    connect_with(&config.url, config.pool_size, config.acquire_timeout).await
+}
+
+async fn connect_with(
+    url: &str,
+    max_connections: u32,
+    acquire_timeout: std::time::Duration,
+) -> Result<sqlx::PgPool, outbox_core::Error> {
     use sqlx::postgres::PgPoolOptions;
     let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| {
         outbox_core::Error::new(
@@ -38,7 +57,7 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, ou
     );
     PgPoolOptions::new()
         .max_connections(max_connections.max(1))
-        .acquire_timeout(std::time::Duration::from_secs(10))
+        .acquire_timeout(acquire_timeout)
         .connect_with(options)
         .await
         .map_err(|e| {

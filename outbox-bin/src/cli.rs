@@ -1,0 +1,606 @@
+//! The command line: parsing, and one function per subcommand.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use tracing::{error, info, warn};
+
+use outbox_core::publishers::JsonLinesPublisher;
+use outbox_core::{CancellationToken, Error, ErrorKind, NewEvent, Publisher, Relay, Store};
+use outbox_postgres::{
+    connect_config, migrate, notify, schema_sql, DeadLetterFilter, OutboxTable, PostgresStore,
+};
+
+use crate::config::{Config, LogFormat, PublisherType};
+use crate::metrics::Metrics;
+
+const ABOUT: &str = "Transactional outbox relay for PostgreSQL: publishes the events your services \
+write in their own transactions to Kafka, RabbitMQ or SQS, at least once and in per-aggregate order.";
+
+const AFTER_HELP: &str = "Configuration: a TOML file (--config, or ./outbox.toml when present), then \
+environment overrides OUTBOX_<SECTION>__<KEY> (e.g. OUTBOX_RELAY__BATCH_SIZE=1000) and DATABASE_URL. \
+With no file at all the relay uses the local PostgreSQL and prints events as JSON lines.
+
+Typical first run:
+  outbox migrate        # create the outbox table (idempotent)
+  outbox relay          # publish until SIGTERM / Ctrl-C
+  outbox status         # what is pending, how old, what is dead
+
+Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.";
+
+/// `outbox`: the command line.
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, about = ABOUT, after_help = AFTER_HELP)]
+pub struct Cli {
+    /// Configuration file (TOML). Default: ./outbox.toml when it exists, else built-in defaults.
+    #[arg(long, short, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create or upgrade the outbox schema (idempotent; safe to run from several processes).
+    Migrate {
+        /// Print the SQL instead of applying it (for other migration tools).
+        #[arg(long)]
+        print: bool,
+    },
+    /// Run the relay until SIGTERM or SIGINT, then finish in-flight batches within
+    /// relay.shutdown_timeout. Several relays on one database share the work and keep
+    /// per-aggregate order.
+    Relay,
+    /// Show pending events, the oldest pending age and dead letters, by event type.
+    Status {
+        /// Machine-readable JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List, retry or discard dead letters.
+    #[command(subcommand, name = "dead-letters")]
+    DeadLetters(DeadLetterCommand),
+    /// Remove published rows older than a duration, in bounded batches (when rows are kept with
+    /// database.keep_processed_for).
+    Cleanup {
+        /// Remove rows published longer ago than this (e.g. 7d, 12h). Default: database.keep_processed_for.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        older_than: Option<Duration>,
+        /// Rows per delete statement.
+        #[arg(long, default_value_t = 10_000)]
+        batch_size: i64,
+    },
+    /// Send one synthetic event through the configured publisher, to check connectivity, routing and
+    /// permissions. Nothing is written to the outbox.
+    PublishTest {
+        /// Event type of the test event (it routes like real events of that type).
+        #[arg(long, default_value = "outbox.publish_test")]
+        event_type: String,
+        /// Aggregate type of the test event.
+        #[arg(long, default_value = "outbox")]
+        aggregate_type: String,
+        /// Destination (topic / exchange / queue) overriding the routing.
+        #[arg(long)]
+        destination: Option<String>,
+    },
+    /// Print the configuration in force (defaults, file and environment merged; secrets redacted).
+    Config,
+}
+
+/// Which dead letters.
+#[derive(Debug, Args)]
+#[group(required = false, multiple = false)]
+pub struct Selection {
+    /// These event ids (repeatable).
+    #[arg(long = "id", value_name = "UUID")]
+    pub ids: Vec<uuid::Uuid>,
+    /// Every dead letter of this event type.
+    #[arg(long)]
+    pub event_type: Option<String>,
+    /// Every dead letter.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// `dead-letters` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DeadLetterCommand {
+    /// List dead letters, oldest first (all of them unless --id or --event-type narrows).
+    List {
+        /// Which ones.
+        #[command(flatten)]
+        selection: Selection,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Machine-readable JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make dead letters pending again (attempts reset, last error kept).
+    Retry {
+        /// Which ones (one of --id, --event-type, --all).
+        #[command(flatten)]
+        selection: Selection,
+        /// Confirm --all.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Delete dead letters for good.
+    Discard {
+        /// Which ones (one of --id, --event-type, --all).
+        #[command(flatten)]
+        selection: Selection,
+        /// Confirm --all.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    outbox_core::duration::parse(s)
+}
+
+/// A failure with its exit code.
+#[derive(Debug)]
+pub struct Failure {
+    /// 1 runtime, 2 usage or configuration.
+    pub code: u8,
+    /// What to print.
+    pub message: String,
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        let code =
+            if e.kind() == ErrorKind::Config && e.context_value("adapter") != Some("postgres") {
+                2
+            } else {
+                1
+            };
+        Failure {
+            code,
+            message: e.to_string(),
+        }
+    }
+}
+
+fn usage(message: impl Into<String>) -> Failure {
+    Failure {
+        code: 2,
+        message: message.into(),
+    }
+}
+
+/// Runs the parsed command; returns the process exit code.
+pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
+    let config = match Config::load(cli.config.as_deref(), env) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("outbox: configuration error: {}", e.message());
+            return ExitCode::from(2);
+        }
+    };
+    init_logging(&config);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("outbox: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(dispatch(cli.command, config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("outbox: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+fn init_logging(config: &Config) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&config.log.level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    // Logs go to standard error: standard output carries command output and stdout-published events.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match config.log.format {
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Text => builder.with_ansi(false).try_init(),
+    };
+}
+
+async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
+    let table = config.database.validate()?;
+    match command {
+        Command::Migrate { print } => cmd_migrate(&config, &table, print).await,
+        Command::Relay => cmd_relay(config, table).await,
+        Command::Status { json } => cmd_status(&config, table, json).await,
+        Command::DeadLetters(c) => cmd_dead_letters(&config, table, c).await,
+        Command::Cleanup {
+            older_than,
+            batch_size,
+        } => cmd_cleanup(&config, table, older_than, batch_size).await,
+        Command::PublishTest {
+            event_type,
+            aggregate_type,
+            destination,
+        } => cmd_publish_test(&config, event_type, aggregate_type, destination).await,
+        Command::Config => {
+            print!("{}", config.to_redacted_toml());
+            Ok(())
+        }
+    }
+}
+
+async fn store(config: &Config, table: OutboxTable) -> Result<PostgresStore, Failure> {
+    let pool = connect_config(&config.database).await?;
+    Ok(PostgresStore::with_retention(
+        pool,
+        table,
+        config.database.retention(),
+    ))
+}
+
+/// Builds the configured publisher.
+///
+/// # Errors
+/// A config error when the publisher's settings do not validate or it is not in this build.
+pub fn build_publisher(config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+    match config.publisher.kind {
+        PublisherType::Stdout => Ok(Arc::new(JsonLinesPublisher::stdout())),
+        #[cfg(feature = "amqp")]
+        PublisherType::Amqp => Ok(Arc::new(outbox_amqp::AmqpPublisher::new(
+            config.amqp.clone(),
+        )?)),
+        // Refused by `Config::validate` already; kept total for safety.
+        _ => Err(Error::config(format!(
+            "publisher.type = {:?} is not available in this build; expected one of {}",
+            config.publisher.kind,
+            crate::config::available_publishers().join(", ")
+        ))),
+    }
+}
+
+async fn cmd_migrate(config: &Config, table: &OutboxTable, print: bool) -> Result<(), Failure> {
+    if print {
+        print!("{}", schema_sql(table));
+        if config.database.notify {
+            println!("-- database.notify = true: `outbox migrate` also installs a statement trigger calling pg_notify('{}', '')", notify::channel(table)?);
+        }
+        return Ok(());
+    }
+    let pool = connect_config(&config.database).await?;
+    let applied = migrate(&pool, table).await?;
+    if config.database.notify {
+        notify::install_notify_trigger(&pool, table).await?;
+    } else {
+        notify::remove_notify_trigger(&pool, table).await?;
+    }
+    if applied.is_empty() {
+        println!("{} is up to date", table.qualified());
+    } else {
+        info!(table = %table.qualified(), migrations = ?applied, "schema migrated");
+        println!("{}: applied migrations {:?}", table.qualified(), applied);
+    }
+    Ok(())
+}
+
+async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
+    let pg = store(&config, table.clone()).await?;
+    pg.check().await?;
+    let store: Arc<dyn Store> = Arc::new(pg.clone());
+    let publisher = build_publisher(&config)?;
+    let metrics = Arc::new(Metrics::new());
+    let relay = Relay::new(store.clone(), publisher.clone(), config.relay.clone())?
+        .with_observer(metrics.clone());
+    let shutdown = CancellationToken::new();
+
+    tokio::spawn(watch_signals(shutdown.clone()));
+    {
+        let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
+        let every = config.http.stats_interval;
+        tokio::spawn(async move {
+            loop {
+                match store.stats().await {
+                    Ok(s) => metrics.record_stats(&s),
+                    Err(e) => warn!(error = %e, "cannot count the outbox for metrics"),
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        });
+    }
+    let server = if config.http.enabled {
+        let ops = crate::http::Ops {
+            metrics: metrics.clone(),
+            store: store.clone(),
+            publisher: publisher.clone(),
+            ready_timeout: config.http.ready_timeout,
+        };
+        let serve = crate::http::serve(config.http.listen, ops, shutdown.clone()).await?;
+        info!(listen = %config.http.listen, "serving /metrics, /healthz and /readyz");
+        Some(tokio::spawn(serve))
+    } else {
+        None
+    };
+    if config.database.notify {
+        let (pool, table, wake, shutdown) = (
+            pg.pool().clone(),
+            table.clone(),
+            relay.wake_handle(),
+            shutdown.clone(),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = notify::listen(&pool, &table, wake, shutdown).await {
+                warn!(error = %e, "LISTEN/NOTIFY unavailable; relying on polling");
+            }
+        });
+    }
+    info!(table = %table.qualified(), publisher = publisher.name(), "relay running; SIGTERM or Ctrl-C stops it");
+    let summary = relay.run(shutdown.clone()).await;
+    shutdown.cancel();
+    if let Some(server) = server {
+        let _ = server.await;
+    }
+    info!(
+        published = summary.published,
+        retried = summary.retried,
+        dead_lettered = summary.dead_lettered,
+        aborted_batches = summary.aborted_batches,
+        "relay stopped"
+    );
+    Ok(())
+}
+
+async fn watch_signals(shutdown: CancellationToken) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            error!("cannot install signal handlers");
+            return;
+        };
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        info!(
+            signal = name,
+            "shutdown requested: no new claims; finishing in-flight batches"
+        );
+        shutdown.cancel();
+    }
+    #[cfg(not(unix))]
+    {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            info!("shutdown requested");
+            shutdown.cancel();
+        }
+    }
+}
+
+async fn cmd_status(config: &Config, table: OutboxTable, json: bool) -> Result<(), Failure> {
+    let pg = store(config, table.clone()).await?;
+    let stats = pg.stats().await?;
+    if json {
+        let v = serde_json::json!({ "table": table.qualified(), "stats": stats });
+        println!("{v}");
+        return Ok(());
+    }
+    println!("outbox {}", table.qualified());
+    match stats.oldest_pending_age_seconds {
+        Some(age) => println!("pending:      {} (oldest {:.1} s)", stats.pending, age),
+        None => println!("pending:      {}", stats.pending),
+    }
+    println!("dead letters: {}", stats.dead_letters);
+    if !stats.by_event_type.is_empty() {
+        println!();
+        println!(
+            "{:<40} {:>10} {:>10} {:>12}",
+            "event type", "pending", "dead", "oldest (s)"
+        );
+        for t in &stats.by_event_type {
+            let oldest = t
+                .oldest_pending_age_seconds
+                .map(|a| format!("{a:.1}"))
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "{:<40} {:>10} {:>10} {:>12}",
+                t.event_type, t.pending, t.dead_letters, oldest
+            );
+        }
+    }
+    Ok(())
+}
+
+fn filter_of(selection: &Selection, yes: bool, action: &str) -> Result<DeadLetterFilter, Failure> {
+    if !selection.ids.is_empty() {
+        return Ok(DeadLetterFilter::Ids(selection.ids.clone()));
+    }
+    if let Some(t) = &selection.event_type {
+        return Ok(DeadLetterFilter::EventType(t.clone()));
+    }
+    if selection.all {
+        if !yes {
+            return Err(usage(format!(
+                "`dead-letters {action} --all` changes every dead letter: add --yes to confirm"
+            )));
+        }
+        return Ok(DeadLetterFilter::All);
+    }
+    Err(usage(format!(
+        "`dead-letters {action}` needs --id <UUID>, --event-type <TYPE> or --all --yes"
+    )))
+}
+
+async fn cmd_dead_letters(
+    config: &Config,
+    table: OutboxTable,
+    command: DeadLetterCommand,
+) -> Result<(), Failure> {
+    let pg = store(config, table).await?;
+    match command {
+        DeadLetterCommand::List {
+            selection,
+            limit,
+            json,
+        } => {
+            let filter = if !selection.ids.is_empty() || selection.event_type.is_some() {
+                filter_of(&selection, true, "list")?
+            } else {
+                DeadLetterFilter::All
+            };
+            let rows = pg.dead_letters(&filter, limit).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string(&rows).unwrap_or_else(|_| "[]".into())
+                );
+                return Ok(());
+            }
+            if rows.is_empty() {
+                println!("no dead letters");
+            }
+            for d in rows {
+                println!(
+                    "{}  {}  {}/{}  attempts={}  dead since {}\n    {}",
+                    d.id,
+                    d.event_type,
+                    d.aggregate_type,
+                    d.aggregate_id,
+                    d.attempts,
+                    d.dead_lettered_at
+                        .map(|t| t.to_rfc3339())
+                        .unwrap_or_default(),
+                    d.last_error.unwrap_or_default()
+                );
+            }
+            Ok(())
+        }
+        DeadLetterCommand::Retry { selection, yes } => {
+            let filter = filter_of(&selection, yes, "retry")?;
+            let n = pg.retry_dead_letters(&filter).await?;
+            info!(count = n, filter = ?filter, "dead letters made pending again");
+            println!("retrying {n} dead letters");
+            Ok(())
+        }
+        DeadLetterCommand::Discard { selection, yes } => {
+            let filter = filter_of(&selection, yes, "discard")?;
+            let n = pg.discard_dead_letters(&filter).await?;
+            info!(count = n, filter = ?filter, "dead letters discarded");
+            println!("discarded {n} dead letters");
+            Ok(())
+        }
+    }
+}
+
+async fn cmd_cleanup(
+    config: &Config,
+    table: OutboxTable,
+    older_than: Option<Duration>,
+    batch_size: i64,
+) -> Result<(), Failure> {
+    let Some(older_than) = older_than.or(config.database.keep_processed_for) else {
+        return Err(usage(
+            "cleanup needs --older-than <DURATION> (or database.keep_processed_for in the configuration)",
+        ));
+    };
+    if batch_size <= 0 {
+        return Err(usage(format!(
+            "--batch-size {batch_size}: expected a positive number"
+        )));
+    }
+    let pg = store(config, table.clone()).await?;
+    let total = pg
+        .cleanup(older_than, batch_size, |n| {
+            eprintln!("cleanup: removed {n} rows so far")
+        })
+        .await?;
+    info!(removed = total, older_than = %outbox_core::duration::format(older_than), "cleanup done");
+    println!(
+        "removed {total} published rows older than {} from {}",
+        outbox_core::duration::format(older_than),
+        table.qualified()
+    );
+    Ok(())
+}
+
+async fn cmd_publish_test(
+    config: &Config,
+    event_type: String,
+    aggregate_type: String,
+    destination: Option<String>,
+) -> Result<(), Failure> {
+    let publisher = build_publisher(config)?;
+    let sent_at = chrono::Utc::now();
+    let mut new = NewEvent::new(
+        aggregate_type,
+        "publish-test",
+        event_type,
+        serde_json::json!({ "test": true, "sent_at": sent_at }),
+    );
+    if let Some(d) = destination {
+        new = new.with_destination(d);
+    }
+    new.validate()?;
+    let event = outbox_core::Event {
+        id: new.id,
+        aggregate_type: new.aggregate_type,
+        aggregate_id: new.aggregate_id,
+        event_type: new.event_type,
+        payload: match &new.payload {
+            outbox_core::Payload::Json(v) => v.to_string().into_bytes(),
+            outbox_core::Payload::Binary { data, .. } => data.clone(),
+        },
+        content_type: new.payload.content_type().to_string(),
+        headers: new.headers,
+        destination: new.destination,
+        created_at: sent_at,
+        attempts: 0,
+    };
+    let outcome = publisher
+        .publish(std::slice::from_ref(&event))
+        .await
+        .pop()
+        .unwrap_or_else(|| {
+            Err(Error::new(
+                ErrorKind::Unexpected,
+                "the publisher returned no outcome",
+            ))
+        });
+    match outcome {
+        Ok(()) => {
+            println!(
+                "published test event {} ({}) via {}",
+                event.id,
+                event.event_type,
+                publisher.name()
+            );
+            Ok(())
+        }
+        Err(e) => Err(Failure {
+            code: 1,
+            message: format!(
+                "publishing the test event via {} failed: {e}",
+                publisher.name()
+            ),
+        }),
+    }
+}

@@ -1,0 +1,490 @@
+//! The configuration: a TOML file (`--config`, default `outbox.toml` when present), then environment
+//! overrides (`OUTBOX_<SECTION>__<KEY>`, and `DATABASE_URL`), then validation that names the key.
+//!
+//! Every section and key has a default, so no file is needed on a machine with a local PostgreSQL:
+//! the relay then publishes JSON lines to standard output.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use outbox_core::{duration, Error, RelayConfig};
+use outbox_postgres::DatabaseConfig;
+
+/// The file read when `--config` is not given, if it exists.
+pub const DEFAULT_CONFIG_FILE: &str = "outbox.toml";
+/// Prefix of environment overrides: `OUTBOX_RELAY__BATCH_SIZE=1000` sets `relay.batch_size`.
+pub const ENV_PREFIX: &str = "OUTBOX_";
+
+/// Which publisher the relay uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PublisherType {
+    /// JSON lines on standard output (the default: needs no broker).
+    #[default]
+    Stdout,
+    /// RabbitMQ, settings in `[amqp]`.
+    Amqp,
+    /// Kafka (not in this build).
+    Kafka,
+    /// Amazon SQS (not in this build).
+    Sqs,
+}
+
+/// `[publisher]`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PublisherSection {
+    /// `stdout` (default), `amqp`, `kafka` or `sqs`; the broker's own settings are in its section.
+    #[serde(rename = "type")]
+    pub kind: PublisherType,
+}
+
+/// `[http]`: metrics and health endpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Serve `/metrics`, `/healthz` and `/readyz` while the relay runs. Default true.
+    pub enabled: bool,
+    /// Listen address. Default `127.0.0.1:9464`.
+    pub listen: SocketAddr,
+    /// How often the outbox is counted for the pending / age / dead-letter gauges. Default 5 s.
+    #[serde(with = "duration::serde_str")]
+    pub stats_interval: Duration,
+    /// Time a readiness check may take. Default 2 s.
+    #[serde(with = "duration::serde_str")]
+    pub ready_timeout: Duration,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            enabled: true,
+            listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            stats_interval: Duration::from_secs(5),
+            ready_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable text (the default).
+    #[default]
+    Text,
+    /// One JSON object per line, fields included.
+    Json,
+}
+
+/// `[log]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` (default) or `json`.
+    pub format: LogFormat,
+    /// A tracing filter: `info` (default), `debug`, `outbox_core=debug,info`... `RUST_LOG` wins.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Text,
+            level: "info".into(),
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// `[database]`.
+    pub database: DatabaseConfig,
+    /// `[relay]`, with `[relay.retry]`.
+    pub relay: RelayConfig,
+    /// `[publisher]`.
+    pub publisher: PublisherSection,
+    /// `[amqp]`: RabbitMQ settings, used when `publisher.type = "amqp"`.
+    #[cfg(feature = "amqp")]
+    pub amqp: outbox_amqp::AmqpConfig,
+    /// `[amqp]` in a build without RabbitMQ support: accepted, then refused if selected.
+    #[cfg(not(feature = "amqp"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub amqp: Option<Value>,
+    /// `[kafka]`: not in this build.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kafka: Option<Value>,
+    /// `[sqs]`: not in this build.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sqs: Option<Value>,
+    /// `[http]`.
+    pub http: HttpConfig,
+    /// `[log]`.
+    pub log: LogConfig,
+}
+
+/// Sets `path` (dotted) in `root` to `value`, creating tables on the way.
+fn set_path(root: &mut Value, path: &[String], value: Value) {
+    let mut node = root;
+    for (i, key) in path.iter().enumerate() {
+        if !node.is_object() {
+            *node = Value::Object(Default::default());
+        }
+        let Some(map) = node.as_object_mut() else {
+            return;
+        };
+        if i + 1 == path.len() {
+            map.insert(key.clone(), value);
+            return;
+        }
+        node = map
+            .entry(key.clone())
+            .or_insert_with(|| Value::Object(Default::default()));
+    }
+}
+
+/// A typed guess for an environment value: integer, float, boolean, else text.
+fn guess(raw: &str) -> Value {
+    if let Ok(i) = raw.parse::<i64>() {
+        return Value::from(i);
+    }
+    if let Ok(f) = raw.parse::<f64>() {
+        if f.is_finite() {
+            return Value::from(f);
+        }
+    }
+    match raw {
+        "true" => Value::Bool(true),
+        "false" => Value::Bool(false),
+        _ => Value::String(raw.to_string()),
+    }
+}
+
+impl Config {
+    /// Loads the configuration: `path` (or `outbox.toml` when it exists and `path` is `None`), then
+    /// the overrides in `env` (`OUTBOX_*` and `DATABASE_URL`), then validation.
+    ///
+    /// # Errors
+    /// A config error naming the file or variable, the key, the bad value and what is expected.
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, Error> {
+        let (mut root, origin) = match path {
+            Some(p) => (read_file(p)?, Some(p.to_path_buf())),
+            None if Path::new(DEFAULT_CONFIG_FILE).exists() => (
+                read_file(Path::new(DEFAULT_CONFIG_FILE))?,
+                Some(PathBuf::from(DEFAULT_CONFIG_FILE)),
+            ),
+            None => (Value::Object(Default::default()), None),
+        };
+        // Keys set from the environment, with the variable that set them.
+        let mut sources: Vec<(Vec<String>, String)> = Vec::new();
+        let mut env: Vec<(String, String)> = env.into_iter().collect();
+        env.sort();
+        let mut database_url = None;
+        for (name, raw) in env {
+            if name == "DATABASE_URL" {
+                database_url = Some(raw);
+                continue;
+            }
+            let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+            if path.iter().any(|p| p.is_empty()) {
+                return Err(Error::config(format!(
+                    "environment variable {name}: expected OUTBOX_<SECTION>__<KEY>, such as OUTBOX_RELAY__BATCH_SIZE"
+                )));
+            }
+            set_path(&mut root, &path, guess(&raw));
+            sources.push((path, name));
+        }
+        // DATABASE_URL applies unless OUTBOX_DATABASE__URL was given.
+        if let Some(url) = database_url {
+            let key = vec!["database".to_string(), "url".to_string()];
+            if !sources.iter().any(|(p, _)| *p == key) {
+                set_path(&mut root, &key, Value::String(url));
+                sources.push((key, "DATABASE_URL".into()));
+            }
+        }
+        let config = deserialize(root, &sources, origin.as_deref())?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every section.
+    ///
+    /// # Errors
+    /// The first problem found, naming its key.
+    pub fn validate(&self) -> Result<(), Error> {
+        self.database.validate()?;
+        self.relay.validate()?;
+        if self.http.stats_interval.is_zero() || self.http.ready_timeout.is_zero() {
+            return Err(Error::config(
+                "http.stats_interval and http.ready_timeout must be positive durations such as 5s",
+            ));
+        }
+        if self.relay.max_in_flight as u32 + 1 > self.database.pool_size {
+            return Err(Error::config(format!(
+                "database.pool_size = {} is too small for relay.max_in_flight = {}: expected at least max_in_flight + 1 (each batch in flight holds a connection)",
+                self.database.pool_size, self.relay.max_in_flight
+            )));
+        }
+        match self.publisher.kind {
+            PublisherType::Stdout => Ok(()),
+            #[cfg(feature = "amqp")]
+            PublisherType::Amqp => self.amqp.validate().map(|_| ()),
+            #[cfg(not(feature = "amqp"))]
+            PublisherType::Amqp => Err(not_built("amqp")),
+            PublisherType::Kafka => Err(not_built("kafka")),
+            PublisherType::Sqs => Err(not_built("sqs")),
+        }
+    }
+
+    /// The configuration as TOML, secrets redacted (for `outbox config`).
+    pub fn to_redacted_toml(&self) -> String {
+        let mut shown = self.clone();
+        shown.database.url = outbox_postgres::redact_url(&shown.database.url);
+        #[cfg(feature = "amqp")]
+        {
+            shown.amqp.url = outbox_amqp::redact_url(&shown.amqp.url);
+        }
+        toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}"))
+    }
+}
+
+fn not_built(name: &str) -> Error {
+    Error::config(format!(
+        "publisher.type = \"{name}\": this outbox binary was built without the `{name}` feature; expected one of {}",
+        available_publishers().join(", ")
+    ))
+}
+
+/// The publisher types this binary supports.
+pub fn available_publishers() -> Vec<&'static str> {
+    let mut v = vec!["stdout"];
+    if cfg!(feature = "amqp") {
+        v.push("amqp");
+    }
+    v
+}
+
+fn read_file(path: &Path) -> Result<Value, Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Error::config(format!(
+            "cannot read the configuration file {}: {e}",
+            path.display()
+        ))
+    })?;
+    let table: toml::Table = toml::from_str(&text).map_err(|e| {
+        Error::config(format!(
+            "{} is not valid TOML: {}",
+            path.display(),
+            e.to_string().trim_end()
+        ))
+    })?;
+    serde_json::to_value(table)
+        .map_err(|e| Error::config(format!("{}: unsupported value: {e}", path.display())))
+}
+
+fn deserialize(
+    mut root: Value,
+    sources: &[(Vec<String>, String)],
+    file: Option<&Path>,
+) -> Result<Config, Error> {
+    // An environment value guessed as a number or boolean may belong to a text key (a password
+    // of digits): on a type error at such a key, retry with the raw text.
+    for _ in 0..=sources.len() {
+        match serde_path_to_error::deserialize::<_, Config>(&root) {
+            Ok(c) => return Ok(c),
+            Err(err) => {
+                let path = err.path().to_string();
+                let keys: Vec<String> = path.split('.').map(str::to_string).collect();
+                let from_env = sources.iter().find(|(p, _)| *p == keys);
+                if let Some((p, _)) = from_env {
+                    if let Some(v) = lookup(&root, p) {
+                        if !v.is_string() && err.inner().to_string().contains("invalid type") {
+                            let text = match v {
+                                Value::Number(n) => n.to_string(),
+                                Value::Bool(b) => b.to_string(),
+                                other => other.to_string(),
+                            };
+                            set_path(&mut root, p, Value::String(text));
+                            continue;
+                        }
+                    }
+                }
+                let origin = match from_env {
+                    Some((_, name)) => format!(" (from {name})"),
+                    _ => file
+                        .map(|f| format!(" (in {})", f.display()))
+                        .unwrap_or_default(),
+                };
+                let key = if path == "." || path.is_empty() {
+                    "configuration".to_string()
+                } else {
+                    path
+                };
+                return Err(Error::config(format!("{key}{origin}: {}", err.inner())));
+            }
+        }
+    }
+    Err(Error::config("the configuration could not be read"))
+}
+
+fn lookup<'a>(root: &'a Value, path: &[String]) -> Option<&'a Value> {
+    path.iter().try_fold(root, |node, key| node.get(key))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_str(toml_text: &str, env: &[(&str, &str)]) -> Result<Config, Error> {
+        let dir = std::env::temp_dir().join(format!("outbox-config-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("outbox.toml");
+        std::fs::write(&path, toml_text).unwrap();
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        let r = Config::load(Some(&path), env);
+        let _ = std::fs::remove_dir_all(&dir);
+        r
+    }
+
+    #[test]
+    fn no_file_means_defaults() {
+        let c = Config::load(None, Vec::new()).unwrap();
+        assert_eq!(c.publisher.kind, PublisherType::Stdout);
+        assert_eq!(c.relay.batch_size, 500);
+        assert_eq!(c.database.table, "outbox_events");
+    }
+
+    #[test]
+    fn env_overrides_the_file() {
+        let c = load_str(
+            "[relay]\nbatch_size = 100\n[database]\nurl = \"postgres://a@h/db\"\n",
+            &[
+                ("OUTBOX_RELAY__BATCH_SIZE", "250"),
+                ("OUTBOX_RELAY__RETRY__MAX_ATTEMPTS", "3"),
+                ("OUTBOX_RELAY__POLL_INTERVAL", "2s"),
+                ("DATABASE_URL", "postgres://b@h/db"),
+                ("UNRELATED", "x"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.relay.batch_size, 250);
+        assert_eq!(c.relay.retry.max_attempts, 3);
+        assert_eq!(c.relay.poll_interval, Duration::from_secs(2));
+        assert_eq!(c.database.url, "postgres://b@h/db");
+        let c = load_str(
+            "",
+            &[
+                ("DATABASE_URL", "postgres://b@h/db"),
+                ("OUTBOX_DATABASE__URL", "postgres://c@h/db"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            c.database.url, "postgres://c@h/db",
+            "OUTBOX_DATABASE__URL wins over DATABASE_URL"
+        );
+    }
+
+    #[test]
+    fn digits_stay_text_where_text_is_expected() {
+        let c = load_str(
+            "",
+            &[
+                ("OUTBOX_DATABASE__SCHEMA", "s123"),
+                ("OUTBOX_LOG__LEVEL", "1234"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.log.level, "1234");
+    }
+
+    #[test]
+    fn errors_name_the_key_the_value_and_the_source() {
+        let e = load_str("[relay]\nbatch_siz = 10\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("relay") && e.contains("unknown field `batch_siz`"),
+            "{e}"
+        );
+        let e = load_str("[relay]\nbatch_size = \"lots\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("relay.batch_size") && e.contains("invalid type"),
+            "{e}"
+        );
+        let e = load_str("", &[("OUTBOX_RELAY__BATCH_SIZE", "lots")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("relay.batch_size (from OUTBOX_RELAY__BATCH_SIZE)"),
+            "{e}"
+        );
+        let e = load_str("[relay]\nbatch_size = 0\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("relay.batch_size = 0: expected 1 to 100000"),
+            "{e}"
+        );
+        let e = load_str("[relay]\npoll_interval = \"soon\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("relay.poll_interval") && e.contains("not a duration"),
+            "{e}"
+        );
+        let e = load_str("[publisher]\ntype = \"carrier-pigeon\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("publisher.type") && e.contains("unknown variant"),
+            "{e}"
+        );
+        let e = load_str("[publisher]\ntype = \"kafka\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("built without the `kafka` feature"), "{e}");
+        let e = load_str("not toml = = 1", &[]).unwrap_err().to_string();
+        assert!(e.contains("is not valid TOML"), "{e}");
+        let e = Config::load(Some(Path::new("/nonexistent/outbox.toml")), Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cannot read the configuration file /nonexistent/outbox.toml"),
+            "{e}"
+        );
+        let e = load_str(
+            "[database]\npool_size = 2\n[relay]\nmax_in_flight = 4\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("database.pool_size = 2 is too small"), "{e}");
+    }
+
+    #[test]
+    fn secrets_never_show() {
+        let c = load_str(
+            "[database]\nurl = \"postgres://app:hunter2@db/shop\"\n",
+            &[],
+        )
+        .unwrap();
+        assert!(!format!("{c:?}").contains("hunter2"));
+        assert!(!c.to_redacted_toml().contains("hunter2"));
+        assert!(c.to_redacted_toml().contains("app:***@db"));
+    }
+}

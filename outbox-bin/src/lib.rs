@@ -1,0 +1,8 @@
+//! The `outbox` command, as a library: configuration loading, Prometheus metrics, the operations
+//! endpoint and the subcommands. `main.rs` only parses the arguments and calls [`cli::run`].
+#![doc = include_str!("../README.md")]
+
+pub mod cli;
+pub mod config;
+pub mod http;
+pub mod metrics;

@@ -1,0 +1,264 @@
+//! Prometheus metrics: a [`RelayObserver`] that counts what the relay does, and gauges refreshed from
+//! the store's statistics.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use outbox_core::{BatchReport, Error, Event, FailureDecision, RelayObserver, StoreStats};
+
+/// Label set of per-event-type metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventTypeLabel {
+    /// The event type.
+    pub event_type: String,
+}
+
+/// Label set of store errors.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OperationLabel {
+    /// `claim` or `settle`.
+    pub operation: String,
+}
+
+/// Every metric the relay exports.
+pub struct Metrics {
+    registry: Registry,
+    published: Counter,
+    failed: Family<EventTypeLabel, Counter>,
+    retried: Counter,
+    dead_lettered_total: Counter,
+    store_errors: Family<OperationLabel, Counter>,
+    pending: Gauge,
+    oldest_pending_age: Gauge<f64, AtomicU64>,
+    dead_letters: Gauge,
+    pending_by_type: Family<EventTypeLabel, Gauge>,
+    batch_duration: Histogram,
+    publish_duration: Histogram,
+    claim_duration: Histogram,
+    batch_size: Histogram,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let published = Counter::default();
+        let failed = Family::<EventTypeLabel, Counter>::default();
+        let retried = Counter::default();
+        let dead_lettered_total = Counter::default();
+        let store_errors = Family::<OperationLabel, Counter>::default();
+        let pending = Gauge::default();
+        let oldest_pending_age = Gauge::<f64, AtomicU64>::default();
+        let dead_letters = Gauge::default();
+        let pending_by_type = Family::<EventTypeLabel, Gauge>::default();
+        let seconds = || Histogram::new(exponential_buckets(0.0005, 2.0, 18));
+        let batch_duration = seconds();
+        let publish_duration = seconds();
+        let claim_duration = seconds();
+        let batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
+        registry.register(
+            "outbox_events_published",
+            "Events published (acknowledged by the broker)",
+            published.clone(),
+        );
+        registry.register(
+            "outbox_events_failed",
+            "Publish failures, by event type",
+            failed.clone(),
+        );
+        registry.register(
+            "outbox_events_retried",
+            "Failed events scheduled for another attempt",
+            retried.clone(),
+        );
+        registry.register(
+            "outbox_events_dead_lettered",
+            "Events dead-lettered by the relay",
+            dead_lettered_total.clone(),
+        );
+        registry.register(
+            "outbox_store_errors",
+            "Failed store operations, by operation",
+            store_errors.clone(),
+        );
+        registry.register(
+            "outbox_events_pending",
+            "Events waiting to be published (including backing off and held back)",
+            pending.clone(),
+        );
+        registry.register(
+            "outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending event",
+            oldest_pending_age.clone(),
+        );
+        registry.register(
+            "outbox_dead_letters",
+            "Dead letters in the outbox",
+            dead_letters.clone(),
+        );
+        registry.register(
+            "outbox_events_pending_by_type",
+            "Pending events, by event type",
+            pending_by_type.clone(),
+        );
+        registry.register(
+            "outbox_batch_duration_seconds",
+            "From claim to settlement of a batch",
+            batch_duration.clone(),
+        );
+        registry.register(
+            "outbox_publish_duration_seconds",
+            "Time the publisher took for a batch",
+            publish_duration.clone(),
+        );
+        registry.register(
+            "outbox_claim_duration_seconds",
+            "Time a claim took",
+            claim_duration.clone(),
+        );
+        registry.register(
+            "outbox_batch_size",
+            "Events per claimed batch",
+            batch_size.clone(),
+        );
+        Metrics {
+            registry,
+            published,
+            failed,
+            retried,
+            dead_lettered_total,
+            store_errors,
+            pending,
+            oldest_pending_age,
+            dead_letters,
+            pending_by_type,
+            batch_duration,
+            publish_duration,
+            claim_duration,
+            batch_size,
+        }
+    }
+
+    /// Updates the gauges from the store's statistics.
+    pub fn record_stats(&self, stats: &StoreStats) {
+        self.pending.set(stats.pending.min(i64::MAX as u64) as i64);
+        self.dead_letters
+            .set(stats.dead_letters.min(i64::MAX as u64) as i64);
+        self.oldest_pending_age
+            .set(stats.oldest_pending_age_seconds.unwrap_or(0.0));
+        self.pending_by_type.clear();
+        for t in &stats.by_event_type {
+            self.pending_by_type
+                .get_or_create(&EventTypeLabel {
+                    event_type: t.event_type.clone(),
+                })
+                .set(t.pending.min(i64::MAX as u64) as i64);
+        }
+    }
+
+    /// The metrics in Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+impl RelayObserver for Metrics {
+    fn claimed(&self, count: usize, duration: Duration) {
+        self.claim_duration.observe(secs(duration));
+        if count > 0 {
+            self.batch_size.observe(count as f64);
+        }
+    }
+
+    fn event_failed(&self, event: &Event, _error: &Error, decision: FailureDecision) {
+        self.failed
+            .get_or_create(&EventTypeLabel {
+                event_type: event.event_type.clone(),
+            })
+            .inc();
+        match decision {
+            FailureDecision::DeadLetter => {
+                self.dead_lettered_total.inc();
+            }
+            FailureDecision::Retry | FailureDecision::Backpressure => {
+                self.retried.inc();
+            }
+        }
+    }
+
+    fn batch_settled(&self, report: &BatchReport) {
+        self.batch_duration.observe(secs(report.total_duration));
+        self.publish_duration.observe(secs(report.publish_duration));
+        if report.settle_error.is_none() {
+            self.published.inc_by(report.published as u64);
+        }
+    }
+
+    fn store_error(&self, operation: &'static str, _error: &Error) {
+        self.store_errors
+            .get_or_create(&OperationLabel {
+                operation: operation.to_string(),
+            })
+            .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_the_required_metrics() {
+        let m = Metrics::new();
+        m.batch_settled(&BatchReport {
+            claimed: 3,
+            published: 3,
+            ..BatchReport::default()
+        });
+        m.record_stats(&StoreStats {
+            pending: 7,
+            oldest_pending_age_seconds: Some(1.5),
+            dead_letters: 2,
+            by_event_type: vec![],
+        });
+        let text = m.render();
+        for needle in [
+            "outbox_events_published_total 3",
+            "outbox_events_pending 7",
+            "outbox_oldest_pending_age_seconds 1.5",
+            "outbox_dead_letters 2",
+            "outbox_batch_duration_seconds_bucket",
+            "outbox_publish_duration_seconds_count 1",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+        }
+    }
+}

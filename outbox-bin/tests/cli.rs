@@ -1,0 +1,365 @@
+//! The `outbox` binary end to end, against the real PostgreSQL and RabbitMQ.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::OutboxTable;
+use sqlx::Row;
+
+#[test]
+fn help_teaches_and_usage_errors_exit_2() {
+    let out = Command::new(bin()).arg("--help").output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let help = text(&out.stdout);
+    for word in [
+        "migrate",
+        "relay",
+        "status",
+        "dead-letters",
+        "cleanup",
+        "publish-test",
+        "OUTBOX_RELAY__BATCH_SIZE",
+        "Exit codes",
+    ] {
+        assert!(help.contains(word), "--help must mention {word}:\n{help}");
+    }
+    let out = Command::new(bin()).arg("frobnicate").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn example_configs_load() {
+    for name in ["stdout.toml", "amqp.toml"] {
+        let out = Command::new(bin())
+            .args(["--config", example(name).to_str().unwrap(), "config"])
+            .current_dir(workdir())
+            .env_remove("DATABASE_URL")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
+        let shown = text(&out.stdout);
+        assert!(
+            !shown.contains("guest:guest"),
+            "secrets are redacted: {shown}"
+        );
+    }
+}
+
+#[test]
+fn bad_config_files_name_the_problem() {
+    let cases: &[(&str, &str)] = &[
+        (
+            "[relay]\nbatch_size = 0\n",
+            "relay.batch_size = 0: expected 1 to 100000",
+        ),
+        ("[relay]\nbatchsize = 10\n", "unknown field `batchsize`"),
+        ("[relay]\npoll_interval = \"fast\"\n", "relay.poll_interval"),
+        (
+            "[relay.retry]\njitter = 3.0\n",
+            "retry.jitter = 3: expected a fraction between 0.0 and 1.0",
+        ),
+        (
+            "[database]\ntable = \"Orders; drop\"\n",
+            "database.table = \"Orders; drop\" is not a valid name",
+        ),
+        ("[database]\nurl = \"mysql://root@db/x\"\n", "database.url"),
+        ("[publisher]\ntype = \"pigeon\"\n", "publisher.type"),
+        (
+            "[publisher]\ntype = \"amqp\"\n[amqp]\nrouting_key = \"{nope}\"\n",
+            "amqp.routing_key",
+        ),
+        (
+            "[publisher]\ntype = \"amqp\"\n[amqp]\nurl = \"http://x\"\n",
+            "amqp.url",
+        ),
+        ("[http]\nlisten = \"not an address\"\n", "http.listen"),
+        ("[log]\nformat = \"xml\"\n", "log.format"),
+        ("this is = = not toml", "is not valid TOML"),
+    ];
+    for (body, expected) in cases {
+        let dir = workdir();
+        let file = dir.join("bad.toml");
+        std::fs::write(&file, body).unwrap();
+        let out = Command::new(bin())
+            .args(["--config", file.to_str().unwrap(), "config"])
+            .current_dir(&dir)
+            .env_remove("DATABASE_URL")
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{body:?} must be a configuration error: {err}"
+        );
+        assert!(
+            err.contains(expected),
+            "{body:?}: expected {expected:?} in {err:?}"
+        );
+    }
+    let out = Command::new(bin())
+        .args(["config"])
+        .env("OUTBOX_RELAY__MAX_IN_FLIGHT", "many")
+        .current_dir(workdir())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("relay.max_in_flight (from OUTBOX_RELAY__MAX_IN_FLIGHT)"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_relay_status_metrics_and_sigterm() {
+    let pg = pool(2).await;
+    let table = OutboxTable::new(
+        format!(
+            "outbox_t_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        ),
+        "outbox_events",
+    )
+    .unwrap();
+    let printed = run(outbox(&table, &["migrate", "--print"]));
+    assert!(text(&printed.stdout).contains("CREATE TABLE IF NOT EXISTS"));
+    let out = run(outbox(&table, &["migrate"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("applied migrations"));
+    let out = run(outbox(&table, &["migrate"]));
+    assert!(
+        text(&out.stdout).contains("is up to date"),
+        "idempotent: {}",
+        text(&out.stdout)
+    );
+
+    insert_plain(&table, "o-1", 5).await;
+    let out = run(outbox(&table, &["status", "--json"]));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["stats"]["pending"], 5);
+
+    let port = free_port();
+    let mut c = outbox(&table, &["relay"]);
+    c.env("OUTBOX_HTTP__ENABLED", "true")
+        .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+        .env("OUTBOX_HTTP__STATS_INTERVAL", "100ms");
+    let mut relay = Running::start(c);
+    let lines = relay.wait_lines(5, Duration::from_secs(30));
+    assert_eq!(lines.len(), 5, "every event printed as a JSON line");
+    let first: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+    assert_eq!(first["aggregate_id"], "o-1");
+    assert_eq!(first["payload"]["n"], 0);
+    let ns: Vec<i64> = lines
+        .iter()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["payload"]["n"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(ns, vec![0, 1, 2, 3, 4], "in order");
+
+    let (code, _) = http_get(port, "/healthz");
+    assert_eq!(code, 200);
+    let (code, body) = http_get(port, "/readyz");
+    assert_eq!(code, 200, "{body}");
+    let (_, m1) = http_get(port, "/metrics");
+    assert_eq!(metric(&m1, "outbox_events_published_total"), 5.0, "{m1}");
+    insert_plain(&table, "o-2", 3).await;
+    relay.wait_lines(8, Duration::from_secs(30));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, m2) = http_get(port, "/metrics");
+        if metric(&m2, "outbox_events_published_total") == 8.0
+            && metric(&m2, "outbox_events_pending") == 0.0
+        {
+            assert!(m2.contains("outbox_batch_duration_seconds_bucket"));
+            assert!(m2.contains("outbox_oldest_pending_age_seconds"));
+            break;
+        }
+        assert!(Instant::now() < deadline, "metrics did not move: {m2}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    relay.signal("-TERM");
+    assert_eq!(
+        relay.wait_exit(Duration::from_secs(60)),
+        0,
+        "SIGTERM is a clean exit"
+    );
+    let out = run(outbox(&table, &["status"]));
+    assert!(
+        text(&out.stdout).contains("pending:      0"),
+        "{}",
+        text(&out.stdout)
+    );
+    let _ = pg;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_and_cleanup_commands() {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    insert_plain(&table, "d-1", 2).await;
+    insert_plain(&table, "d-2", 1).await;
+    sqlx::query(&format!(
+        "UPDATE {} SET dead_lettered_at = now(), attempts = 10, last_error = 'payload_too_large (permanent): too big' WHERE aggregate_id IN ('d-1', 'd-2') AND (aggregate_id = 'd-2' OR (payload->>'n')::int = 0)",
+        table.qualified()
+    )).execute(&pg).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET event_type = 'invoice.paid' WHERE aggregate_id = 'd-2'",
+        table.qualified()
+    ))
+    .execute(&pg)
+    .await
+    .unwrap();
+
+    let out = run(outbox(&table, &["dead-letters", "list", "--json"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let list: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list.len(), 2);
+    assert_eq!(
+        list[0]["last_error"],
+        "payload_too_large (permanent): too big"
+    );
+    let first_id = list[0]["id"].as_str().unwrap().to_string();
+    let human = run(outbox(&table, &["dead-letters", "list"]));
+    assert!(text(&human.stdout).contains("too big"));
+
+    let out = run(outbox(&table, &["dead-letters", "retry"]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("needs --id"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(outbox(&table, &["dead-letters", "discard", "--all"]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("add --yes"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = run(outbox(
+        &table,
+        &["dead-letters", "retry", "--id", &first_id],
+    ));
+    assert_eq!(out.status.code(), Some(0));
+    assert!(text(&out.stdout).contains("retrying 1 dead letters"));
+    assert!(
+        text(&out.stderr).contains("dead letters made pending again"),
+        "every change is logged: {}",
+        text(&out.stderr)
+    );
+    let out = run(outbox(
+        &table,
+        &["dead-letters", "discard", "--event-type", "invoice.paid"],
+    ));
+    assert!(text(&out.stdout).contains("discarded 1 dead letters"));
+    let out = run(outbox(
+        &table,
+        &["dead-letters", "discard", "--all", "--yes"],
+    ));
+    assert!(text(&out.stdout).contains("discarded 0 dead letters"));
+    let out = run(outbox(&table, &["status", "--json"]));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (
+            status["stats"]["pending"].as_i64(),
+            status["stats"]["dead_letters"].as_i64()
+        ),
+        (Some(2), Some(0))
+    );
+
+    // Cleanup removes only old published rows, in bounded batches, with progress.
+    sqlx::query(&format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, processed_at)
+         SELECT 'order', 'old', 'order.created', '{{}}', now() - interval '2 hours' FROM generate_series(1, 5)",
+        table.qualified()
+    )).execute(&pg).await.unwrap();
+    let out = run(outbox(&table, &["cleanup"]));
+    assert_eq!(out.status.code(), Some(2), "no age given");
+    let out = run(outbox(
+        &table,
+        &["cleanup", "--older-than", "1h", "--batch-size", "2"],
+    ));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("removed 5 published rows older than 1h"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(
+        text(&out.stderr).contains("cleanup: removed 4 rows so far"),
+        "{}",
+        text(&out.stderr)
+    );
+    let left: i64 = sqlx::query(&format!("SELECT count(*) AS n FROM {}", table.qualified()))
+        .fetch_one(&pg)
+        .await
+        .unwrap()
+        .get("n");
+    assert_eq!(left, 2, "pending rows untouched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_database_is_a_runtime_error() {
+    let table = OutboxTable::default();
+    let mut c = outbox(&table, &["status"]);
+    c.env(
+        "DATABASE_URL",
+        format!("postgres://postgres@127.0.0.1:{}/x", free_port()),
+    );
+    let out = run(c);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("cannot connect to PostgreSQL at 127.0.0.1"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_mode_wakes_an_idle_relay() {
+    let table = OutboxTable::new(
+        format!(
+            "outbox_t_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        ),
+        "outbox_events",
+    )
+    .unwrap();
+    let mut c = outbox(&table, &["migrate"]);
+    c.env("OUTBOX_DATABASE__NOTIFY", "true");
+    assert_eq!(run(c).status.code(), Some(0));
+    // Polls only once an hour: only a notification can make the relay see new events in time.
+    let mut c = outbox(&table, &["relay"]);
+    c.env("OUTBOX_DATABASE__NOTIFY", "true")
+        .env("OUTBOX_RELAY__POLL_INTERVAL", "1h")
+        .env("OUTBOX_RELAY__MIN_POLL_INTERVAL", "1h");
+    let mut relay = Running::start(c);
+    relay.wait_log(
+        "listening for outbox notifications",
+        Duration::from_secs(30),
+    );
+    relay.wait_log("relay started", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(300)); // the first (empty) poll is done
+    insert_plain(&table, "n-1", 2).await;
+    let lines = relay.wait_lines(2, Duration::from_secs(30));
+    assert_eq!(lines.len(), 2, "the notification woke the relay");
+    relay.signal("-INT");
+    assert_eq!(relay.wait_exit(Duration::from_secs(60)), 0);
+    // Switching notify off removes the trigger again.
+    assert_eq!(run(outbox(&table, &["migrate"])).status.code(), Some(0));
+    let pg = pool(1).await;
+    let triggers: i64 = sqlx::query("SELECT count(*) AS n FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace s ON s.oid = c.relnamespace WHERE s.nspname = $1 AND NOT t.tgisinternal")
+        .bind(table.schema()).fetch_one(&pg).await.unwrap().get("n");
+    assert_eq!(triggers, 0);
+}

@@ -1,0 +1,190 @@
+//! Helpers shared by the CLI tests: run the real `outbox` binary against the test servers.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_postgres::testing::{database_url, pool};
+use outbox_postgres::OutboxTable;
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_outbox")
+}
+
+pub fn workdir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("outbox-cli-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn example(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("config")
+        .join(name)
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A command with a clean environment: the test database, this table, no stray OUTBOX_* variables.
+pub fn outbox(table: &OutboxTable, args: &[&str]) -> Command {
+    let mut c = Command::new(bin());
+    c.args(args).current_dir(workdir());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTBOX_") {
+            c.env_remove(k);
+        }
+    }
+    c.env("DATABASE_URL", database_url())
+        .env("OUTBOX_DATABASE__SCHEMA", table.schema())
+        .env("OUTBOX_HTTP__ENABLED", "false")
+        .env("OUTBOX_LOG__FORMAT", "json")
+        .env_remove("RUST_LOG");
+    c
+}
+
+pub fn run(mut c: Command) -> Output {
+    c.output().unwrap()
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+pub fn http_get(port: u16, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    let status = body
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, body)
+}
+
+pub fn metric(body: &str, name: &str) -> f64 {
+    body.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(-1.0)
+}
+
+pub async fn insert_plain(table: &OutboxTable, aggregate: &str, n: usize) {
+    let pool = pool(2).await;
+    let sql = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', $1, 'order.created', $2)",
+        table.qualified()
+    );
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..n {
+        sqlx::query(&sql)
+            .bind(aggregate)
+            .bind(serde_json::json!({ "n": i }))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+/// A running `outbox relay` whose stdout lines are collected.
+pub struct Running {
+    pub child: Child,
+    pub lines: Arc<Mutex<Vec<String>>>,
+    pub logs: Arc<Mutex<Vec<String>>>,
+}
+
+impl Running {
+    pub fn start(mut c: Command) -> Running {
+        let mut child = c
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let out = child.stdout.take().unwrap();
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let err = child.stderr.take().unwrap();
+        let logs: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log_sink = logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("[relay] {line}");
+                log_sink.lock().unwrap().push(line);
+            }
+        });
+        Running { child, lines, logs }
+    }
+
+    pub fn wait_lines(&self, n: usize, timeout: Duration) -> Vec<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let got = self.lines.lock().unwrap().clone();
+            if got.len() >= n || Instant::now() > deadline {
+                return got;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until a log line contains `needle`.
+    pub fn wait_log(&self, needle: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.logs.lock().unwrap().iter().any(|l| l.contains(needle)) {
+            assert!(Instant::now() < deadline, "no log line with {needle:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+
+    /// Waits for the process to exit (at most `timeout`, then kills it and fails).
+    pub fn wait_exit(&mut self, timeout: Duration) -> i32 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code().unwrap_or(-1);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("the relay did not exit within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,180 @@
+//! Database settings for programs that wire the store from configuration (such as the `outbox` binary).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use outbox_core::{duration, Error};
+
+use crate::config::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
+use crate::store::Retention;
+
+/// The default database URL: the local server, as user `postgres`.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// Settings of the database side: where the outbox is and how it is kept.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// `postgres://user:password@host:port/database`. Default the local server as `postgres`
+    /// (`DATABASE_URL` overrides the file). The password is never logged.
+    pub url: String,
+    /// Connections in the pool. Each batch in flight holds one; give at least
+    /// `relay.max_in_flight + 2`. Default 8.
+    pub pool_size: u32,
+    /// Schema of the outbox table. Default `public`.
+    pub schema: String,
+    /// Outbox table. Default `outbox_events`.
+    pub table: String,
+    /// Keep published rows this long (then `outbox cleanup` removes them) instead of deleting them
+    /// at once. Default: unset, published rows are deleted.
+    #[serde(with = "optional_duration", skip_serializing_if = "Option::is_none")]
+    pub keep_processed_for: Option<Duration>,
+    /// Wake the relay with LISTEN/NOTIFY: `outbox migrate` installs a statement trigger that sends one
+    /// payload-free notification per inserting transaction. Costs the writers a server-wide lock
+    /// at commit (measured 3-5x fewer commits/s); polling stays on as the fallback. Default false.
+    pub notify: bool,
+    /// Time allowed to get a connection from the pool. Default 10 s.
+    #[serde(with = "duration::serde_str")]
+    pub acquire_timeout: Duration,
+}
+
+mod optional_duration {
+    use super::*;
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => duration::serde_str::serialize(d, s),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        duration::serde_str::deserialize(d).map(Some)
+    }
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: DEFAULT_DATABASE_URL.into(),
+            pool_size: 8,
+            schema: DEFAULT_SCHEMA.into(),
+            table: DEFAULT_TABLE.into(),
+            keep_processed_for: None,
+            notify: false,
+            acquire_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `url` with the password replaced by `***`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, tail) = match rest.find('/') {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{host}{tail}")
+        }
+        _ => url.to_string(),
+    }
+}
+
+impl std::fmt::Debug for DatabaseConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseConfig")
+            .field("url", &redact_url(&self.url))
+            .field("pool_size", &self.pool_size)
+            .field("schema", &self.schema)
+            .field("table", &self.table)
+            .field("keep_processed_for", &self.keep_processed_for)
+            .field("notify", &self.notify)
+            .field("acquire_timeout", &self.acquire_timeout)
+            .finish()
+    }
+}
+
+impl DatabaseConfig {
+    /// Checks the values; returns the validated table.
+    ///
+    /// # Errors
+    /// A config error naming the key (`database.<key>`), the value and what is expected.
+    pub fn validate(&self) -> Result<OutboxTable, Error> {
+        if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
+            return Err(Error::config(format!(
+                "database.url = {:?}: expected postgres://user[:password]@host[:port]/database",
+                redact_url(&self.url)
+            )));
+        }
+        if !(1..=1000).contains(&self.pool_size) {
+            return Err(Error::config(format!(
+                "database.pool_size = {}: expected 1 to 1000",
+                self.pool_size
+            )));
+        }
+        if self.acquire_timeout.is_zero() {
+            return Err(Error::config(
+                "database.acquire_timeout = 0s: expected a positive duration such as 10s",
+            ));
+        }
+        OutboxTable::new(&self.schema, &self.table)
+    }
+
+    /// What happens to published rows.
+    pub fn retention(&self) -> Retention {
+        if self.keep_processed_for.is_some() {
+            Retention::Keep
+        } else {
+            Retention::Delete
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_secrets_are_redacted() {
+        let c = DatabaseConfig {
+            url: "postgres://app:s3cret@db:5432/shop".into(),
+            ..DatabaseConfig::default()
+        };
+        assert!(c.validate().is_ok());
+        assert!(!format!("{c:?}").contains("s3cret"));
+        assert_eq!(redact_url(&c.url), "postgres://app:***@db:5432/shop");
+        assert_eq!(c.retention(), Retention::Delete);
+        let keep = DatabaseConfig {
+            keep_processed_for: Some(Duration::from_secs(3600)),
+            ..DatabaseConfig::default()
+        };
+        assert_eq!(keep.retention(), Retention::Keep);
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let bad = |c: DatabaseConfig| c.validate().unwrap_err().message().to_string();
+        assert!(bad(DatabaseConfig {
+            url: "mysql://x".into(),
+            ..DatabaseConfig::default()
+        })
+        .starts_with("database.url"));
+        assert!(bad(DatabaseConfig {
+            pool_size: 0,
+            ..DatabaseConfig::default()
+        })
+        .starts_with("database.pool_size"));
+        assert!(bad(DatabaseConfig {
+            table: "Bad-Name".into(),
+            ..DatabaseConfig::default()
+        })
+        .starts_with("database.table"));
+    }
+}
