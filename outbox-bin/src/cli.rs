@@ -351,18 +351,12 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
         });
     }
     info!(table = %table.qualified(), publisher = publisher.name(), "relay running; SIGTERM or Ctrl-C stops it");
-    let summary = relay.run(shutdown.clone()).await;
+    // The relay logs its own summary when it stops.
+    relay.run(shutdown.clone()).await;
     shutdown.cancel();
     if let Some(server) = server {
         let _ = server.await;
     }
-    info!(
-        published = summary.published,
-        retried = summary.retried,
-        dead_lettered = summary.dead_lettered,
-        aborted_batches = summary.aborted_batches,
-        "relay stopped"
-    );
     Ok(())
 }
 

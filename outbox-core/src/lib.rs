@@ -7,6 +7,7 @@ mod event;
 mod policy;
 mod ports;
 pub mod publishers;
+mod redact;
 mod relay;
 #[cfg(test)]
 mod relay_tests;
@@ -21,6 +22,7 @@ pub use ports::{
     Action, Batch, ClaimRequest, EventTypeStats, Lease, PublishOutcome, Publisher, Settlement,
     Store, StoreStats,
 };
+pub use redact::redact_url;
 pub use relay::{
     BatchReport, FailureDecision, NoopObserver, Relay, RelayConfig, RelayObserver, RelaySummary,
     Wake,

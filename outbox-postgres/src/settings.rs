@@ -69,23 +69,7 @@ impl Default for DatabaseConfig {
     }
 }
 
-/// `url` with the password replaced by `***`.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    let (authority, tail) = match rest.find('/') {
-        Some(i) => rest.split_at(i),
-        None => (rest, ""),
-    };
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) if userinfo.contains(':') => {
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}:***@{host}{tail}")
-        }
-        _ => url.to_string(),
-    }
-}
+pub use outbox_core::redact_url;
 
 impl std::fmt::Debug for DatabaseConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

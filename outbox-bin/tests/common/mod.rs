@@ -27,6 +27,18 @@ pub fn example(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// A table in a schema of its own (not yet migrated; `scripts/test-env.sh` drops these schemas).
+pub fn unmigrated_table() -> OutboxTable {
+    OutboxTable::new(
+        format!(
+            "outbox_t_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        ),
+        "outbox_events",
+    )
+    .unwrap()
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
