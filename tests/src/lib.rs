@@ -4,8 +4,63 @@
 //! This library holds the checker shared by the scenarios.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use outbox_core::testkit::sample_event;
+use outbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RelaySummary};
+use outbox_postgres::testing::pool;
+use outbox_postgres::{OutboxTable, PostgresStore, Writer};
+use tokio::task::JoinHandle;
 use uuid::Uuid;
+
+/// Commits `rounds` transactions, each with one event for every one of `aggregates` aggregates
+/// (`agg-0`, `agg-1`...), and returns `(aggregate, id)` in commit order.
+///
+/// # Panics
+/// When the database is unreachable or a write fails (this is test support).
+#[allow(clippy::unwrap_used)]
+pub async fn write_rounds(
+    table: &OutboxTable,
+    aggregates: usize,
+    rounds: usize,
+) -> Vec<(String, Uuid)> {
+    let pg = pool(2).await;
+    let writer = Writer::new(table.clone());
+    let mut committed = Vec::with_capacity(aggregates * rounds);
+    for n in 0..rounds {
+        let mut tx = pg.begin().await.unwrap();
+        let events: Vec<_> = (0..aggregates)
+            .map(|a| sample_event(&format!("agg-{a}"), n))
+            .collect();
+        committed.extend(events.iter().map(|e| (e.aggregate_id.clone(), e.id)));
+        writer.enqueue_many(&mut tx, events).await.unwrap();
+        writer.commit(tx).await.unwrap();
+    }
+    committed
+}
+
+/// Starts `relays` relays over `table`, each with a pool of its own (as separate processes would
+/// have), publishing through `publisher`; cancel the token to stop them.
+///
+/// # Panics
+/// When the configuration is invalid or the database unreachable (this is test support).
+#[allow(clippy::unwrap_used)]
+pub async fn spawn_relays(
+    table: &OutboxTable,
+    relays: usize,
+    publisher: Arc<dyn Publisher>,
+    config: RelayConfig,
+) -> (Vec<JoinHandle<RelaySummary>>, CancellationToken) {
+    let shutdown = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for _ in 0..relays {
+        let store = PostgresStore::new(pool(4).await, table.clone());
+        let relay = Relay::new(Arc::new(store), publisher.clone(), config.clone()).unwrap();
+        let s = shutdown.clone();
+        tasks.push(tokio::spawn(async move { relay.run(s).await }));
+    }
+    (tasks, shutdown)
+}
 
 /// What a checker found when comparing what was committed with what the broker received.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

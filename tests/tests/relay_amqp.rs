@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use outbox_amqp::testing::Fixture;
 use outbox_core::testkit::sample_event;
-use outbox_core::{CancellationToken, Relay, RelayConfig, Store};
+use outbox_core::{Relay, RelayConfig, Store};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{DeadLetterFilter, PostgresStore, Writer};
-use outbox_tests::check;
+use outbox_tests::{check, spawn_relays, write_rounds};
 use uuid::Uuid;
 
 fn config() -> RelayConfig {
@@ -26,25 +26,8 @@ async fn two_relays_deliver_everything_in_aggregate_order() {
     let pg = pool(8).await;
     let table = fresh_table(&pg).await;
     let fx = Fixture::new().await;
-    let writer = Writer::new(table.clone());
-    let mut committed = Vec::new();
-    for n in 0..10 {
-        let mut tx = pg.begin().await.unwrap();
-        let events: Vec<_> = (0..50)
-            .map(|a| sample_event(&format!("agg-{a}"), n))
-            .collect();
-        committed.extend(events.iter().map(|e| (e.aggregate_id.clone(), e.id)));
-        writer.enqueue_many(&mut tx, events).await.unwrap();
-        writer.commit(tx).await.unwrap();
-    }
-    let shutdown = CancellationToken::new();
-    let mut relays = Vec::new();
-    for _ in 0..2 {
-        let store = PostgresStore::new(pool(4).await, table.clone());
-        let relay = Relay::new(Arc::new(store), fx.publisher(), config()).unwrap();
-        let s = shutdown.clone();
-        relays.push(tokio::spawn(async move { relay.run(s).await }));
-    }
+    let committed = write_rounds(&table, 50, 10).await;
+    let (relays, shutdown) = spawn_relays(&table, 2, fx.publisher(), config()).await;
     let got = fx.wait_for(committed.len(), Duration::from_secs(60)).await;
     shutdown.cancel();
     for r in relays {

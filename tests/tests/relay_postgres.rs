@@ -8,7 +8,7 @@ use outbox_core::testkit::{sample_event, Behavior, EventStatus, ScriptedPublishe
 use outbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy, Store};
 use outbox_postgres::testing::{fresh_table, pool, PgTestStore};
 use outbox_postgres::{OutboxTable, PostgresStore, Writer};
-use outbox_tests::check;
+use outbox_tests::{check, write_rounds};
 use uuid::Uuid;
 
 fn fast_retry(max_attempts: u32) -> RetryPolicy {
@@ -30,25 +30,6 @@ fn relay_config(batch_size: usize) -> RelayConfig {
         retry: fast_retry(50),
         ..RelayConfig::default()
     }
-}
-
-/// Writes `aggregates x per` events, `per` transactions of one event per aggregate each.
-async fn write(table: &OutboxTable, aggregates: usize, per: usize) -> Vec<(String, Uuid)> {
-    let pool = pool(4).await;
-    let writer = Writer::new(table.clone());
-    let mut committed = Vec::new();
-    for n in 0..per {
-        let mut tx = pool.begin().await.unwrap();
-        let events: Vec<_> = (0..aggregates)
-            .map(|a| sample_event(&format!("agg-{a}"), n))
-            .collect();
-        for e in &events {
-            committed.push((e.aggregate_id.clone(), e.id));
-        }
-        writer.enqueue_many(&mut tx, events).await.unwrap();
-        writer.commit(tx).await.unwrap();
-    }
-    committed
 }
 
 async fn run_relays(
@@ -88,7 +69,7 @@ async fn run_relays(
 async fn concurrent_relays_keep_order(relays: usize) {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
-    let committed = write(&table, 200, 20).await;
+    let committed = write_rounds(&table, 200, 20).await;
     let publisher = ScriptedPublisher::new();
     // Random retryable failures on ~8% of the events (each fails once or twice, then succeeds).
     for (i, (_, id)) in committed.iter().enumerate() {
@@ -118,7 +99,7 @@ async fn four_relays_keep_per_aggregate_order() {
 async fn a_retryable_failure_delays_only_the_rest_of_its_aggregate() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
-    let committed = write(&table, 5, 4).await;
+    let committed = write_rounds(&table, 5, 4).await;
     // Event k = 1 of agg-2 fails retryably until the rule is cleared.
     let failing = committed
         .iter()
@@ -174,7 +155,7 @@ async fn a_retryable_failure_delays_only_the_rest_of_its_aggregate() {
 async fn exhausting_attempts_dead_letters_with_the_last_error() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
-    let committed = write(&table, 3, 2).await;
+    let committed = write_rounds(&table, 3, 2).await;
     let poisoned = committed[0].1;
     let publisher = ScriptedPublisher::new();
     publisher.on_event(poisoned, Behavior::FailRetryable);
@@ -214,7 +195,7 @@ async fn exhausting_attempts_dead_letters_with_the_last_error() {
 async fn a_relay_aborted_mid_batch_loses_nothing() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
-    let committed = write(&table, 10, 3).await;
+    let committed = write_rounds(&table, 10, 3).await;
     let slow = ScriptedPublisher::new();
     slow.set_latency(Duration::from_secs(3600));
     let store = PostgresStore::new(pool.clone(), table.clone());

@@ -1,0 +1,265 @@
+//! Settings of the Kafka publisher, with documented defaults.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use outbox_core::routing::Template;
+use outbox_core::{duration, Error};
+
+/// The default bootstrap servers: a local broker.
+pub const DEFAULT_BROKERS: &str = "127.0.0.1:9092";
+/// The default topic template, as Debezium's outbox router names topics.
+pub const DEFAULT_TOPIC: &str = "outbox.event.{aggregate_type}";
+
+/// Settings of [`crate::KafkaPublisher`].
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// Bootstrap servers, `host:port[,host:port]`. Default `127.0.0.1:9092`.
+    pub brokers: String,
+    /// Topic template over `{aggregate_type}`, `{aggregate_id}`, `{event_type}`. Default
+    /// `outbox.event.{aggregate_type}`. An event's own destination names its topic instead.
+    pub topic: String,
+    /// `acks`: `all` (default), `1` or `0`. Idempotence requires `all`.
+    pub acks: String,
+    /// Idempotent producer: no duplicates or reordering from producer retries. Default true.
+    pub idempotence: bool,
+    /// `max.in.flight.requests.per.connection`: at most 5 with idempotence (order kept). Default 5.
+    pub max_in_flight: u32,
+    /// `compression.type`: `none` (default), `gzip`, `snappy`, `lz4` or `zstd`.
+    pub compression: String,
+    /// `linger.ms`: time the producer waits to fill a batch. Default 5.
+    pub linger_ms: u32,
+    /// `message.max.bytes`: larger messages fail permanently, without being sent. Default 1000000.
+    pub message_max_bytes: usize,
+    /// `message.timeout.ms`: time a message may take to be acknowledged, retries included; then it
+    /// fails (retryably). Default 30 s.
+    #[serde(with = "duration::serde_str")]
+    pub delivery_timeout: Duration,
+    /// How long to wait for room in the producer's local queue before reporting back-pressure
+    /// (the relay then retries the event shortly, without counting an attempt). Default 5 s.
+    #[serde(with = "duration::serde_str")]
+    pub enqueue_timeout: Duration,
+    /// Any other librdkafka producer property, passed through as is: `security.protocol`,
+    /// `sasl.mechanisms`, `sasl.username`, `sasl.password`, `ssl.ca.location`... Values of keys that
+    /// look secret (`password`, `secret`, `key`) are never logged.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        KafkaConfig {
+            brokers: DEFAULT_BROKERS.into(),
+            topic: DEFAULT_TOPIC.into(),
+            acks: "all".into(),
+            idempotence: true,
+            max_in_flight: 5,
+            compression: "none".into(),
+            linger_ms: 5,
+            message_max_bytes: 1_000_000,
+            delivery_timeout: Duration::from_secs(30),
+            enqueue_timeout: Duration::from_secs(5),
+            properties: BTreeMap::new(),
+        }
+    }
+}
+
+/// True for property names whose values must not be shown.
+pub fn is_secret(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    k.contains("password")
+        || k.contains("secret")
+        || k.ends_with(".key")
+        || k.contains("key.pem")
+        || k.contains("token")
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let props: BTreeMap<&str, &str> = self
+            .properties
+            .iter()
+            .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("acks", &self.acks)
+            .field("idempotence", &self.idempotence)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("compression", &self.compression)
+            .field("linger_ms", &self.linger_ms)
+            .field("message_max_bytes", &self.message_max_bytes)
+            .field("delivery_timeout", &self.delivery_timeout)
+            .field("enqueue_timeout", &self.enqueue_timeout)
+            .field("properties", &props)
+            .finish()
+    }
+}
+
+/// Properties the dedicated keys own: setting them in `properties` is ambiguous.
+const OWNED: &[(&str, &str)] = &[
+    ("bootstrap.servers", "kafka.brokers"),
+    ("acks", "kafka.acks"),
+    ("enable.idempotence", "kafka.idempotence"),
+    (
+        "max.in.flight.requests.per.connection",
+        "kafka.max_in_flight",
+    ),
+    ("max.in.flight", "kafka.max_in_flight"),
+    ("compression.type", "kafka.compression"),
+    ("compression.codec", "kafka.compression"),
+    ("linger.ms", "kafka.linger_ms"),
+    ("message.max.bytes", "kafka.message_max_bytes"),
+    ("message.timeout.ms", "kafka.delivery_timeout"),
+    ("delivery.timeout.ms", "kafka.delivery_timeout"),
+];
+
+impl KafkaConfig {
+    /// Checks the values and parses the topic template.
+    ///
+    /// # Errors
+    /// A config error naming the key (`kafka.<key>`), the value and what is expected.
+    pub fn validate(&self) -> Result<Template, Error> {
+        if self.brokers.trim().is_empty() {
+            return Err(Error::config(
+                "kafka.brokers is empty: expected host:port[,host:port]",
+            ));
+        }
+        if !["all", "-1", "1", "0"].contains(&self.acks.as_str()) {
+            return Err(Error::config(format!(
+                "kafka.acks = {:?}: expected all, 1 or 0",
+                self.acks
+            )));
+        }
+        if self.idempotence && !["all", "-1"].contains(&self.acks.as_str()) {
+            return Err(Error::config(format!(
+                "kafka.acks = {:?} with kafka.idempotence = true: the idempotent producer needs acks = \"all\"",
+                self.acks
+            )));
+        }
+        if self.max_in_flight == 0 || (self.idempotence && self.max_in_flight > 5) {
+            return Err(Error::config(format!(
+                "kafka.max_in_flight = {}: expected 1 to 5 with the idempotent producer (more could reorder)",
+                self.max_in_flight
+            )));
+        }
+        if !["none", "gzip", "snappy", "lz4", "zstd"].contains(&self.compression.as_str()) {
+            return Err(Error::config(format!(
+                "kafka.compression = {:?}: expected none, gzip, snappy, lz4 or zstd",
+                self.compression
+            )));
+        }
+        if self.message_max_bytes < 1000 {
+            return Err(Error::config(format!(
+                "kafka.message_max_bytes = {}: expected at least 1000",
+                self.message_max_bytes
+            )));
+        }
+        if self.delivery_timeout < Duration::from_millis(100) || self.enqueue_timeout.is_zero() {
+            return Err(Error::config(
+                "kafka.delivery_timeout and kafka.enqueue_timeout must be positive durations (delivery_timeout at least 100ms)",
+            ));
+        }
+        for (key, owner) in OWNED {
+            if self.properties.contains_key(*key) {
+                return Err(Error::config(format!(
+                    "kafka.properties.\"{key}\" is set by {owner}: set it there instead"
+                )));
+            }
+        }
+        Template::parse("kafka.topic", &self.topic)
+    }
+
+    /// The librdkafka producer properties.
+    pub fn producer_properties(&self) -> BTreeMap<String, String> {
+        let mut p = self.properties.clone();
+        p.insert("bootstrap.servers".into(), self.brokers.clone());
+        p.insert("acks".into(), self.acks.clone());
+        p.insert("enable.idempotence".into(), self.idempotence.to_string());
+        p.insert(
+            "max.in.flight.requests.per.connection".into(),
+            self.max_in_flight.to_string(),
+        );
+        p.insert("compression.type".into(), self.compression.clone());
+        p.insert("linger.ms".into(), self.linger_ms.to_string());
+        p.insert(
+            "message.max.bytes".into(),
+            self.message_max_bytes.to_string(),
+        );
+        p.insert(
+            "message.timeout.ms".into(),
+            self.delivery_timeout.as_millis().to_string(),
+        );
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_never_show() {
+        let mut c = KafkaConfig::default();
+        c.properties
+            .insert("sasl.password".into(), "hunter2".into());
+        c.properties.insert("ssl.key.password".into(), "k3y".into());
+        c.properties.insert("sasl.username".into(), "relay".into());
+        let d = format!("{c:?}");
+        assert!(!d.contains("hunter2") && !d.contains("k3y"), "{d}");
+        assert!(d.contains("relay"));
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let bad = |c: KafkaConfig| c.validate().unwrap_err().message().to_string();
+        assert!(bad(KafkaConfig {
+            acks: "1".into(),
+            ..KafkaConfig::default()
+        })
+        .contains("idempotent producer needs acks"));
+        assert!(bad(KafkaConfig {
+            max_in_flight: 6,
+            ..KafkaConfig::default()
+        })
+        .starts_with("kafka.max_in_flight"));
+        assert!(bad(KafkaConfig {
+            compression: "brotli".into(),
+            ..KafkaConfig::default()
+        })
+        .starts_with("kafka.compression"));
+        assert!(bad(KafkaConfig {
+            topic: "{oops}".into(),
+            ..KafkaConfig::default()
+        })
+        .starts_with("kafka.topic"));
+        let mut c = KafkaConfig::default();
+        c.properties.insert("linger.ms".into(), "1".into());
+        assert!(bad(c).contains("kafka.linger_ms"));
+        assert!(KafkaConfig {
+            acks: "1".into(),
+            idempotence: false,
+            ..KafkaConfig::default()
+        }
+        .validate()
+        .is_ok());
+    }
+
+    #[test]
+    fn producer_properties_carry_the_settings() {
+        let mut c = KafkaConfig {
+            compression: "zstd".into(),
+            ..KafkaConfig::default()
+        };
+        c.properties
+            .insert("security.protocol".into(), "SASL_SSL".into());
+        let p = c.producer_properties();
+        assert_eq!(p["enable.idempotence"], "true");
+        assert_eq!(p["compression.type"], "zstd");
+        assert_eq!(p["message.timeout.ms"], "30000");
+        assert_eq!(p["security.protocol"], "SASL_SSL");
+    }
+}

@@ -1,0 +1,122 @@
+//! Classification of Kafka errors into the toolkit's error model.
+
+use outbox_core::{Error, ErrorKind};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
+
+/// How a librdkafka / broker error code is classified: kind, and whether retrying may help.
+///
+/// The local queue being full is back-pressure (the relay retries without counting an attempt).
+/// Transport, timeout and leadership errors are temporary. Problems of the message or its topic
+/// (too large, invalid topic, not authorised, rejected by policy) are permanent.
+pub fn classify_code(code: Code) -> (ErrorKind, bool) {
+    match code {
+        Code::QueueFull => (ErrorKind::Backpressure, true),
+        Code::BrokerTransportFailure
+        | Code::AllBrokersDown
+        | Code::Resolve
+        | Code::NetworkException => (ErrorKind::Connection, true),
+        Code::MessageTimedOut
+        | Code::RequestTimedOut
+        | Code::OperationTimedOut
+        | Code::TimedOutQueue => (ErrorKind::Timeout, true),
+        Code::NotLeaderForPartition
+        | Code::LeaderNotAvailable
+        | Code::PreferredLeaderNotAvailable
+        | Code::NotEnoughReplicas
+        | Code::NotEnoughReplicasAfterAppend
+        | Code::UnknownTopicOrPartition
+        | Code::UnknownTopic
+        | Code::UnknownPartition
+        | Code::OutOfOrderSequenceNumber
+        | Code::ISRInsufficient
+        | Code::Retry
+        | Code::PurgeQueue
+        | Code::PurgeInflight => (ErrorKind::Rejected, true),
+        Code::MessageSizeTooLarge | Code::MessageBatchTooLarge => {
+            (ErrorKind::PayloadTooLarge, false)
+        }
+        Code::InvalidTopic => (ErrorKind::DestinationNotFound, false),
+        Code::TopicAuthorizationFailed | Code::ClusterAuthorizationFailed => {
+            (ErrorKind::PermissionDenied, false)
+        }
+        Code::SaslAuthenticationFailed | Code::Authentication => {
+            (ErrorKind::PermissionDenied, true)
+        }
+        Code::InvalidMessage
+        | Code::InvalidRecord
+        | Code::PolicyViolation
+        | Code::BadMessage
+        | Code::InvalidArgument => (ErrorKind::InvalidInput, false),
+        _ => (ErrorKind::Unexpected, true),
+    }
+}
+
+/// Maps a Kafka error to the toolkit's error.
+pub fn map_kafka(operation: &'static str, err: KafkaError) -> Error {
+    let (kind, retryable) = match err.rdkafka_error_code() {
+        Some(code) => classify_code(code),
+        None => match err {
+            KafkaError::Canceled => (ErrorKind::Connection, true),
+            KafkaError::ClientConfig(..) | KafkaError::ClientCreation(_) => {
+                (ErrorKind::Config, false)
+            }
+            _ => (ErrorKind::Unexpected, true),
+        },
+    };
+    let e = Error::new(kind, format!("Kafka {operation} failed"))
+        .with_context("adapter", "kafka")
+        .with_source(err);
+    if retryable {
+        e.temporary()
+    } else {
+        e.permanent()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_table() {
+        let cases = [
+            (Code::QueueFull, ErrorKind::Backpressure, true),
+            (Code::BrokerTransportFailure, ErrorKind::Connection, true),
+            (Code::AllBrokersDown, ErrorKind::Connection, true),
+            (Code::MessageTimedOut, ErrorKind::Timeout, true),
+            (Code::RequestTimedOut, ErrorKind::Timeout, true),
+            (Code::NotLeaderForPartition, ErrorKind::Rejected, true),
+            (Code::LeaderNotAvailable, ErrorKind::Rejected, true),
+            (Code::UnknownTopicOrPartition, ErrorKind::Rejected, true),
+            (Code::MessageSizeTooLarge, ErrorKind::PayloadTooLarge, false),
+            (Code::InvalidTopic, ErrorKind::DestinationNotFound, false),
+            (
+                Code::TopicAuthorizationFailed,
+                ErrorKind::PermissionDenied,
+                false,
+            ),
+            (
+                Code::ClusterAuthorizationFailed,
+                ErrorKind::PermissionDenied,
+                false,
+            ),
+            (Code::PolicyViolation, ErrorKind::InvalidInput, false),
+            (Code::Fatal, ErrorKind::Unexpected, true),
+        ];
+        for (code, kind, retry) in cases {
+            assert_eq!(classify_code(code), (kind, retry), "{code:?}");
+        }
+    }
+
+    #[test]
+    fn wrapped_errors_keep_their_cause() {
+        let e = map_kafka(
+            "produce",
+            KafkaError::MessageProduction(Code::MessageSizeTooLarge),
+        );
+        assert_eq!(e.kind(), ErrorKind::PayloadTooLarge);
+        assert!(!e.is_retryable());
+        assert!(e.to_string().contains("Message production error"), "{e}");
+        assert_eq!(e.context_value("adapter"), Some("kafka"));
+    }
+}

@@ -1,0 +1,336 @@
+//! The Kafka publisher: a batch is enqueued to the producer at once; each outcome comes from the
+//! event's own delivery report.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::join_all;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use std::sync::atomic::{AtomicU32, Ordering};
+use tokio::time::Instant;
+use tracing::{error, warn};
+
+use outbox_core::routing::Template;
+use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
+
+use crate::config::KafkaConfig;
+use crate::error::map_kafka;
+
+/// Longest legal Kafka topic name.
+const MAX_TOPIC_LEN: usize = 249;
+
+/// Publishes events to Kafka.
+///
+/// - Key = aggregate id, so one aggregate stays on one partition, in order; value = payload.
+/// - Headers: `outbox-event-id`, `outbox-event-type`, `outbox-aggregate-type`, `content-type` and
+///   every event header (`traceparent` included). Record timestamp = event creation time.
+/// - Topic: the [`KafkaConfig::topic`] template, or the event's own destination.
+/// - The idempotent producer (on by default, at most 5 requests in flight) keeps per-partition order
+///   through retries. A full local queue is waited out up to `enqueue_timeout`, then reported as
+///   back-pressure (no attempt counted).
+pub struct KafkaPublisher {
+    producer: std::sync::Mutex<FutureProducer>,
+    topic: Template,
+    config: KafkaConfig,
+    /// Publish calls in a row whose every delivery timed out.
+    stalled_batches: AtomicU32,
+}
+
+impl std::fmt::Debug for KafkaPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks a topic name as Kafka does: 1 to 249 characters of `a-z A-Z 0-9 . _ -`, not `.` or `..`.
+pub fn check_topic(topic: &str) -> Result<(), Error> {
+    let legal = !topic.is_empty()
+        && topic.len() <= MAX_TOPIC_LEN
+        && topic != "."
+        && topic != ".."
+        && topic
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '_' || c == '-');
+    if legal {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::DestinationNotFound,
+            format!(
+                "{topic:?} is not a legal Kafka topic name: expected 1 to {MAX_TOPIC_LEN} characters of a-z, A-Z, 0-9, '.', '_' and '-'"
+            ),
+        )
+        .with_context("adapter", "kafka"))
+    }
+}
+
+fn headers(event: &Event) -> OwnedHeaders {
+    let id = event.id.to_string();
+    let mut h = OwnedHeaders::new_with_capacity(event.headers.len() + 4)
+        .insert(Header {
+            key: header::EVENT_ID,
+            value: Some(id.as_str()),
+        })
+        .insert(Header {
+            key: header::EVENT_TYPE,
+            value: Some(event.event_type.as_str()),
+        })
+        .insert(Header {
+            key: header::AGGREGATE_TYPE,
+            value: Some(event.aggregate_type.as_str()),
+        })
+        .insert(Header {
+            key: header::CONTENT_TYPE,
+            value: Some(event.content_type.as_str()),
+        });
+    for (k, v) in &event.headers {
+        h = h.insert(Header {
+            key: k.as_str(),
+            value: Some(v.as_str()),
+        });
+    }
+    h
+}
+
+fn create_producer(config: &KafkaConfig) -> Result<FutureProducer, Error> {
+    let mut client = ClientConfig::new();
+    for (k, v) in config.producer_properties() {
+        client.set(k, v);
+    }
+    client.create().map_err(|e| {
+        Error::config(format!(
+            "kafka: the producer cannot be created with these settings: {e} (check kafka.properties)"
+        ))
+    })
+}
+
+impl KafkaPublisher {
+    /// A publisher with `config`. The producer connects in the background.
+    ///
+    /// # Errors
+    /// A config error naming the key when `config` does not validate or librdkafka refuses a property.
+    pub fn new(config: KafkaConfig) -> Result<Self, Error> {
+        let topic = config.validate()?;
+        let producer = create_producer(&config)?;
+        Ok(KafkaPublisher {
+            producer: std::sync::Mutex::new(producer),
+            topic,
+            config,
+            stalled_batches: AtomicU32::new(0),
+        })
+    }
+
+    fn producer(&self) -> FutureProducer {
+        match self.producer.lock() {
+            Ok(p) => p.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Replaces the producer when it cannot make progress: librdkafka declared it failed for good, or
+    /// two batches in a row timed out entirely while the brokers answer metadata requests (an
+    /// idempotent producer whose broker lost its producer state waits forever). Unacknowledged events
+    /// were reported as failures, so nothing is lost; a new producer starts a new idempotence session.
+    async fn recover(&self, producer: &FutureProducer, all_timed_out: bool) {
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            error!(code = ?code, reason = %reason, "the Kafka producer failed fatally; creating a new one");
+            self.replace_producer();
+            return;
+        }
+        if !all_timed_out {
+            self.stalled_batches.store(0, Ordering::Relaxed);
+            return;
+        }
+        if self.stalled_batches.fetch_add(1, Ordering::Relaxed) + 1 < 2 {
+            return;
+        }
+        if self.check().await.is_ok() {
+            warn!(
+                "the Kafka producer makes no progress while the brokers answer; creating a new one"
+            );
+            self.stalled_batches.store(0, Ordering::Relaxed);
+            self.replace_producer();
+        }
+    }
+
+    fn replace_producer(&self) {
+        match create_producer(&self.config) {
+            Ok(fresh) => {
+                if let Ok(mut p) = self.producer.lock() {
+                    *p = fresh;
+                }
+            }
+            Err(e) => error!(error = %e, "cannot create a new Kafka producer"),
+        }
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.config
+    }
+
+    /// Waits until every message handed to the producer is acknowledged or failed (at most `timeout`).
+    ///
+    /// # Errors
+    /// A timeout error when messages are still in flight at the end.
+    pub async fn flush(&self, timeout: Duration) -> Result<(), Error> {
+        let producer = self.producer();
+        tokio::task::spawn_blocking(move || producer.flush(timeout))
+            .await
+            .map_err(|e| Error::new(ErrorKind::Unexpected, format!("flush task failed: {e}")))?
+            .map_err(|e| map_kafka("flush", e))
+    }
+}
+
+#[async_trait]
+impl Publisher for KafkaPublisher {
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        let producer = self.producer();
+        let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
+        let mut fenced: HashSet<(&str, &str)> = HashSet::new();
+        let mut pending = Vec::with_capacity(events.len());
+        for (i, event) in events.iter().enumerate() {
+            let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+            if fenced.contains(&key) {
+                outcomes[i] = Some(Err(Error::new(
+                    ErrorKind::Rejected,
+                    "not sent: an earlier event of the aggregate failed in this batch",
+                )
+                .with_context("adapter", "kafka")));
+                continue;
+            }
+            let topic = self.topic.destination(event);
+            if let Err(e) = check_topic(&topic) {
+                outcomes[i] = Some(Err(e.with_context("event_id", event.id)));
+                fenced.insert(key);
+                continue;
+            }
+            let mut record = FutureRecord::to(&topic)
+                .key(event.aggregate_id.as_bytes())
+                .payload(event.payload.as_slice())
+                .headers(headers(event))
+                .timestamp(event.created_at.timestamp_millis());
+            let started = Instant::now();
+            loop {
+                match producer.send_result(record) {
+                    Ok(delivery) => {
+                        pending.push((i, delivery));
+                        break;
+                    }
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                        if started.elapsed() < self.config.enqueue_timeout =>
+                    {
+                        // Back-pressure: librdkafka's background thread drains the queue.
+                        record = back;
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    Err((e, _)) => {
+                        outcomes[i] = Some(Err(
+                            map_kafka("produce", e).with_context("event_id", event.id)
+                        ));
+                        fenced.insert(key);
+                        break;
+                    }
+                }
+            }
+        }
+        let indexes: Vec<usize> = pending.iter().map(|(i, _)| *i).collect();
+        let reports = join_all(pending.into_iter().map(|(_, d)| d));
+        // librdkafka bounds every message by message.timeout.ms; the margin covers the report's trip.
+        let limit = self.config.delivery_timeout + Duration::from_secs(5);
+        match tokio::time::timeout(limit, reports).await {
+            Ok(results) => {
+                for (i, r) in indexes.into_iter().zip(results) {
+                    outcomes[i] = Some(match r {
+                        Ok(Ok(_delivery)) => Ok(()),
+                        Ok(Err((e, _message))) => {
+                            Err(map_kafka("delivery", e).with_context("event_id", events[i].id))
+                        }
+                        Err(_canceled) => Err(Error::new(
+                            ErrorKind::Connection,
+                            "the producer dropped the delivery report",
+                        )
+                        .with_context("adapter", "kafka")
+                        .with_context("event_id", events[i].id)),
+                    });
+                }
+            }
+            Err(_) => {
+                let e = Error::new(
+                    ErrorKind::Timeout,
+                    "no delivery report within kafka.delivery_timeout",
+                )
+                .with_context("adapter", "kafka");
+                for i in indexes {
+                    outcomes[i] = Some(Err(e.clone()));
+                }
+            }
+        }
+        let all_timed_out = !outcomes.is_empty()
+            && outcomes
+                .iter()
+                .all(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout));
+        self.recover(&producer, all_timed_out).await;
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| {
+                    Err(Error::new(ErrorKind::Unexpected, "no outcome recorded").temporary())
+                })
+            })
+            .collect()
+    }
+
+    async fn check(&self) -> Result<(), Error> {
+        let producer = self.producer();
+        let timeout = self.config.delivery_timeout.min(Duration::from_secs(10));
+        tokio::task::spawn_blocking(move || {
+            producer.client().fetch_metadata(None, timeout).map(|_| ())
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Unexpected, format!("metadata task failed: {e}")))?
+        .map_err(|e| {
+            let base = map_kafka("metadata request", e);
+            Error::new(
+                ErrorKind::Connection,
+                format!("the Kafka brokers at {} do not answer", self.config.brokers),
+            )
+            .with_context("adapter", "kafka")
+            .with_source(base)
+        })
+    }
+
+    fn name(&self) -> &str {
+        "kafka"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_names_are_checked() {
+        assert!(check_topic("outbox.event.order").is_ok());
+        assert!(check_topic("Orders_v2-eu").is_ok());
+        for bad in [
+            "",
+            ".",
+            "..",
+            "has space",
+            "slash/topic",
+            "ünïcode",
+            &"x".repeat(250),
+        ] {
+            let e = check_topic(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::DestinationNotFound);
+            assert!(!e.is_retryable());
+        }
+    }
+}

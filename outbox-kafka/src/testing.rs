@@ -1,0 +1,185 @@
+//! Helpers for tests against a real Kafka-protocol broker (feature `test-utils`): a topic of its own,
+//! a consumer that reads it from the beginning, and the Publisher conformance fixture.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+use outbox_core::testkit::{PublisherFixture, Received};
+use outbox_core::Publisher;
+
+use crate::{KafkaConfig, KafkaPublisher};
+
+/// `KAFKA_BROKERS`, or the local broker.
+pub fn brokers() -> String {
+    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| crate::DEFAULT_BROKERS.to_string())
+}
+
+fn unreachable(e: impl std::fmt::Display) -> ! {
+    panic!(
+        "a Kafka-protocol broker is required for this test and is unreachable at {}: {e}\n\
+         Start one with `bash scripts/test-env.sh` (it installs and starts Tansu on 127.0.0.1:9092), \
+         or point KAFKA_BROKERS at a running broker.",
+        brokers()
+    )
+}
+
+/// A message as the consumer saw it.
+#[derive(Debug, Clone)]
+pub struct Delivered {
+    pub received: Received,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+}
+
+/// A topic of its own with `partitions` partitions, consumed from the beginning in the background.
+pub struct Fixture {
+    pub topic: String,
+    pub partitions: i32,
+    pub got: Arc<Mutex<Vec<Delivered>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Fixture {
+    pub async fn new(partitions: i32) -> Fixture {
+        let topic = format!("outbox.test.{}", uuid::Uuid::new_v4().simple());
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .create()
+            .unwrap_or_else(|e| unreachable(e));
+        let created = admin
+            .create_topics(
+                &[NewTopic::new(
+                    &topic,
+                    partitions,
+                    TopicReplication::Fixed(1),
+                )],
+                &AdminOptions::new()
+                    .operation_timeout(Some(Duration::from_secs(10)))
+                    .request_timeout(Some(Duration::from_secs(10))),
+            )
+            .await
+            .unwrap_or_else(|e| unreachable(e));
+        for r in created {
+            if let Err((t, code)) = r {
+                panic!("cannot create topic {t}: {code:?}");
+            }
+        }
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set(
+                "group.id",
+                format!("outbox-test-{}", uuid::Uuid::new_v4().simple()),
+            )
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .unwrap_or_else(|e| unreachable(e));
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition_offset(&topic, p, Offset::Beginning)
+                .unwrap();
+        }
+        consumer.assign(&tpl).unwrap();
+        let got: Arc<Mutex<Vec<Delivered>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sink, halt) = (got.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !halt.load(Ordering::SeqCst) {
+                let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) else {
+                    continue;
+                };
+                let mut headers = BTreeMap::new();
+                if let Some(h) = m.headers() {
+                    for header in h.iter() {
+                        let value = header
+                            .value
+                            .map(|v| String::from_utf8_lossy(v).into_owned())
+                            .unwrap_or_default();
+                        headers.insert(header.key.to_string(), value);
+                    }
+                }
+                let key = m.key().map(<[u8]>::to_vec);
+                let received = Received {
+                    event_id: headers
+                        .get(outbox_core::header::EVENT_ID)
+                        .and_then(|v| v.parse().ok()),
+                    aggregate_id: key
+                        .as_ref()
+                        .map(|k| String::from_utf8_lossy(k).into_owned()),
+                    event_type: headers.get(outbox_core::header::EVENT_TYPE).cloned(),
+                    payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                    headers,
+                    destination: m.topic().to_string(),
+                };
+                sink.lock().unwrap().push(Delivered {
+                    received,
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key,
+                });
+            }
+        });
+        Fixture {
+            topic,
+            partitions,
+            got,
+            stop,
+        }
+    }
+
+    pub fn config(&self) -> KafkaConfig {
+        KafkaConfig {
+            brokers: brokers(),
+            topic: self.topic.clone(),
+            ..KafkaConfig::default()
+        }
+    }
+
+    pub fn publisher(&self) -> Arc<KafkaPublisher> {
+        Arc::new(KafkaPublisher::new(self.config()).unwrap())
+    }
+
+    pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let got = self.got.lock().unwrap().clone();
+            if got.len() >= count || tokio::time::Instant::now() >= deadline {
+                return got;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[async_trait]
+impl PublisherFixture for Fixture {
+    async fn publisher(&self) -> Arc<dyn Publisher> {
+        Fixture::publisher(self)
+    }
+
+    async fn receive(&self, count: usize, timeout: Duration) -> Vec<Received> {
+        self.wait_for(count, timeout)
+            .await
+            .into_iter()
+            .map(|d| d.received)
+            .collect()
+    }
+}
