@@ -257,7 +257,7 @@ async fn store(config: &Config, table: OutboxTable) -> Result<PostgresStore, Fai
 ///
 /// # Errors
 /// A config error when the publisher's settings do not validate or it is not in this build.
-pub fn build_publisher(config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+pub async fn build_publisher(config: &Config) -> Result<Arc<dyn Publisher>, Error> {
     match config.publisher.kind {
         PublisherType::Stdout => Ok(Arc::new(JsonLinesPublisher::stdout())),
         #[cfg(feature = "amqp")]
@@ -268,7 +268,12 @@ pub fn build_publisher(config: &Config) -> Result<Arc<dyn Publisher>, Error> {
         PublisherType::Kafka => Ok(Arc::new(outbox_kafka::KafkaPublisher::new(
             config.kafka.clone(),
         )?)),
-        // Refused by `Config::validate` already; kept total for safety.
+        #[cfg(feature = "sqs")]
+        PublisherType::Sqs => Ok(Arc::new(
+            outbox_sqs::SqsPublisher::new(config.sqs.clone()).await?,
+        )),
+        // Refused by `Config::validate` already (adapters missing from this build).
+        #[allow(unreachable_patterns)]
         _ => Err(Error::config(format!(
             "publisher.type = {:?} is not available in this build; expected one of {}",
             config.publisher.kind,
@@ -305,7 +310,7 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     let pg = store(&config, table.clone()).await?;
     pg.check().await?;
     let store: Arc<dyn Store> = Arc::new(pg.clone());
-    let publisher = build_publisher(&config)?;
+    let publisher = build_publisher(&config).await?;
     let metrics = Arc::new(Metrics::new());
     let relay = Relay::new(store.clone(), publisher.clone(), config.relay.clone())?
         .with_observer(metrics.clone());
@@ -546,7 +551,7 @@ async fn cmd_publish_test(
     aggregate_type: String,
     destination: Option<String>,
 ) -> Result<(), Failure> {
-    let publisher = build_publisher(config)?;
+    let publisher = build_publisher(config).await?;
     let sent_at = chrono::Utc::now();
     let mut new = NewEvent::new(
         aggregate_type,

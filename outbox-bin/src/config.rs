@@ -30,7 +30,7 @@ pub enum PublisherType {
     Amqp,
     /// Kafka, settings in `[kafka]`.
     Kafka,
-    /// Amazon SQS (not in this build).
+    /// Amazon SQS, settings in `[sqs]`.
     Sqs,
 }
 
@@ -124,7 +124,11 @@ pub struct Config {
     #[cfg(not(feature = "kafka"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kafka: Option<Value>,
-    /// `[sqs]`: not in this build.
+    /// `[sqs]`: SQS settings, used when `publisher.type = "sqs"`.
+    #[cfg(feature = "sqs")]
+    pub sqs: outbox_sqs::SqsConfig,
+    /// `[sqs]` in a build without SQS support: accepted, then refused if selected.
+    #[cfg(not(feature = "sqs"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sqs: Option<Value>,
     /// `[http]`.
@@ -251,6 +255,9 @@ impl Config {
             PublisherType::Kafka => self.kafka.validate().map(|_| ()),
             #[cfg(not(feature = "kafka"))]
             PublisherType::Kafka => Err(not_built("kafka")),
+            #[cfg(feature = "sqs")]
+            PublisherType::Sqs => self.sqs.validate().map(|_| ()),
+            #[cfg(not(feature = "sqs"))]
             PublisherType::Sqs => Err(not_built("sqs")),
         }
     }
@@ -273,6 +280,8 @@ impl Config {
     }
 }
 
+// Used by builds without some adapter.
+#[allow(dead_code)]
 fn not_built(name: &str) -> Error {
     Error::config(format!(
         "publisher.type = \"{name}\": this outbox binary was built without the `{name}` feature; expected one of {}",
@@ -288,6 +297,9 @@ pub fn available_publishers() -> Vec<&'static str> {
     }
     if cfg!(feature = "kafka") {
         v.push("kafka");
+    }
+    if cfg!(feature = "sqs") {
+        v.push("sqs");
     }
     v
 }
@@ -470,10 +482,23 @@ mod tests {
             e.contains("publisher.type") && e.contains("unknown variant"),
             "{e}"
         );
-        let e = load_str("[publisher]\ntype = \"sqs\"\n", &[])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("built without the `sqs` feature"), "{e}");
+        #[cfg(not(feature = "sqs"))]
+        {
+            let e = load_str("[publisher]\ntype = \"sqs\"\n", &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("built without the `sqs` feature"), "{e}");
+        }
+        let e = load_str(
+            "[publisher]\ntype = \"sqs\"\n[sqs]\nmax_message_bytes = 1\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("sqs.max_message_bytes") || e.contains("built without the `sqs` feature"),
+            "{e}"
+        );
         let e = load_str("not toml = = 1", &[]).unwrap_err().to_string();
         assert!(e.contains("is not valid TOML"), "{e}");
         let e = Config::load(Some(Path::new("/nonexistent/outbox.toml")), Vec::new())

@@ -34,7 +34,7 @@ fn help_teaches_and_usage_errors_exit_2() {
 
 #[test]
 fn example_configs_load() {
-    for name in ["stdout.toml", "amqp.toml", "kafka.toml"] {
+    for name in ["stdout.toml", "amqp.toml", "kafka.toml", "sqs.toml"] {
         let out = Command::new(bin())
             .args(["--config", example(name).to_str().unwrap(), "config"])
             .current_dir(workdir())
