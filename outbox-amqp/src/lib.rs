@@ -10,4 +10,4 @@ pub use config::{
     redact_url, AmqpConfig, ExchangeType, DEFAULT_EXCHANGE, DEFAULT_ROUTING_KEY, DEFAULT_URL,
 };
 pub use error::{classify_reply_code, map_lapin};
-pub use publisher::AmqpPublisher;
+pub use publisher::{event_id, AmqpPublisher};

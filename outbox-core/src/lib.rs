@@ -14,6 +14,8 @@ mod relay_tests;
 pub mod routing;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testkit;
+#[cfg(feature = "opentelemetry")]
+pub mod trace;
 
 pub use error::{Error, ErrorKind, ErrorStatus, Result};
 pub use event::{header, Event, NewEvent, Payload, JSON_CONTENT_TYPE};

@@ -490,12 +490,15 @@ async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphore
     let Batch { events, lease } = batch;
     let cfg = &shared.config;
     let started = Instant::now();
-    let outcomes = match tokio::time::timeout(
-        cfg.publish_timeout,
-        shared.publisher.publish(&events),
-    )
-    .await
-    {
+    let publish_span = tracing::info_span!(
+        "outbox.publish",
+        publisher = shared.publisher.name(),
+        events = events.len()
+    );
+    #[cfg(feature = "opentelemetry")]
+    crate::trace::link_events(&publish_span, &events);
+    let publishing = shared.publisher.publish(&events).instrument(publish_span);
+    let outcomes = match tokio::time::timeout(cfg.publish_timeout, publishing).await {
         Ok(outcomes) if outcomes.len() == events.len() => outcomes,
         Ok(outcomes) => {
             let e = Error::new(

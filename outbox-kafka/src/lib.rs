@@ -8,4 +8,4 @@ pub mod testing;
 
 pub use config::{is_secret, KafkaConfig, DEFAULT_BROKERS, DEFAULT_TOPIC};
 pub use error::{classify_code, map_kafka};
-pub use publisher::{check_topic, KafkaPublisher};
+pub use publisher::{check_topic, event_id, KafkaPublisher};

@@ -2,6 +2,7 @@
 
 mod config;
 mod error;
+mod inbox;
 pub mod migrate;
 pub mod notify;
 mod settings;
@@ -12,6 +13,7 @@ mod writer;
 
 pub use config::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use error::{classify_sqlstate, map_sqlx};
+pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATOR};
 pub use migrate::{migrate, schema_sql};
 pub use settings::{redact_url, DatabaseConfig, DEFAULT_DATABASE_URL};
 pub use store::{DeadLetter, DeadLetterFilter, PostgresStore, Retention};

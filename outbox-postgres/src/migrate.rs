@@ -32,18 +32,30 @@ pub struct RenderedMigration {
 /// table, `outbox_dead_letters` the qualified view, and `outbox_events_<suffix>` (index names) becomes
 /// `<table>_<suffix>`.
 pub fn render_sql(sql: &str, table: &OutboxTable) -> String {
+    render_names(sql, "outbox_events", Some("outbox_dead_letters"), table)
+}
+
+/// Replaces `default` (the table as written in a migration file) with `table`'s qualified name,
+/// `<default>_<suffix>` with `<table>_<suffix>`, and `view` (if any) with the table's dead-letters view.
+pub(crate) fn render_names(
+    sql: &str,
+    default: &str,
+    view: Option<&str>,
+    table: &OutboxTable,
+) -> String {
+    let prefix = format!("{default}_");
     let mut out = String::with_capacity(sql.len() + 64);
     let mut word = String::new();
     let flush = |word: &mut String, out: &mut String| {
-        if word == "outbox_events" {
+        if word == default {
             out.push_str(&table.qualified());
-        } else if word == "outbox_dead_letters" {
+        } else if Some(word.as_str()) == view {
             out.push_str(&format!(
                 "\"{}\".\"{}\"",
                 table.schema(),
                 table.dead_letters_view()
             ));
-        } else if let Some(rest) = word.strip_prefix("outbox_events_") {
+        } else if let Some(rest) = word.strip_prefix(prefix.as_str()) {
             out.push_str(&format!("\"{}_{rest}\"", table.table()));
         } else {
             out.push_str(word);
@@ -102,6 +114,15 @@ fn checksum(sql: &str) -> String {
 /// # Errors
 /// A database error, or [`ErrorKind::Config`] when an applied migration differs from the embedded one.
 pub async fn migrate(pool: &PgPool, table: &OutboxTable) -> Result<Vec<i64>, Error> {
+    apply(pool, table, rendered(table)).await
+}
+
+/// Applies `migrations` (rendered for `table`) that `<table>_migrations` does not list yet.
+pub(crate) async fn apply(
+    pool: &PgPool,
+    table: &OutboxTable,
+    migrations: Vec<RenderedMigration>,
+) -> Result<Vec<i64>, Error> {
     let mut tx = pool.begin().await.map_err(|e| map_sqlx("migrate", e))?;
     let lock_key = format!("outbox-migrate:{}", table.qualified());
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
@@ -130,7 +151,7 @@ pub async fn migrate(pool: &PgPool, table: &OutboxTable) -> Result<Vec<i64>, Err
             .await
             .map_err(|e| map_sqlx("migrate", e))?;
     let mut done = Vec::new();
-    for m in rendered(table) {
+    for m in migrations {
         let sum = checksum(&m.sql);
         if let Some((_, old)) = applied.iter().find(|(v, _)| *v == m.version) {
             if *old != sum {

@@ -92,6 +92,12 @@ impl Writer {
         let mut headers = Vec::with_capacity(n);
         let mut destinations = Vec::with_capacity(n);
         for e in events {
+            #[cfg(feature = "opentelemetry")]
+            let e = {
+                let mut e = e;
+                outbox_core::trace::inject_current(&mut e.headers);
+                e
+            };
             e.validate()?;
             ids.push(e.id);
             content_types.push(e.payload.content_type().to_string());

@@ -9,6 +9,6 @@ pub mod testing;
 pub use config::{SqsConfig, DEFAULT_QUEUE, SQS_MAX_BYTES};
 pub use error::{classify_code, map_sdk};
 pub use publisher::{
-    https_client, message_group_id, SqsPublisher, DELAY_HEADER, ENCODING, FOLDED_HEADERS,
+    event_id, https_client, message_group_id, SqsPublisher, DELAY_HEADER, ENCODING, FOLDED_HEADERS,
     MAX_ATTRIBUTES, MAX_BATCH_ENTRIES,
 };

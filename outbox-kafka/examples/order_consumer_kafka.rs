@@ -1,0 +1,97 @@
+//! A Kafka consumer that handles `order.created` idempotently through the inbox: each record's event
+//! id (its `outbox-event-id` header) is recorded in `processed_events` in the same transaction as the
+//! handler's write; the offset is committed after, so a redelivered record is skipped, not re-handled.
+//!
+//! ```sh
+//! cargo run -p outbox-kafka --example order_consumer_kafka
+//! ```
+//! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `KAFKA_BROKERS`,
+//! `TOPIC` (default `outbox.event.order`), `GROUP` (default `shipping`), `SCHEMA` (default `shipping`),
+//! `MAX_MESSAGES` (stop after that many records; default: run until Ctrl-C).
+
+use outbox_postgres::{connect, Inbox, OutboxTable, Processed};
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::Message;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
+    let database_url = env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    let brokers = env("KAFKA_BROKERS", outbox_kafka::DEFAULT_BROKERS);
+    let topic = env("TOPIC", "outbox.event.order");
+    let group = env("GROUP", "shipping");
+    let schema = env("SCHEMA", "shipping");
+    let max: Option<usize> = std::env::var("MAX_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok());
+
+    let pool = connect(&database_url, 4).await?;
+    let inbox = Inbox::with_table(
+        OutboxTable::new(&schema, "processed_events")?,
+        "shipping.order-created",
+    )?;
+    inbox.migrate(&pool).await?;
+    let shipments = format!("\"{schema}\".shipments");
+    sqlx::query(&format!("CREATE TABLE IF NOT EXISTS {shipments} (order_id bigint PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT now())"))
+        .execute(&pool)
+        .await?;
+
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .create()?;
+    consumer.subscribe(&[&topic])?;
+    println!("consuming {topic}");
+
+    let mut seen = 0;
+    loop {
+        let message = consumer.recv().await?;
+        let Some(event_id) = outbox_kafka::event_id(&message) else {
+            eprintln!(
+                "record without an event id at offset {}: skipped",
+                message.offset()
+            );
+            consumer.commit_message(&message, CommitMode::Async)?;
+            continue;
+        };
+        let payload: serde_json::Value =
+            serde_json::from_slice(message.payload().unwrap_or_default()).unwrap_or_default();
+        if payload.get("order_id").is_none() {
+            consumer.commit_message(&message, CommitMode::Async)?;
+            continue;
+        }
+        let order_id = payload["order_id"].as_i64().unwrap_or_default();
+        let table = shipments.clone();
+        let outcome = inbox
+            .process(&pool, event_id, move |conn| {
+                Box::pin(async move {
+                    sqlx::query(&format!("INSERT INTO {table} (order_id) VALUES ($1)"))
+                        .bind(order_id)
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok::<_, sqlx::Error>(())
+                })
+            })
+            .await;
+        match outcome {
+            Ok(Processed::Done(())) => {
+                println!("shipment created for order {order_id} (event {event_id})")
+            }
+            Ok(Processed::Duplicate) => println!("duplicate event {event_id} skipped"),
+            // Not committed: the record is read again after a restart or rebalance.
+            Err(e) => {
+                eprintln!("event {event_id} failed: {e}");
+                continue;
+            }
+        }
+        consumer.commit_message(&message, CommitMode::Async)?;
+        seen += 1;
+        if max.is_some_and(|m| seen >= m) {
+            return Ok(());
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! The examples, run as users run them: the order service, the webhook relay, and the idempotent
+//! consumers for RabbitMQ and Kafka. `cargo test --workspace` builds them next to the tests.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_core::testkit::publisher_suite::event;
+use outbox_core::Publisher;
+use outbox_postgres::testing::{database_url, fresh_table, pool};
+use sqlx::Row;
+
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "example {name} is not built at {}: run `cargo test --workspace` (it builds the examples)",
+        path.display()
+    );
+    path
+}
+
+struct Proc {
+    child: Child,
+    out: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    fn start(mut c: Command) -> Proc {
+        let mut child = c
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let out: Arc<Mutex<Vec<String>>> = Arc::default();
+        let (pipe, sink) = (child.stdout.take().unwrap(), out.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        Proc { child, out }
+    }
+
+    fn wait_line(&self, needle: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.out.lock().unwrap().iter().any(|l| l.contains(needle)) {
+            assert!(
+                Instant::now() < deadline,
+                "no output line with {needle:?}: {:?}",
+                self.out.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> Vec<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "example failed: {status}");
+                std::thread::sleep(Duration::from_millis(100));
+                return self.out.lock().unwrap().clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "example did not finish: {:?}",
+                self.out.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn post(port: u16, path: &str, body: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).unwrap();
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, response)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn order_service_writes_the_order_and_its_event_together() {
+    let pg = pool(2).await;
+    let schema = fresh_table(&pg).await.schema().to_string();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut c = Command::new(example("order_service"));
+    c.env("DATABASE_URL", database_url())
+        .env("LISTEN", format!("127.0.0.1:{port}"))
+        .env("OUTBOX_SCHEMA", &schema);
+    let service = Proc::start(c);
+    service.wait_line("listening", Duration::from_secs(30));
+    let (code, body) = post(
+        port,
+        "/orders",
+        r#"{"customer_id":"c-1","total_cents":1250}"#,
+    );
+    assert_eq!(code, 201, "{body}");
+    let (code, _) = post(port, "/orders", r#"{"customer_id":"c-2","total_cents":0}"#);
+    assert_eq!(code, 422);
+    let row = sqlx::query(&format!(
+        "SELECT o.id, e.event_type, e.payload->>'customer_id' AS customer FROM \"{schema}\".orders o JOIN \"{schema}\".outbox_events e ON e.aggregate_id = o.id::text"
+    ))
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    assert_eq!(
+        row.len(),
+        1,
+        "one order, one event; the rejected order wrote neither"
+    );
+    assert_eq!(row[0].get::<String, _>("event_type"), "order.created");
+    assert_eq!(row[0].get::<String, _>("customer"), "c-1");
+    drop(service);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_relay_delivers_every_event() {
+    let pg = pool(2).await;
+    let schema = fresh_table(&pg).await.schema().to_string();
+    let mut c = Command::new(example("webhook_relay"));
+    c.env("DATABASE_URL", database_url())
+        .env("EVENTS", "3")
+        .env("OUTBOX_SCHEMA", &schema)
+        .env_remove("WEBHOOK_URL");
+    let mut relay = Proc::start(c);
+    let out = relay.wait_exit(Duration::from_secs(60));
+    assert_eq!(
+        out.iter()
+            .filter(|l| l.starts_with("webhook received"))
+            .count(),
+        3,
+        "{out:?}"
+    );
+    assert!(
+        out.iter().any(|l| l.starts_with("relayed 3 events")),
+        "{out:?}"
+    );
+}
+
+async fn shipments(pg: &sqlx::PgPool, schema: &str) -> i64 {
+    sqlx::query(&format!("SELECT count(*) AS n FROM \"{schema}\".shipments"))
+        .fetch_one(pg)
+        .await
+        .unwrap()
+        .get("n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_consumer_handles_a_redelivered_event_once() {
+    let pg = pool(2).await;
+    let schema = fresh_table(&pg).await.schema().to_string();
+    let fx = outbox_amqp::testing::Fixture::new().await;
+    let mut c = Command::new(example("order_consumer_amqp"));
+    c.env("DATABASE_URL", database_url())
+        .env("AMQP_URL", outbox_amqp::testing::amqp_url())
+        .env("EXCHANGE", &fx.exchange)
+        .env("QUEUE", format!("{}.shipping", fx.exchange))
+        .env("SCHEMA", &schema)
+        .env("MAX_MESSAGES", "3");
+    let mut consumer = Proc::start(c);
+    consumer.wait_line("consuming", Duration::from_secs(30));
+    let mut e = event("77", 0);
+    e.event_type = "order.created".into();
+    e.payload = br#"{"order_id": 77}"#.to_vec();
+    let p = fx.publisher();
+    for _ in 0..3 {
+        assert!(
+            p.publish(std::slice::from_ref(&e)).await[0].is_ok(),
+            "the same event, delivered three times"
+        );
+    }
+    let out = consumer.wait_exit(Duration::from_secs(60));
+    assert_eq!(
+        out.iter().filter(|l| l.starts_with("duplicate")).count(),
+        2,
+        "{out:?}"
+    );
+    assert_eq!(shipments(&pg, &schema).await, 1);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_consumer_handles_a_redelivered_event_once() {
+    let pg = pool(2).await;
+    let schema = fresh_table(&pg).await.schema().to_string();
+    let fx = outbox_kafka::testing::Fixture::new(1).await;
+    let mut e = event("88", 0);
+    e.event_type = "order.created".into();
+    e.payload = br#"{"order_id": 88}"#.to_vec();
+    let p = fx.publisher();
+    for _ in 0..3 {
+        assert!(p.publish(std::slice::from_ref(&e)).await[0].is_ok());
+    }
+    let mut c = Command::new(example("order_consumer_kafka"));
+    c.env("DATABASE_URL", database_url())
+        .env("KAFKA_BROKERS", outbox_kafka::testing::brokers())
+        .env("TOPIC", &fx.topic)
+        .env("GROUP", format!("g-{}", uuid::Uuid::new_v4().simple()))
+        .env("SCHEMA", &schema)
+        .env("MAX_MESSAGES", "3");
+    let mut consumer = Proc::start(c);
+    let out = consumer.wait_exit(Duration::from_secs(90));
+    assert_eq!(
+        out.iter().filter(|l| l.starts_with("duplicate")).count(),
+        2,
+        "{out:?}"
+    );
+    assert_eq!(shipments(&pg, &schema).await, 1);
+}
