@@ -3,6 +3,8 @@
 //!
 //! This library holds the checker shared by the scenarios.
 
+pub mod harness;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
