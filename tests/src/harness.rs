@@ -227,7 +227,7 @@ impl Drop for RelayProcess {
 /// Concurrent writers committing events until stopped.
 pub struct Load {
     stop: Arc<AtomicBool>,
-    tasks: Vec<JoinHandle<(Vec<(String, Uuid)>, Vec<Uuid>)>>,
+    tasks: Vec<JoinHandle<Written>>,
 }
 
 /// What the writers committed: certain commits in order, and transactions whose outcome is unknown
@@ -254,7 +254,10 @@ impl Load {
             tasks.push(tokio::spawn(async move {
                 let pg = pool(2).await;
                 let writer = Writer::new(table);
-                let (mut committed, mut uncertain) = (Vec::new(), Vec::new());
+                let mut out = Written {
+                    committed: Vec::new(),
+                    uncertain: Vec::new(),
+                };
                 let mut n = 0usize;
                 while !stop.load(Ordering::SeqCst) {
                     let events: Vec<_> = (0..per_tx)
@@ -276,15 +279,15 @@ impl Load {
                     }
                     .await;
                     match result {
-                        Ok(()) => committed.extend(ids),
+                        Ok(()) => out.committed.extend(ids),
                         // The commit itself failed: it may or may not have happened.
-                        Err((true, _)) => uncertain.extend(ids.into_iter().map(|(_, id)| id)),
+                        Err((true, _)) => out.uncertain.extend(ids.into_iter().map(|(_, id)| id)),
                         Err((false, _)) => tokio::time::sleep(Duration::from_millis(100)).await,
                     }
                     n += 1;
                     tokio::time::sleep(pause).await;
                 }
-                (committed, uncertain)
+                out
             }));
         }
         Load { stop, tasks }
@@ -297,9 +300,9 @@ impl Load {
             uncertain: Vec::new(),
         };
         for t in self.tasks {
-            let (c, u) = t.await.unwrap();
-            written.committed.extend(c);
-            written.uncertain.extend(u);
+            let w = t.await.unwrap();
+            written.committed.extend(w.committed);
+            written.uncertain.extend(w.uncertain);
         }
         written
     }
