@@ -76,15 +76,11 @@ pub fn map_lapin(operation: &'static str, err: lapin::Error) -> Error {
             format!("unexpected AMQP client error during {operation}"),
         ),
     };
-    let e = Error::new(kind, message)
+    Error::new(kind, message)
         .with_context("adapter", "amqp")
         .with_context("operation", operation)
-        .with_source(err);
-    if retryable {
-        e.temporary()
-    } else {
-        e.permanent()
-    }
+        .with_source(err)
+        .with_retryable(retryable)
 }
 
 #[cfg(test)]

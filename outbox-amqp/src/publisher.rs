@@ -16,6 +16,7 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use outbox_core::publishers::{finish, Fence};
 use outbox_core::routing::Template;
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 
@@ -395,21 +396,16 @@ impl Publisher for AmqpPublisher {
         let missing = self.check_exchanges(destinations).await;
 
         // Send every message without waiting for its confirm.
-        let mut fenced: HashSet<(&str, &str)> = HashSet::new();
+        let mut fence = Fence::new();
         let mut pending = Vec::with_capacity(events.len());
         let mut broken: Option<Error> = None;
         for (i, event) in events.iter().enumerate() {
-            let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
             if let Some(e) = &broken {
                 outcomes[i] = Some(Err(e.clone()));
                 continue;
             }
-            if fenced.contains(&key) {
-                outcomes[i] = Some(Err(Error::new(
-                    ErrorKind::Rejected,
-                    "not sent: an earlier event of the aggregate failed in this batch",
-                )
-                .with_context("adapter", "amqp")));
+            if fence.holds(event) {
+                outcomes[i] = Some(Err(Fence::not_sent("amqp")));
                 continue;
             }
             let prepared = match event.destination.as_ref().and_then(|d| missing.get(d)) {
@@ -419,7 +415,7 @@ impl Publisher for AmqpPublisher {
             let out = match prepared {
                 Ok(o) => o,
                 Err(e) => {
-                    fenced.insert(key);
+                    fence.close(event);
                     outcomes[i] = Some(Err(e));
                     continue;
                 }
@@ -515,14 +511,7 @@ impl Publisher for AmqpPublisher {
         if let Some(reason) = &broken {
             self.reset(reason).await;
         }
-        outcomes
-            .into_iter()
-            .map(|o| {
-                o.unwrap_or_else(|| {
-                    Err(Error::new(ErrorKind::Unexpected, "no outcome recorded").temporary())
-                })
-            })
-            .collect()
+        finish(outcomes)
     }
 
     async fn check(&self) -> Result<(), Error> {

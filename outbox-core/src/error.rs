@@ -142,6 +142,15 @@ impl Error {
         self
     }
 
+    /// Marks the error temporary when `retryable`, else permanent (for classification tables).
+    pub fn with_retryable(self, retryable: bool) -> Self {
+        if retryable {
+            self.temporary()
+        } else {
+            self.permanent()
+        }
+    }
+
     /// Marks a temporary error as persistent: it was retried until the retries ran out.
     pub fn persistent(mut self) -> Self {
         if self.status == ErrorStatus::Temporary {

@@ -1,5 +1,6 @@
 //! Publishers that need no broker client.
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::sync::Mutex;
 
@@ -9,6 +10,57 @@ use serde_json::{json, Value};
 use crate::error::{Error, ErrorKind};
 use crate::event::Event;
 use crate::ports::{PublishOutcome, Publisher};
+
+/// The aggregates that failed in a batch: a publisher sends no later event of theirs in the same
+/// call (see the `Publisher::publish` contract), so a broker never receives an aggregate out of order.
+#[derive(Debug, Default)]
+pub struct Fence<'a> {
+    failed: HashSet<(&'a str, &'a str)>,
+}
+
+impl<'a> Fence<'a> {
+    /// No aggregate fenced yet.
+    pub fn new() -> Self {
+        Fence::default()
+    }
+
+    /// True when an earlier event of `event`'s aggregate failed.
+    pub fn holds(&self, event: &Event) -> bool {
+        self.failed
+            .contains(&(event.aggregate_type.as_str(), event.aggregate_id.as_str()))
+    }
+
+    /// Records that `event` failed: later events of its aggregate are held back.
+    pub fn close(&mut self, event: &'a Event) {
+        self.failed
+            .insert((event.aggregate_type.as_str(), event.aggregate_id.as_str()));
+    }
+
+    /// The retryable error reported for an event held back by the fence.
+    pub fn not_sent(adapter: &'static str) -> Error {
+        Error::new(
+            ErrorKind::Rejected,
+            "not sent: an earlier event of the aggregate failed in this batch",
+        )
+        .with_context("adapter", adapter)
+    }
+}
+
+/// Turns per-event slots into outcomes; a slot left empty (a publisher bug) becomes a retryable
+/// failure rather than a success or a panic.
+pub fn finish(outcomes: Vec<Option<PublishOutcome>>) -> Vec<PublishOutcome> {
+    outcomes
+        .into_iter()
+        .map(|o| {
+            o.unwrap_or_else(|| {
+                Err(
+                    Error::new(ErrorKind::Unexpected, "no outcome recorded for this event")
+                        .temporary(),
+                )
+            })
+        })
+        .collect()
+}
 
 /// Writes each event as one JSON line (to standard output by default): handy for a first run, for
 /// piping into other tools, and for debugging routing.

@@ -63,14 +63,10 @@ pub fn map_kafka(operation: &'static str, err: KafkaError) -> Error {
             _ => (ErrorKind::Unexpected, true),
         },
     };
-    let e = Error::new(kind, format!("Kafka {operation} failed"))
+    Error::new(kind, format!("Kafka {operation} failed"))
         .with_context("adapter", "kafka")
-        .with_source(err);
-    if retryable {
-        e.temporary()
-    } else {
-        e.permanent()
-    }
+        .with_source(err)
+        .with_retryable(retryable)
 }
 
 #[cfg(test)]

@@ -1,7 +1,6 @@
 //! The Kafka publisher: a batch is enqueued to the producer at once; each outcome comes from the
 //! event's own delivery report.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -14,6 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use tokio::time::Instant;
 use tracing::{error, warn};
 
+use outbox_core::publishers::{finish, Fence};
 use outbox_core::routing::Template;
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 
@@ -193,22 +193,17 @@ impl Publisher for KafkaPublisher {
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
         let producer = self.producer();
         let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
-        let mut fenced: HashSet<(&str, &str)> = HashSet::new();
+        let mut fence = Fence::new();
         let mut pending = Vec::with_capacity(events.len());
         for (i, event) in events.iter().enumerate() {
-            let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
-            if fenced.contains(&key) {
-                outcomes[i] = Some(Err(Error::new(
-                    ErrorKind::Rejected,
-                    "not sent: an earlier event of the aggregate failed in this batch",
-                )
-                .with_context("adapter", "kafka")));
+            if fence.holds(event) {
+                outcomes[i] = Some(Err(Fence::not_sent("kafka")));
                 continue;
             }
             let topic = self.topic.destination(event);
             if let Err(e) = check_topic(&topic) {
                 outcomes[i] = Some(Err(e.with_context("event_id", event.id)));
-                fenced.insert(key);
+                fence.close(event);
                 continue;
             }
             let mut record = FutureRecord::to(&topic)
@@ -234,7 +229,7 @@ impl Publisher for KafkaPublisher {
                         outcomes[i] = Some(Err(
                             map_kafka("produce", e).with_context("event_id", event.id)
                         ));
-                        fenced.insert(key);
+                        fence.close(event);
                         break;
                     }
                 }
@@ -277,14 +272,7 @@ impl Publisher for KafkaPublisher {
                 .iter()
                 .all(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout));
         self.recover(&producer, all_timed_out).await;
-        outcomes
-            .into_iter()
-            .map(|o| {
-                o.unwrap_or_else(|| {
-                    Err(Error::new(ErrorKind::Unexpected, "no outcome recorded").temporary())
-                })
-            })
-            .collect()
+        finish(outcomes)
     }
 
     async fn check(&self) -> Result<(), Error> {

@@ -158,14 +158,7 @@ impl Fixture {
     }
 
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let got = self.got.lock().unwrap().clone();
-            if got.len() >= count || tokio::time::Instant::now() >= deadline {
-                return got;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        outbox_core::testkit::wait_for_items(&self.got, count, timeout).await
     }
 }
 

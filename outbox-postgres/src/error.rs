@@ -75,15 +75,11 @@ pub fn map_sqlx(operation: &'static str, err: sqlx::Error) -> Error {
             format!("unexpected database error during {operation}"),
         ),
     };
-    let e = Error::new(kind, message)
+    Error::new(kind, message)
         .with_context("adapter", "postgres")
         .with_context("operation", operation)
-        .with_source(err);
-    if retryable {
-        e.temporary()
-    } else {
-        e.permanent()
-    }
+        .with_source(err)
+        .with_retryable(retryable)
 }
 
 #[cfg(test)]

@@ -93,14 +93,10 @@ where
             "unexpected SDK error".to_string(),
         ),
     };
-    let e = Error::new(kind, format!("SQS {operation} failed: {detail}"))
+    Error::new(kind, format!("SQS {operation} failed: {detail}"))
         .with_context("adapter", "sqs")
-        .with_source(err);
-    if retryable {
-        e.temporary()
-    } else {
-        e.permanent()
-    }
+        .with_source(err)
+        .with_retryable(retryable)
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use base64::Engine;
 use futures::future::join_all;
 use tracing::debug;
 
+use outbox_core::publishers::{finish, Fence};
 use outbox_core::routing::Template;
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 
@@ -369,14 +370,7 @@ impl SqsPublisher {
                     continue;
                 }
                 if fenced.contains(&p.aggregate) {
-                    results.push((
-                        p.index,
-                        Err(Error::new(
-                            ErrorKind::Rejected,
-                            "not sent: an earlier event of the aggregate failed in this batch",
-                        )
-                        .with_context("adapter", "sqs")),
-                    ));
+                    results.push((p.index, Err(Fence::not_sent("sqs"))));
                     continue;
                 }
                 bytes += p.size;
@@ -475,15 +469,10 @@ impl Publisher for SqsPublisher {
 
         let lanes = self.config.max_concurrent_requests;
         let mut lane_items: Vec<Vec<Prepared>> = (0..lanes).map(|_| Vec::new()).collect();
-        let mut fenced: HashSet<(&str, &str)> = HashSet::new();
+        let mut fence = Fence::new();
         for (i, event) in events.iter().enumerate() {
-            let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
-            if fenced.contains(&key) {
-                outcomes[i] = Some(Err(Error::new(
-                    ErrorKind::Rejected,
-                    "not sent: an earlier event of the aggregate failed in this batch",
-                )
-                .with_context("adapter", "sqs")));
+            if fence.holds(event) {
+                outcomes[i] = Some(Err(Fence::not_sent("sqs")));
                 continue;
             }
             let queue = self.queue.destination(event);
@@ -499,7 +488,7 @@ impl Publisher for SqsPublisher {
                     lane_items[(h.finish() % lanes as u64) as usize].push(p);
                 }
                 Err(e) => {
-                    fenced.insert(key);
+                    fence.close(event);
                     outcomes[i] = Some(Err(e
                         .with_context("adapter", "sqs")
                         .with_context("event_id", event.id)));
@@ -513,14 +502,7 @@ impl Publisher for SqsPublisher {
         for (i, outcome) in join_all(sends).await.into_iter().flatten() {
             outcomes[i] = Some(outcome);
         }
-        outcomes
-            .into_iter()
-            .map(|o| {
-                o.unwrap_or_else(|| {
-                    Err(Error::new(ErrorKind::Unexpected, "no outcome recorded").temporary())
-                })
-            })
-            .collect()
+        finish(outcomes)
     }
 
     async fn check(&self) -> Result<(), Error> {

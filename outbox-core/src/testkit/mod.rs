@@ -89,6 +89,26 @@ pub trait PublisherFixture: Send + Sync {
     async fn receive(&self, count: usize, timeout: Duration) -> Vec<Received>;
 }
 
+/// Waits until `got` holds at least `count` items or `timeout` passes, then returns a copy (for
+/// consumer fixtures that collect messages in the background).
+pub async fn wait_for_items<T: Clone>(
+    got: &std::sync::Mutex<Vec<T>>,
+    count: usize,
+    timeout: Duration,
+) -> Vec<T> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let items = match got.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        };
+        if items.len() >= count || tokio::time::Instant::now() >= deadline {
+            return items;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A JSON event of `aggregate` numbered `n`, with a `traceparent` header.
 pub fn sample_event(aggregate: &str, n: usize) -> NewEvent {
     NewEvent::new(

@@ -163,10 +163,7 @@ impl Publisher for ScriptedPublisher {
         for e in events {
             let key = (e.aggregate_type.as_str(), e.aggregate_id.as_str());
             if fencing && failed.contains(&key) {
-                outcomes.push(Err(Error::new(
-                    ErrorKind::Rejected,
-                    "not sent: an earlier event of the aggregate failed in this batch",
-                )));
+                outcomes.push(Err(crate::publishers::Fence::not_sent("scripted")));
                 continue;
             }
             let o = self.outcome(e);
