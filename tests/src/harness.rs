@@ -321,3 +321,83 @@ pub fn soak_factor() -> usize {
         .filter(|f| *f >= 1)
         .unwrap_or(1)
 }
+
+/// Wraps a real publisher and fails events on purpose: each event fails retryably (without being
+/// sent) with probability `retryable_per_mille / 1000`, and every event of `poisoned` fails
+/// permanently. Later events of a failed aggregate in the same call are held back, as real publishers
+/// do.
+pub struct FaultInjector {
+    pub inner: Arc<dyn Publisher>,
+    pub retryable_per_mille: u32,
+    pub poisoned: String,
+}
+
+#[async_trait::async_trait]
+impl Publisher for FaultInjector {
+    async fn publish(&self, events: &[outbox_core::Event]) -> Vec<outbox_core::PublishOutcome> {
+        use outbox_core::publishers::{finish, Fence};
+        use outbox_core::{Error, ErrorKind};
+        let mut outcomes: Vec<Option<outbox_core::PublishOutcome>> = vec![None; events.len()];
+        let mut fence = Fence::new();
+        let mut send = Vec::new();
+        for (i, e) in events.iter().enumerate() {
+            if fence.holds(e) {
+                outcomes[i] = Some(Err(Fence::not_sent("fault-injector")));
+            } else if e.aggregate_id == self.poisoned {
+                outcomes[i] = Some(Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    "injected permanent failure",
+                )));
+                fence.close(e);
+            } else if fastrand::u32(0..1000) < self.retryable_per_mille {
+                outcomes[i] = Some(Err(Error::new(
+                    ErrorKind::Connection,
+                    "injected retryable failure",
+                )));
+                fence.close(e);
+            } else {
+                send.push(i);
+            }
+        }
+        let batch: Vec<outbox_core::Event> = send.iter().map(|i| events[*i].clone()).collect();
+        let sent = self.inner.publish(&batch).await;
+        for (i, o) in send.into_iter().zip(sent) {
+            outcomes[i] = Some(o);
+        }
+        finish(outcomes)
+    }
+
+    async fn check(&self) -> Result<(), outbox_core::Error> {
+        self.inner.check().await
+    }
+
+    fn name(&self) -> &str {
+        "fault-injector"
+    }
+}
+
+/// The PostgreSQL cluster's version directory under /etc/postgresql, for `pg_ctlcluster`.
+pub fn pg_version() -> String {
+    let mut versions: Vec<String> = std::fs::read_dir("/etc/postgresql")
+        .expect("restarting PostgreSQL needs a local cluster (/etc/postgresql)")
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .expect("no PostgreSQL cluster under /etc/postgresql")
+}
+
+/// Restarts the local PostgreSQL cluster (every connection is cut).
+pub fn restart_postgres() {
+    let status = Command::new("pg_ctlcluster")
+        .args([
+            "--skip-systemctl-redirect",
+            &pg_version(),
+            "main",
+            "restart",
+        ])
+        .status()
+        .expect("pg_ctlcluster is required to restart PostgreSQL");
+    assert!(status.success(), "pg_ctlcluster restart failed");
+}

@@ -1,0 +1,75 @@
+//! Scenario 4: four relays over 1,000 aggregates with random retryable failures injected: no
+//! aggregate is ever published out of order, and one poisoned aggregate (its events fail permanently)
+//! dead-letters without delaying any other aggregate.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{RelayConfig, RetryPolicy, Store};
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::PostgresStore;
+use outbox_tests::harness::{report, soak_factor, Broker, FaultInjector, Sink};
+use outbox_tests::{spawn_relays, write_rounds};
+
+async fn four_relays_with_failures(broker: Broker) {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    let sink = Sink::new(broker).await;
+    let rounds = 5 * soak_factor();
+    let committed = write_rounds(&table, 1000, rounds).await;
+    let poisoned = "agg-13".to_string();
+    let healthy: Vec<_> = committed
+        .iter()
+        .filter(|(a, _)| *a != poisoned)
+        .cloned()
+        .collect();
+    let publisher = Arc::new(FaultInjector {
+        inner: sink.publisher(),
+        retryable_per_mille: 50,
+        poisoned: poisoned.clone(),
+    });
+    let config = RelayConfig {
+        batch_size: 200,
+        poll_interval: Duration::from_millis(50),
+        retry: RetryPolicy {
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(500),
+            max_attempts: 100,
+            ..RetryPolicy::default()
+        },
+        ..RelayConfig::default()
+    };
+    let (relays, shutdown) = spawn_relays(&table, 4, publisher, config).await;
+    let verdict = sink.verdict(&healthy, Duration::from_secs(120)).await;
+    shutdown.cancel();
+    for r in relays {
+        r.await.unwrap();
+    }
+    report("four-relays-injected-failures", broker, &verdict);
+    assert_eq!(
+        (verdict.lost, verdict.order_violations),
+        (0, 0),
+        "{verdict}"
+    );
+    let stats = PostgresStore::new(pg, table).stats().await.unwrap();
+    assert_eq!(
+        stats.dead_letters, 1,
+        "the poisoned aggregate's first event is dead-lettered"
+    );
+    assert_eq!(
+        stats.pending,
+        rounds as u64 - 1,
+        "its later events wait behind it; nothing else is pending"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq() {
+    four_relays_with_failures(Broker::Amqp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka() {
+    four_relays_with_failures(Broker::Kafka).await;
+}
