@@ -95,6 +95,13 @@ fn kind_of(t: ExchangeType) -> ExchangeKind {
     }
 }
 
+fn frame_max(connection: &Connection) -> usize {
+    match connection.configuration().frame_max() {
+        0 => usize::MAX,
+        n => n as usize,
+    }
+}
+
 fn connection_lost(reason: &str) -> Error {
     Error::new(ErrorKind::Connection, reason.to_string()).with_context("adapter", "amqp")
 }
@@ -199,12 +206,13 @@ impl AmqpPublisher {
         }
     }
 
-    /// A live confirm-mode channel, reconnecting (with backoff) when needed.
-    async fn channel(&self) -> Result<Channel, Error> {
+    /// A live confirm-mode channel and the connection's frame size, reconnecting (with backoff)
+    /// when needed.
+    async fn channel(&self) -> Result<(Channel, usize), Error> {
         let mut st = self.state.lock().await;
         if let Some(link) = &st.link {
             if link.connection.status().connected() && link.channel.status().connected() {
-                return Ok(link.channel.clone());
+                return Ok((link.channel.clone(), frame_max(&link.connection)));
             }
             st.link = None;
         }
@@ -225,7 +233,7 @@ impl AmqpPublisher {
         match self.open().await {
             Ok(link) => {
                 info!(url = %redact_url(&self.config.url), exchange = %self.config.exchange, "connected to RabbitMQ");
-                let channel = link.channel.clone();
+                let channel = (link.channel.clone(), frame_max(&link.connection));
                 st.link = Some(link);
                 st.next_attempt = None;
                 st.backoff = self.config.reconnect_initial_backoff;
@@ -251,12 +259,41 @@ impl AmqpPublisher {
         }
     }
 
-    fn prepare<'a>(&self, index: usize, event: &'a Event) -> Result<Outgoing<'a>, Error> {
-        self.build(index, event)
+    fn prepare<'a>(
+        &self,
+        index: usize,
+        event: &'a Event,
+        frame_max: usize,
+    ) -> Result<Outgoing<'a>, Error> {
+        self.build(index, event, frame_max)
             .map_err(|e| e.with_context("event_id", event.id))
     }
 
-    fn build<'a>(&self, index: usize, event: &'a Event) -> Result<Outgoing<'a>, Error> {
+    fn build<'a>(
+        &self,
+        index: usize,
+        event: &'a Event,
+        frame_max: usize,
+    ) -> Result<Outgoing<'a>, Error> {
+        // The properties (headers included) travel in one content-header frame.
+        let header_bytes: usize = event
+            .headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 6)
+            .sum::<usize>()
+            + event.event_type.len()
+            + event.aggregate_type.len()
+            + event.aggregate_id.len()
+            + 256;
+        if header_bytes + 512 > frame_max {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "the headers take about {header_bytes} bytes; an AMQP frame of this connection carries at most {frame_max} (move large values into the payload)"
+                ),
+            )
+            .with_context("adapter", "amqp"));
+        }
         if event.payload.len() > self.config.max_message_bytes {
             return Err(Error::new(
                 ErrorKind::PayloadTooLarge,
@@ -384,7 +421,7 @@ impl Publisher for AmqpPublisher {
         if events.is_empty() {
             return Vec::new();
         }
-        let channel = match self.channel().await {
+        let (channel, frame_max) = match self.channel().await {
             Ok(c) => c,
             Err(e) => return vec![Err(e); events.len()],
         };
@@ -410,7 +447,7 @@ impl Publisher for AmqpPublisher {
             }
             let prepared = match event.destination.as_ref().and_then(|d| missing.get(d)) {
                 Some(err) => Err(err.clone().with_context("event_id", event.id)),
-                None => self.prepare(i, event),
+                None => self.prepare(i, event, frame_max),
             };
             let out = match prepared {
                 Ok(o) => o,

@@ -83,6 +83,22 @@ fn valid_sqs_char(c: char) -> bool {
     matches!(c, '\t' | '\n' | '\r' | '\u{20}'..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..='\u{10FFFF}')
 }
 
+/// JSON text with every character SQS refuses written as a `\uXXXX` escape (still the same JSON).
+fn sqs_safe_json(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if valid_sqs_char(c) {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+        }
+    }
+    out
+}
+
 fn valid_attribute_name(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
     !name.is_empty()
@@ -184,10 +200,8 @@ fn attributes(event: &Event, encoding: Option<&str>) -> (Vec<(String, String)>, 
         }
     }
     if !folded.is_empty() {
-        attrs.push((
-            FOLDED_HEADERS.to_string(),
-            serde_json::to_string(&folded).unwrap_or_default(),
-        ));
+        let json = serde_json::to_string(&folded).unwrap_or_default();
+        attrs.push((FOLDED_HEADERS.to_string(), sqs_safe_json(&json)));
     }
     let size = attrs
         .iter()
@@ -604,6 +618,15 @@ mod tests {
         for (k, _) in &headers {
             assert!(n.contains(k) || folded.contains_key(*k), "{k} lost");
         }
+    }
+
+    #[test]
+    fn folded_json_escapes_what_sqs_refuses() {
+        let json = serde_json::to_string(&BTreeMap::from([("k", "a\u{FFFF}b")])).unwrap();
+        let safe = sqs_safe_json(&json);
+        assert!(safe.chars().all(valid_sqs_char), "{safe}");
+        let back: BTreeMap<String, String> = serde_json::from_str(&safe).unwrap();
+        assert_eq!(back["k"], "a\u{FFFF}b");
     }
 
     #[test]
