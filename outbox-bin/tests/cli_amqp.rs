@@ -109,3 +109,33 @@ async fn sigterm_under_load_exits_cleanly_and_loses_nothing() {
     assert_eq!(lost, 0);
     fx.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_reports_an_unreachable_broker() {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    let port = free_port();
+    let dead_broker = free_port();
+    let mut c = outbox(&table, &["relay"]);
+    c.env("OUTBOX_PUBLISHER__TYPE", "amqp")
+        .env(
+            "OUTBOX_AMQP__URL",
+            format!("amqp://guest:guest@127.0.0.1:{dead_broker}/%2f"),
+        )
+        .env("OUTBOX_AMQP__CONNECT_TIMEOUT", "1s")
+        .env("OUTBOX_HTTP__ENABLED", "true")
+        .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"));
+    let mut relay = Running::start(c);
+    relay.wait_log("serving /metrics", Duration::from_secs(30));
+    let (code, _) = http_get(port, "/healthz");
+    assert_eq!(code, 200, "the process is alive");
+    let (code, body) = http_get(port, "/readyz");
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("broker:"),
+        "the reason names the broker: {body}"
+    );
+    assert!(!body.contains("database:"), "the database is fine: {body}");
+    relay.signal("-TERM");
+    assert_eq!(relay.wait_exit(Duration::from_secs(60)), 0);
+}
