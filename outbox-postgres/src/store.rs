@@ -6,7 +6,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Postgres, Row, Transaction};
+use sqlx::{FromRow, PgPool, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use outbox_core::{
@@ -466,7 +466,7 @@ impl DeadLetterFilter {
 }
 
 /// A dead-lettered event, as listed for operators.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
 pub struct DeadLetter {
     /// Event id.
     pub id: Uuid,
@@ -510,19 +510,7 @@ impl PostgresStore {
             .await
             .map_err(|e| map_sqlx("dead_letters", e))?;
         rows.iter()
-            .map(|r| {
-                let get = |e: sqlx::Error| map_sqlx("dead_letters", e);
-                Ok(DeadLetter {
-                    id: r.try_get("id").map_err(get)?,
-                    aggregate_type: r.try_get("aggregate_type").map_err(get)?,
-                    aggregate_id: r.try_get("aggregate_id").map_err(get)?,
-                    event_type: r.try_get("event_type").map_err(get)?,
-                    attempts: r.try_get("attempts").map_err(get)?,
-                    last_error: r.try_get("last_error").map_err(get)?,
-                    created_at: r.try_get("created_at").map_err(get)?,
-                    dead_lettered_at: r.try_get("dead_lettered_at").map_err(get)?,
-                })
-            })
+            .map(|r| DeadLetter::from_row(r).map_err(|e| map_sqlx("dead_letters", e)))
             .collect()
     }
 
