@@ -3,6 +3,7 @@
 mod config;
 mod error;
 mod publisher;
+mod queue;
 #[cfg(feature = "test-utils")]
 pub mod testing;
 
@@ -11,3 +12,4 @@ pub use config::{
 };
 pub use error::{classify_reply_code, map_lapin};
 pub use publisher::{event_id, AmqpPublisher};
+pub use queue::BoundQueue;

@@ -86,7 +86,7 @@ fn short(field: &str, value: &str) -> Result<ShortString, Error> {
     })
 }
 
-fn kind_of(t: ExchangeType) -> ExchangeKind {
+pub(crate) fn kind_of(t: ExchangeType) -> ExchangeKind {
     match t {
         ExchangeType::Topic => ExchangeKind::Topic,
         ExchangeType::Direct => ExchangeKind::Direct,

@@ -90,6 +90,10 @@ pub enum Command {
     },
     /// Print the configuration in force (defaults, file and environment merged; secrets redacted).
     Config,
+    /// Measure the writer, the relay and the database on this machine, against the configured
+    /// database and broker, in a schema of its own (outbox_bench, dropped at the end); prints a table
+    /// (or JSON) of throughputs, latencies, ratios and the relay's peak memory. Build with --release.
+    Bench(crate::bench::BenchArgs),
 }
 
 /// Which dead letters.
@@ -241,6 +245,7 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
             print!("{}", config.to_redacted_toml());
             Ok(())
         }
+        Command::Bench(args) => crate::bench::cmd_bench(&config, args).await,
     }
 }
 

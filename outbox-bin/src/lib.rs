@@ -2,6 +2,7 @@
 //! endpoint and the subcommands. `main.rs` only parses the arguments and calls [`cli::run`].
 #![doc = include_str!("../README.md")]
 
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod http;

@@ -34,7 +34,7 @@ struct Sql {
     settle: String,
 }
 
-const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
+pub(crate) const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
     CASE WHEN e.payload_bytes IS NOT NULL THEN e.payload_bytes ELSE convert_to(e.payload::text, 'UTF8') END AS payload,
     e.content_type, e.headers::text AS headers, e.destination, e.created_at, e.attempts";
 
@@ -136,7 +136,7 @@ impl std::fmt::Debug for PostgresStore {
     }
 }
 
-fn decode_event(row: &PgRow) -> Result<Event, Error> {
+pub(crate) fn decode_event(row: &PgRow) -> Result<Event, Error> {
     let get = |e: sqlx::Error| map_sqlx("claim", e);
     let headers_text: String = row.try_get("headers").map_err(get)?;
     let headers = parse_headers(&headers_text);

@@ -1,0 +1,237 @@
+//! `outbox bench`: the configured broker wired into [`outbox_postgres::bench`], which does the
+//! measuring. Each broker gets a destination of the benchmark's own (an exchange bound to a queue, a
+//! topic, a queue), so a benchmark never publishes into a service's topics or queues.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use clap::Args;
+
+use outbox_core::{Error, Publisher};
+use outbox_postgres::bench::{self, BenchOptions, BenchTarget, DiscardTarget, Phase};
+
+use crate::cli::Failure;
+use crate::config::{Config, PublisherType};
+
+/// `outbox bench` options. Sizes, rates and durations default to the figures the targets are stated
+/// for; relay settings (batch size, in-flight batches, polling) come from `[relay]` as for `outbox relay`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Broker to publish to: amqp, kafka, sqs, or discard (the database ceiling only). Default:
+    /// publisher.type of the configuration.
+    #[arg(long, value_name = "BROKER")]
+    pub broker: Option<String>,
+    /// Phases to run, comma-separated: writer, drain, reference, latency, claim. Default: all.
+    #[arg(long, value_delimiter = ',', value_name = "PHASES")]
+    pub phases: Option<Vec<String>>,
+    /// Concurrent writers of the writer phase.
+    #[arg(long, default_value_t = 8)]
+    pub writers: usize,
+    /// Length of each writer run.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub writer_duration: Duration,
+    /// Events pre-filled for each drain run.
+    #[arg(long, default_value_t = 200_000)]
+    pub backlog: usize,
+    /// N of the multi-relay drain runs.
+    #[arg(long, default_value_t = 4)]
+    pub relays: usize,
+    /// Distinct aggregates the events are spread over.
+    #[arg(long, default_value_t = 1_000)]
+    pub aggregates: usize,
+    /// Padding in each event's JSON payload, in bytes.
+    #[arg(long, default_value_t = 256)]
+    pub payload_bytes: usize,
+    /// Events drained by the reference (classic) relay.
+    #[arg(long, default_value_t = 20_000)]
+    pub reference_events: usize,
+    /// Offered rate of the latency runs, events per second.
+    #[arg(long, default_value_t = 2_000)]
+    pub rate: u32,
+    /// Length of each latency run (the first second is warm-up).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub latency_duration: Duration,
+    /// Processed rows kept in the table for the claim-cost phase.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub claim_processed_rows: u64,
+    /// Pending rows of the claim-cost phase's large backlog.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub claim_pending_rows: u64,
+    /// Claims timed per table state.
+    #[arg(long, default_value_t = 200)]
+    pub claim_samples: usize,
+    /// Schema the benchmark creates and drops (must start with outbox_bench).
+    #[arg(long, default_value = "outbox_bench")]
+    pub schema: String,
+    /// Print the figures as JSON on standard output instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    outbox_core::duration::parse(s)
+}
+
+impl BenchArgs {
+    fn options(&self, config: &Config) -> Result<BenchOptions, Error> {
+        let phases = match &self.phases {
+            None => Phase::ALL.to_vec(),
+            Some(list) => list
+                .iter()
+                .map(|p| Phase::parse(p))
+                .collect::<Result<Vec<_>, _>>()?,
+        };
+        Ok(BenchOptions {
+            schema: self.schema.clone(),
+            phases,
+            writers: self.writers,
+            writer_duration: self.writer_duration,
+            backlog: self.backlog,
+            relays: self.relays,
+            aggregates: self.aggregates,
+            payload_bytes: self.payload_bytes,
+            reference_events: self.reference_events,
+            rate: self.rate,
+            latency_duration: self.latency_duration,
+            claim_processed_rows: self.claim_processed_rows,
+            claim_pending_rows: self.claim_pending_rows,
+            claim_samples: self.claim_samples,
+            relay: config.relay.clone(),
+        })
+    }
+}
+
+/// Runs `outbox bench`.
+///
+/// # Errors
+/// A usage error for invalid options or a broker missing from this build; a runtime error when a
+/// phase fails.
+pub async fn cmd_bench(config: &Config, args: BenchArgs) -> Result<(), Failure> {
+    let options = args.options(config)?;
+    options.validate()?;
+    let broker = match args.broker.as_deref() {
+        Some(b) => b.to_string(),
+        None => match config.publisher.kind {
+            PublisherType::Stdout => {
+                return Err(Failure {
+                    code: 2,
+                    message: "outbox bench needs a broker: pass --broker amqp|kafka|sqs|discard, or set publisher.type".into(),
+                })
+            }
+            PublisherType::Amqp => "amqp".into(),
+            PublisherType::Kafka => "kafka".into(),
+            PublisherType::Sqs => "sqs".into(),
+        },
+    };
+    let progress = |line: &str| eprintln!("[bench] {line}");
+    let target = target(config, &broker, &progress).await?;
+    let result = bench::run(&config.database.url, target.as_ref(), &options, &progress).await;
+    target.teardown().await;
+    let report = result?;
+    if args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| Failure {
+            code: 1,
+            message: format!("cannot encode the report: {e}"),
+        })?;
+        println!("{text}");
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
+
+/// A bench target with its own destination, removed again by `teardown`.
+#[async_trait]
+trait OwnedTarget: BenchTarget {
+    /// Removes the benchmark's destination (best effort: reports, never fails).
+    async fn teardown(&self) {}
+}
+
+#[async_trait]
+impl OwnedTarget for DiscardTarget {}
+
+async fn target(
+    config: &Config,
+    broker: &str,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<Box<dyn OwnedTarget>, Failure> {
+    let _ = (config, progress);
+    match broker {
+        "discard" => Ok(Box::new(DiscardTarget)),
+        #[cfg(feature = "amqp")]
+        "amqp" => Ok(Box::new(amqp::AmqpTarget::new(config, progress).await?)),
+        other => Err(Failure {
+            code: 2,
+            message: format!(
+                "--broker {other:?}: expected one of {} (or discard)",
+                crate::config::available_publishers().join(", ")
+            ),
+        }),
+    }
+}
+
+#[cfg(feature = "amqp")]
+mod amqp {
+    use super::*;
+    use outbox_amqp::{AmqpPublisher, BoundQueue};
+
+    /// Exchange `outbox.bench` (declared), bound with `#` to the durable queue `outbox.bench`;
+    /// purged before each run, deleted at the end. URL and timeouts from `[amqp]`.
+    pub(super) struct AmqpTarget {
+        config: outbox_amqp::AmqpConfig,
+        queue: tokio::sync::Mutex<Option<BoundQueue>>,
+    }
+
+    impl AmqpTarget {
+        pub(super) async fn new(
+            config: &Config,
+            progress: &(dyn Fn(&str) + Send + Sync),
+        ) -> Result<Self, Error> {
+            let mut c = config.amqp.clone();
+            c.exchange = "outbox.bench".into();
+            c.declare_exchange = true;
+            let queue = BoundQueue::declare(&c, "outbox.bench", "#").await?;
+            progress(&format!(
+                "amqp: exchange outbox.bench -> durable queue {} at {}",
+                queue.name(),
+                outbox_amqp::redact_url(&c.url)
+            ));
+            Ok(AmqpTarget {
+                config: c,
+                queue: tokio::sync::Mutex::new(Some(queue)),
+            })
+        }
+    }
+
+    #[async_trait]
+    impl BenchTarget for AmqpTarget {
+        fn name(&self) -> &str {
+            "amqp"
+        }
+
+        async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error> {
+            let p = AmqpPublisher::new(self.config.clone())?;
+            p.connect().await?;
+            Ok(Arc::new(p))
+        }
+
+        async fn reset(&self) -> Result<(), Error> {
+            if let Some(q) = self.queue.lock().await.as_ref() {
+                q.purge().await?;
+            }
+            Ok(())
+        }
+    }
+
+    #[async_trait]
+    impl OwnedTarget for AmqpTarget {
+        async fn teardown(&self) {
+            if let Some(q) = self.queue.lock().await.take() {
+                if let Err(e) = q.delete().await {
+                    eprintln!("[bench] could not delete the queue outbox.bench: {e}");
+                }
+            }
+        }
+    }
+}

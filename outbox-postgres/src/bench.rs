@@ -1,0 +1,1353 @@
+//! The measurements behind `outbox bench`: load generators for the writer and the relay, a reference
+//! relay that works like the classic design, and the figures they produce.
+//!
+//! Everything runs against a real PostgreSQL and whatever [`BenchTarget`] the caller provides (a
+//! broker publisher, or [`DiscardTarget`] for the database-only ceiling). The benchmark owns its own
+//! schema (dropped and created again at the start, dropped at the end), so it never touches a
+//! service's outbox table.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), outbox_core::Error> {
+//! use outbox_postgres::bench::{self, BenchOptions, DiscardTarget};
+//! let options = BenchOptions { backlog: 20_000, ..BenchOptions::default() };
+//! let report = bench::run("postgres://postgres@127.0.0.1:5432/test", &DiscardTarget, &options, &|line: &str| eprintln!("{line}")).await?;
+//! println!("{}", report.table());
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::Serialize;
+use sqlx::PgPool;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use outbox_core::{
+    BatchReport, ClaimRequest, Error, ErrorKind, Event, NewEvent, OrderingPolicy, PublishOutcome,
+    Publisher, Relay, RelayConfig, RelayObserver, Store,
+};
+
+use crate::config::OutboxTable;
+use crate::error::map_sqlx;
+use crate::store::{decode_event, Retention, EVENT_COLUMNS};
+use crate::{connect, migrate, notify, PostgresStore, Writer};
+
+/// Where a benchmark publishes.
+#[async_trait]
+pub trait BenchTarget: Send + Sync {
+    /// The name shown in the report, such as `amqp`.
+    fn name(&self) -> &str;
+
+    /// A new publisher. Each relay of a run gets its own, as separate relay processes would.
+    ///
+    /// # Errors
+    /// When the publisher cannot be built (configuration, unreachable broker).
+    async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error>;
+
+    /// Called before each run that publishes here, for instance to purge the benchmark's queue so
+    /// that runs do not pile messages onto the broker. Default: nothing.
+    ///
+    /// # Errors
+    /// When the destination cannot be reset.
+    async fn reset(&self) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// A target whose publisher acknowledges every event at once without sending it anywhere: the drain
+/// rate against it is the database's ceiling for the relay.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DiscardTarget;
+
+struct DiscardPublisher;
+
+#[async_trait]
+impl Publisher for DiscardPublisher {
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        vec![Ok(()); events.len()]
+    }
+
+    async fn check(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    fn name(&self) -> &str {
+        "discard"
+    }
+}
+
+#[async_trait]
+impl BenchTarget for DiscardTarget {
+    fn name(&self) -> &str {
+        "discard"
+    }
+
+    async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error> {
+        Ok(Arc::new(DiscardPublisher))
+    }
+}
+
+/// The parts of the benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Business transactions per second with and without the outbox insert.
+    Writer,
+    /// Draining a pre-filled backlog: the target and the discard ceiling, with 1 and N relays.
+    Drain,
+    /// The classic relay (claim 100, publish one at a time, one `UPDATE` per row) on the target.
+    Reference,
+    /// Commit-to-acknowledgement latency at a steady offered rate, polling and with NOTIFY.
+    Latency,
+    /// Claim cost over an empty history, a large processed history and a large pending backlog.
+    Claim,
+}
+
+impl Phase {
+    /// Every phase, in the order they run.
+    pub const ALL: [Phase; 5] = [
+        Phase::Writer,
+        Phase::Drain,
+        Phase::Reference,
+        Phase::Latency,
+        Phase::Claim,
+    ];
+
+    /// Parses `writer`, `drain`, `reference`, `latency` or `claim`.
+    ///
+    /// # Errors
+    /// A config error naming the accepted values.
+    pub fn parse(s: &str) -> Result<Phase, Error> {
+        match s.trim() {
+            "writer" => Ok(Phase::Writer),
+            "drain" => Ok(Phase::Drain),
+            "reference" => Ok(Phase::Reference),
+            "latency" => Ok(Phase::Latency),
+            "claim" => Ok(Phase::Claim),
+            other => Err(Error::config(format!(
+                "bench phase {other:?}: expected writer, drain, reference, latency or claim"
+            ))),
+        }
+    }
+}
+
+/// Sizes, rates and durations of a benchmark run. Every field has a documented default.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchOptions {
+    /// The schema the benchmark creates and drops; must start with `outbox_bench`. Default `outbox_bench`.
+    pub schema: String,
+    /// The phases to run. Default: all of them.
+    pub phases: Vec<Phase>,
+    /// Concurrent writers in the writer phase. Default 8.
+    pub writers: usize,
+    /// Length of each writer run (two with the outbox insert, two without, alternating). Default 5 s.
+    #[serde(with = "outbox_core::duration::serde_str")]
+    pub writer_duration: Duration,
+    /// Events in the pre-filled backlog of each drain run. Default 200,000.
+    pub backlog: usize,
+    /// N, the number of relays of the multi-relay drain runs. Default 4.
+    pub relays: usize,
+    /// Distinct aggregates the events are spread over. Default 1,000.
+    pub aggregates: usize,
+    /// Size of the padding in each event's JSON payload, in bytes. Default 256.
+    pub payload_bytes: usize,
+    /// Events drained by the reference relay (it is slow; its rate is what counts). Default 20,000.
+    pub reference_events: usize,
+    /// Offered rate of the latency runs, events per second. Default 2,000.
+    pub rate: u32,
+    /// Length of each latency run. Default 10 s.
+    #[serde(with = "outbox_core::duration::serde_str")]
+    pub latency_duration: Duration,
+    /// Processed rows kept in the table for the claim-cost phase. Default 10,000,000.
+    pub claim_processed_rows: u64,
+    /// Pending rows for the claim-cost phase's large backlog. Default 1,000,000.
+    pub claim_pending_rows: u64,
+    /// Claims timed per state in the claim-cost phase. Default 200.
+    pub claim_samples: usize,
+    /// The relay settings of the drain and latency runs. Default: the relay's defaults.
+    pub relay: RelayConfig,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            schema: "outbox_bench".into(),
+            phases: Phase::ALL.to_vec(),
+            writers: 8,
+            writer_duration: Duration::from_secs(5),
+            backlog: 200_000,
+            relays: 4,
+            aggregates: 1_000,
+            payload_bytes: 256,
+            reference_events: 20_000,
+            rate: 2_000,
+            latency_duration: Duration::from_secs(10),
+            claim_processed_rows: 10_000_000,
+            claim_pending_rows: 1_000_000,
+            claim_samples: 200,
+            relay: RelayConfig::default(),
+        }
+    }
+}
+
+impl BenchOptions {
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// A config error naming the option, the value and what is expected.
+    pub fn validate(&self) -> Result<(), Error> {
+        if !self.schema.starts_with("outbox_bench") {
+            return Err(Error::config(format!(
+                "bench schema {:?}: expected a name starting with outbox_bench (the benchmark drops and recreates it)",
+                self.schema
+            )));
+        }
+        OutboxTable::new(&self.schema, "outbox_events")?;
+        let positive = [
+            ("--writers", self.writers as u64),
+            ("--backlog", self.backlog as u64),
+            ("--relays", self.relays as u64),
+            ("--aggregates", self.aggregates as u64),
+            ("--reference-events", self.reference_events as u64),
+            ("--rate", u64::from(self.rate)),
+            ("--claim-samples", self.claim_samples as u64),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(Error::config(format!(
+                    "{name} = 0: expected a positive number"
+                )));
+            }
+        }
+        if self.writer_duration.is_zero() || self.latency_duration <= Duration::from_secs(1) {
+            return Err(Error::config(
+                "--writer-duration must be positive and --latency-duration longer than 1s (the first second is warm-up)",
+            ));
+        }
+        self.relay.validate()
+    }
+}
+
+/// Writer throughput: business transactions per second.
+#[derive(Debug, Clone, Serialize)]
+pub struct WriterFigures {
+    /// Concurrent writers.
+    pub writers: usize,
+    /// Business transactions per second without the outbox insert.
+    pub without_outbox_tps: f64,
+    /// The same transactions with one outbox insert each.
+    pub with_outbox_tps: f64,
+    /// `1 - with / without`: the share of throughput the outbox insert costs.
+    pub overhead: f64,
+}
+
+/// One drain of a pre-filled backlog.
+#[derive(Debug, Clone, Serialize)]
+pub struct DrainFigures {
+    /// The publisher drained to (`discard` is the database ceiling).
+    pub publisher: String,
+    /// `relay` (this toolkit) or `reference` (the classic design).
+    pub relay: String,
+    /// Relays running side by side.
+    pub relays: usize,
+    /// Events drained.
+    pub events: u64,
+    /// Wall-clock seconds from the start of the relays to the last settlement.
+    pub seconds: f64,
+    /// Events per second.
+    pub events_per_second: f64,
+    /// Largest resident set size of this process sampled during the run, in bytes (relays,
+    /// their publishers and the benchmark itself).
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// Commit-to-acknowledgement latency of one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct LatencyFigures {
+    /// `poll` (the default wake-up) or `notify` (LISTEN/NOTIFY enabled).
+    pub wakeup: String,
+    /// Events per second the writers aimed at.
+    pub offered_rate: u32,
+    /// Events per second they committed.
+    pub achieved_rate: f64,
+    /// Events measured (the first second is warm-up and not counted).
+    pub events: usize,
+    /// Median, in milliseconds.
+    pub p50_ms: f64,
+    /// 95th percentile, in milliseconds.
+    pub p95_ms: f64,
+    /// 99th percentile, in milliseconds.
+    pub p99_ms: f64,
+    /// Largest, in milliseconds.
+    pub max_ms: f64,
+}
+
+/// Claim cost in one table state.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClaimFigures {
+    /// What the table held.
+    pub state: String,
+    /// Pending rows.
+    pub pending_rows: u64,
+    /// Processed rows kept.
+    pub processed_rows: u64,
+    /// Median claim time (claim of a batch, then release), in milliseconds.
+    pub median_ms: f64,
+    /// 95th percentile, in milliseconds.
+    pub p95_ms: f64,
+    /// `median / median of the first state`.
+    pub vs_first: f64,
+}
+
+/// The ratios the targets are stated in, from figures of the same run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Ratios {
+    /// Drain to the target / drain to the discard ceiling, one relay.
+    pub target_vs_ceiling_1: Option<f64>,
+    /// Drain to the target / drain to the discard ceiling, N relays.
+    pub target_vs_ceiling_n: Option<f64>,
+    /// Drain to the target (best of 1 and N relays) / the reference relay on the same target.
+    pub target_vs_reference: Option<f64>,
+}
+
+/// Everything a benchmark run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// The target's name.
+    pub target: String,
+    /// The options of the run.
+    pub options: BenchOptions,
+    /// Writer throughput.
+    pub writer: Option<WriterFigures>,
+    /// Drain runs (relay and reference).
+    pub drain: Vec<DrainFigures>,
+    /// Latency runs.
+    pub latency: Vec<LatencyFigures>,
+    /// Claim-cost states.
+    pub claim: Vec<ClaimFigures>,
+    /// Ratios of the figures above.
+    pub ratios: Ratios,
+    /// Largest resident set size sampled during the relay drains, in bytes.
+    pub relay_peak_rss_bytes: Option<u64>,
+}
+
+fn ratio(a: f64, b: f64) -> Option<f64> {
+    (b > 0.0).then(|| a / b)
+}
+
+fn mib(bytes: Option<u64>) -> String {
+    bytes.map_or_else(
+        || "n/a".into(),
+        |b| format!("{:.1} MiB", b as f64 / 1048576.0),
+    )
+}
+
+impl BenchReport {
+    fn drain_rate(&self, publisher: &str, relay: &str, relays: usize) -> Option<f64> {
+        self.drain
+            .iter()
+            .find(|d| d.publisher == publisher && d.relay == relay && d.relays == relays)
+            .map(|d| d.events_per_second)
+    }
+
+    fn compute_ratios(&mut self) {
+        let t = self.target.clone();
+        let n = self.options.relays;
+        let ceiling = |k| self.drain_rate("discard", "relay", k);
+        let target = |k| self.drain_rate(&t, "relay", k);
+        let best = match (target(1), target(n)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        let reference = self.drain_rate(&t, "reference", 1);
+        self.ratios = Ratios {
+            target_vs_ceiling_1: target(1).zip(ceiling(1)).and_then(|(a, b)| ratio(a, b)),
+            target_vs_ceiling_n: target(n).zip(ceiling(n)).and_then(|(a, b)| ratio(a, b)),
+            target_vs_reference: best.zip(reference).and_then(|(a, b)| ratio(a, b)),
+        };
+        self.relay_peak_rss_bytes = self
+            .drain
+            .iter()
+            .filter(|d| d.relay == "relay")
+            .filter_map(|d| d.peak_rss_bytes)
+            .max();
+    }
+
+    /// The figures as a plain-text table.
+    pub fn table(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let o = &self.options;
+        let _ = writeln!(
+            s,
+            "outbox bench: target {}, batch_size {}, max_in_flight {}, payload {} B, {} aggregates",
+            self.target, o.relay.batch_size, o.relay.max_in_flight, o.payload_bytes, o.aggregates
+        );
+        if let Some(w) = &self.writer {
+            let _ = writeln!(s, "\nwriter ({} concurrent writers)", w.writers);
+            let _ = writeln!(
+                s,
+                "  business tx/s without outbox   {:>12.0}",
+                w.without_outbox_tps
+            );
+            let _ = writeln!(
+                s,
+                "  business tx/s with outbox      {:>12.0}",
+                w.with_outbox_tps
+            );
+            let _ = writeln!(
+                s,
+                "  overhead of the outbox insert  {:>11.1}%",
+                w.overhead * 100.0
+            );
+        }
+        if !self.drain.is_empty() {
+            let _ = writeln!(s, "\ndrain of a pre-filled backlog");
+            let _ = writeln!(
+                s,
+                "  {:<10} {:<10} {:>6} {:>9} {:>8} {:>12} {:>12}",
+                "relay", "publisher", "relays", "events", "seconds", "events/s", "peak RSS"
+            );
+            for d in &self.drain {
+                let _ = writeln!(
+                    s,
+                    "  {:<10} {:<10} {:>6} {:>9} {:>8.2} {:>12.0} {:>12}",
+                    d.relay,
+                    d.publisher,
+                    d.relays,
+                    d.events,
+                    d.seconds,
+                    d.events_per_second,
+                    mib(d.peak_rss_bytes)
+                );
+            }
+            let r = &self.ratios;
+            let show = |v: Option<f64>| v.map_or_else(|| "n/a".into(), |v| format!("{v:.2}x"));
+            let _ = writeln!(
+                s,
+                "  {} / discard ceiling, 1 relay    {}",
+                self.target,
+                show(r.target_vs_ceiling_1)
+            );
+            let _ = writeln!(
+                s,
+                "  {} / discard ceiling, {} relays   {}",
+                self.target,
+                o.relays,
+                show(r.target_vs_ceiling_n)
+            );
+            let _ = writeln!(
+                s,
+                "  {} / reference relay             {}",
+                self.target,
+                show(r.target_vs_reference)
+            );
+            let _ = writeln!(
+                s,
+                "  relay peak RSS                  {}",
+                mib(self.relay_peak_rss_bytes)
+            );
+        }
+        if !self.latency.is_empty() {
+            let _ = writeln!(s, "\ncommit-to-ack latency");
+            let _ = writeln!(
+                s,
+                "  {:<8} {:>9} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                "wake-up",
+                "offered/s",
+                "achieved/s",
+                "events",
+                "p50 ms",
+                "p95 ms",
+                "p99 ms",
+                "max ms"
+            );
+            for l in &self.latency {
+                let _ = writeln!(
+                    s,
+                    "  {:<8} {:>9} {:>10.0} {:>8} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+                    l.wakeup,
+                    l.offered_rate,
+                    l.achieved_rate,
+                    l.events,
+                    l.p50_ms,
+                    l.p95_ms,
+                    l.p99_ms,
+                    l.max_ms
+                );
+            }
+        }
+        if !self.claim.is_empty() {
+            let _ = writeln!(s, "\nclaim cost (batch of {})", o.relay.batch_size);
+            let _ = writeln!(
+                s,
+                "  {:<34} {:>11} {:>11} {:>9} {:>9} {:>9}",
+                "table state", "pending", "processed", "median ms", "p95 ms", "vs first"
+            );
+            for c in &self.claim {
+                let _ = writeln!(
+                    s,
+                    "  {:<34} {:>11} {:>11} {:>9.2} {:>9.2} {:>8.2}x",
+                    c.state, c.pending_rows, c.processed_rows, c.median_ms, c.p95_ms, c.vs_first
+                );
+            }
+        }
+        s
+    }
+}
+
+/// Runs the phases of `options` against the database at `url`, publishing to `target`; `progress`
+/// receives a line at each step.
+///
+/// # Errors
+/// A config error for invalid options; a database or publisher error that stops a phase (an event
+/// the target dead-letters stops the drain with the row's error, since a benchmark of failures
+/// measures nothing).
+pub async fn run(
+    url: &str,
+    target: &dyn BenchTarget,
+    options: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<BenchReport, Error> {
+    options.validate()?;
+    let admin = connect(url, 4).await?;
+    let schema = options.schema.clone();
+    exec(&admin, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await?;
+    exec(&admin, &format!("CREATE SCHEMA {schema}")).await?;
+    let mut report = BenchReport {
+        target: target.name().to_string(),
+        options: options.clone(),
+        writer: None,
+        drain: Vec::new(),
+        latency: Vec::new(),
+        claim: Vec::new(),
+        ratios: Ratios::default(),
+        relay_peak_rss_bytes: None,
+    };
+    let result = run_phases(url, &admin, target, options, progress, &mut report).await;
+    // The schema goes whatever happened.
+    let dropped = exec(&admin, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await;
+    result?;
+    dropped?;
+    report.compute_ratios();
+    Ok(report)
+}
+
+async fn run_phases(
+    url: &str,
+    admin: &PgPool,
+    target: &dyn BenchTarget,
+    o: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+    report: &mut BenchReport,
+) -> Result<(), Error> {
+    let table = OutboxTable::new(&o.schema, "outbox_events")?;
+    migrate(admin, &table).await?;
+    let has = |p| o.phases.contains(&p);
+    if has(Phase::Writer) {
+        report.writer = Some(writer_phase(url, admin, &table, o, progress).await?);
+    }
+    if has(Phase::Drain) {
+        let mut fill = 1;
+        for relays in dedup([1, o.relays]) {
+            for t in [&DiscardTarget as &dyn BenchTarget, target] {
+                truncate(admin, &table).await?;
+                progress(&format!("drain: filling {} events", o.backlog));
+                prefill(admin, &table, o.backlog as u64, o, false, fill).await?;
+                fill += 1;
+                t.reset().await?;
+                let d = drain_run(url, &table, t, relays, o.backlog as u64, o, progress).await?;
+                report.drain.push(d);
+            }
+        }
+    }
+    if has(Phase::Reference) {
+        let reference = OutboxTable::new(&o.schema, "outbox_reference")?;
+        migrate(admin, &reference).await?;
+        // The classic design's own index (the claim orders by created_at).
+        exec(
+            admin,
+            &format!(
+                "CREATE INDEX IF NOT EXISTS idx_outbox_unprocessed ON {} (created_at) WHERE processed_at IS NULL",
+                reference.qualified()
+            ),
+        )
+        .await?;
+        progress(&format!("reference: filling {} events", o.reference_events));
+        prefill(admin, &reference, o.reference_events as u64, o, false, 90).await?;
+        target.reset().await?;
+        report
+            .drain
+            .push(reference_run(url, &reference, target, o, progress).await?);
+    }
+    if has(Phase::Latency) {
+        for notify_on in [false, true] {
+            truncate(admin, &table).await?;
+            target.reset().await?;
+            report
+                .latency
+                .push(latency_run(url, admin, &table, target, o, notify_on, progress).await?);
+        }
+    }
+    if has(Phase::Claim) {
+        report.claim = claim_phase(admin, o, progress).await?;
+    }
+    Ok(())
+}
+
+fn dedup(v: [usize; 2]) -> Vec<usize> {
+    if v[0] == v[1] {
+        vec![v[0]]
+    } else {
+        v.to_vec()
+    }
+}
+
+async fn exec(pool: &PgPool, sql: &str) -> Result<(), Error> {
+    sqlx::query(sql)
+        .execute(pool)
+        .await
+        .map_err(|e| map_sqlx("bench", e))?;
+    Ok(())
+}
+
+async fn truncate(pool: &PgPool, table: &OutboxTable) -> Result<(), Error> {
+    exec(pool, &format!("TRUNCATE {}", table.qualified())).await
+}
+
+fn payload(n: u64, pad: usize) -> serde_json::Value {
+    serde_json::json!({ "order_id": n, "total": n % 1000, "pad": "x".repeat(pad) })
+}
+
+/// Inserts `count` events over `o.aggregates` aggregates in one statement per million rows, with
+/// time-ordered ids (as the writer's UUID v7), then analyzes the table. `fill` keeps ids of
+/// different fills apart.
+async fn prefill(
+    pool: &PgPool,
+    table: &OutboxTable,
+    count: u64,
+    o: &BenchOptions,
+    processed: bool,
+    fill: u32,
+) -> Result<(), Error> {
+    let sql = format!(
+        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, processed_at)
+         SELECT (lpad(to_hex($1::bigint), 8, '0') || '-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
+                'bench', 'a' || (g % $2), 'bench.event',
+                jsonb_build_object('order_id', g, 'total', g % 1000, 'pad', repeat('x', $3)),
+                CASE WHEN $4 THEN now() END
+         FROM generate_series($5::bigint, $6::bigint) g",
+        table.qualified()
+    );
+    let chunk = 1_000_000u64;
+    let mut from = 1u64;
+    while from <= count {
+        let to = (from + chunk - 1).min(count);
+        sqlx::query(&sql)
+            .bind(i64::from(fill))
+            .bind(o.aggregates as i64)
+            .bind(o.payload_bytes as i32)
+            .bind(processed)
+            .bind(from as i64)
+            .bind(to as i64)
+            .execute(pool)
+            .await
+            .map_err(|e| map_sqlx("bench prefill", e))?;
+        from = to + 1;
+    }
+    exec(pool, &format!("VACUUM ANALYZE {}", table.qualified())).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer throughput
+
+async fn writer_phase(
+    url: &str,
+    admin: &PgPool,
+    table: &OutboxTable,
+    o: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<WriterFigures, Error> {
+    let orders = format!("{}.bench_orders", o.schema);
+    exec(
+        admin,
+        &format!(
+            "CREATE TABLE {orders} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+             customer text NOT NULL, total bigint NOT NULL, body jsonb NOT NULL)"
+        ),
+    )
+    .await?;
+    let pool = connect(url, o.writers as u32).await?;
+    let (mut without, mut with) = (0.0, 0.0);
+    // Alternating runs, so that drift in the machine's state affects both sides alike.
+    for round in 1..=2 {
+        for outbox in [false, true] {
+            exec(admin, &format!("TRUNCATE {orders}, {}", table.qualified())).await?;
+            let tps = writer_run(&pool, &orders, table, o, outbox).await?;
+            progress(&format!(
+                "writer: round {round}, {} outbox: {tps:.0} tx/s",
+                if outbox { "with" } else { "without" }
+            ));
+            if outbox {
+                with += tps / 2.0;
+            } else {
+                without += tps / 2.0;
+            }
+        }
+    }
+    pool.close().await;
+    Ok(WriterFigures {
+        writers: o.writers,
+        without_outbox_tps: without,
+        with_outbox_tps: with,
+        overhead: ratio(with, without).map_or(0.0, |r| 1.0 - r),
+    })
+}
+
+async fn writer_run(
+    pool: &PgPool,
+    orders: &str,
+    table: &OutboxTable,
+    o: &BenchOptions,
+    outbox: bool,
+) -> Result<f64, Error> {
+    let insert = Arc::<str>::from(format!(
+        "INSERT INTO {orders} (customer, total, body) VALUES ($1, $2, $3::jsonb) RETURNING id"
+    ));
+    let writer = Writer::new(table.clone());
+    let started = Instant::now();
+    let deadline = started + o.writer_duration;
+    let mut tasks = Vec::new();
+    for w in 0..o.writers {
+        let (pool, insert, writer, pad) = (
+            pool.clone(),
+            insert.clone(),
+            writer.clone(),
+            o.payload_bytes,
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            while Instant::now() < deadline {
+                let n = done * 64 + w as u64;
+                let body = payload(n, pad);
+                let mut tx = pool.begin().await.map_err(|e| map_sqlx("bench", e))?;
+                let id: i64 = sqlx::query_scalar(&insert)
+                    .bind(format!("customer-{}", n % 1000))
+                    .bind((n % 1000) as i64)
+                    .bind(body.to_string())
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(|e| map_sqlx("bench", e))?;
+                if outbox {
+                    writer
+                        .enqueue(
+                            &mut tx,
+                            NewEvent::new("order", id.to_string(), "order.created", body),
+                        )
+                        .await?;
+                }
+                tx.commit().await.map_err(|e| map_sqlx("bench", e))?;
+                done += 1;
+            }
+            Ok::<u64, Error>(done)
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += join(t).await??;
+    }
+    Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+async fn join<T>(t: tokio::task::JoinHandle<T>) -> Result<T, Error> {
+    t.await.map_err(|e| {
+        Error::new(
+            ErrorKind::Unexpected,
+            format!("a benchmark task failed: {e}"),
+        )
+        .with_source(e)
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drain
+
+/// Counts settled events across the relays of a run.
+#[derive(Default)]
+struct Counter {
+    published: AtomicU64,
+    dead_lettered: AtomicU64,
+    last_error: Mutex<Option<String>>,
+}
+
+impl RelayObserver for Counter {
+    fn event_failed(&self, _event: &Event, error: &Error, _d: outbox_core::FailureDecision) {
+        if let Ok(mut e) = self.last_error.lock() {
+            *e = Some(error.to_string());
+        }
+    }
+
+    fn batch_settled(&self, report: &BatchReport) {
+        if report.settle_error.is_none() {
+            self.published
+                .fetch_add(report.published as u64, Ordering::Relaxed);
+            self.dead_lettered
+                .fetch_add(report.dead_lettered as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Counter {
+    fn last_error(&self) -> String {
+        self.last_error
+            .lock()
+            .ok()
+            .and_then(|e| e.clone())
+            .unwrap_or_else(|| "no error recorded".into())
+    }
+}
+
+/// The resident set size of this process, from /proc (Linux); `None` elsewhere.
+pub fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Samples the RSS every 50 ms until dropped; `peak()` is the largest seen.
+struct RssSampler {
+    peak: Arc<AtomicU64>,
+    stop: CancellationToken,
+}
+
+impl RssSampler {
+    fn start() -> Self {
+        let peak = Arc::new(AtomicU64::new(rss_bytes().unwrap_or(0)));
+        let stop = CancellationToken::new();
+        let (p, s) = (peak.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Some(r) = rss_bytes() {
+                    p.fetch_max(r, Ordering::Relaxed);
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    _ = s.cancelled() => return,
+                }
+            }
+        });
+        RssSampler { peak, stop }
+    }
+
+    fn peak(&self) -> Option<u64> {
+        Some(self.peak.load(Ordering::Relaxed)).filter(|p| *p > 0)
+    }
+}
+
+impl Drop for RssSampler {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn drain_run(
+    url: &str,
+    table: &OutboxTable,
+    target: &dyn BenchTarget,
+    relays: usize,
+    events: u64,
+    o: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<DrainFigures, Error> {
+    let counter = Arc::new(Counter::default());
+    let shutdown = CancellationToken::new();
+    let mut built = Vec::new();
+    for _ in 0..relays {
+        // One pool per relay, as separate processes have: a connection per batch in flight, one
+        // for the claim.
+        let pool = connect(url, o.relay.max_in_flight as u32 + 1).await?;
+        let store = Arc::new(PostgresStore::with_retention(
+            pool,
+            table.clone(),
+            Retention::Delete,
+        ));
+        let publisher = target.publisher().await?;
+        publisher.check().await?;
+        built.push(Relay::new(store, publisher, o.relay.clone())?.with_observer(counter.clone()));
+    }
+    progress(&format!(
+        "drain: {} relay(s) -> {}, {events} events",
+        relays,
+        target.name()
+    ));
+    let rss = RssSampler::start();
+    let started = Instant::now();
+    let handles: Vec<_> = built
+        .into_iter()
+        .map(|relay| {
+            let s = shutdown.clone();
+            tokio::spawn(async move { relay.run(s).await })
+        })
+        .collect();
+    let outcome = wait_for_settled(&counter, events, progress).await;
+    let seconds = started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    for h in handles {
+        join(h).await?;
+    }
+    outcome?;
+    let rate = events as f64 / seconds;
+    progress(&format!(
+        "drain: {} relay(s) -> {}: {rate:.0} events/s",
+        relays,
+        target.name()
+    ));
+    Ok(DrainFigures {
+        publisher: target.name().to_string(),
+        relay: "relay".into(),
+        relays,
+        events,
+        seconds,
+        events_per_second: rate,
+        peak_rss_bytes: rss.peak(),
+    })
+}
+
+/// Waits until `events` were published; fails on a dead letter or when nothing moves for 60 s.
+async fn wait_for_settled(
+    counter: &Counter,
+    events: u64,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<(), Error> {
+    let mut last = (0, Instant::now());
+    let mut last_report = Instant::now();
+    loop {
+        let published = counter.published.load(Ordering::Relaxed);
+        let dead = counter.dead_lettered.load(Ordering::Relaxed);
+        if dead > 0 {
+            return Err(Error::new(
+                ErrorKind::Unexpected,
+                format!(
+                    "{dead} events were dead-lettered during the benchmark (last error: {}); check the publisher's destination",
+                    counter.last_error()
+                ),
+            ));
+        }
+        if published >= events {
+            return Ok(());
+        }
+        if published != last.0 {
+            last = (published, Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(60) {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no progress for 60 s at {published} of {events} events (last error: {})",
+                    counter.last_error()
+                ),
+            ));
+        }
+        if last_report.elapsed() >= Duration::from_secs(2) {
+            progress(&format!("  {published} / {events}"));
+            last_report = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference relay: the classic design, as the article's relay loop does it.
+
+async fn reference_run(
+    url: &str,
+    table: &OutboxTable,
+    target: &dyn BenchTarget,
+    o: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<DrainFigures, Error> {
+    const BATCH: i64 = 100;
+    const MAX_ATTEMPTS: i32 = 10;
+    let pool = connect(url, 2).await?;
+    let publisher = target.publisher().await?;
+    publisher.check().await?;
+    let t = table.qualified();
+    let select = format!(
+        "SELECT {EVENT_COLUMNS} FROM {t} e
+         WHERE e.processed_at IS NULL AND e.attempts < $1
+         ORDER BY e.created_at
+         LIMIT $2
+         FOR UPDATE SKIP LOCKED"
+    );
+    let done = format!("UPDATE {t} SET processed_at = now() WHERE id = $1");
+    let failed = format!("UPDATE {t} SET attempts = attempts + 1 WHERE id = $1");
+    progress(&format!(
+        "reference: 1 classic relay -> {}, {} events",
+        target.name(),
+        o.reference_events
+    ));
+    let rss = RssSampler::start();
+    let started = Instant::now();
+    let mut published = 0u64;
+    let mut last_report = Instant::now();
+    let mut last_error = None;
+    loop {
+        let mut tx = pool.begin().await.map_err(|e| map_sqlx("bench", e))?;
+        let rows = sqlx::query(&select)
+            .bind(MAX_ATTEMPTS)
+            .bind(BATCH)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| map_sqlx("bench", e))?;
+        if rows.is_empty() {
+            tx.commit().await.map_err(|e| map_sqlx("bench", e))?;
+            break;
+        }
+        for row in &rows {
+            let event = decode_event(row)?;
+            let outcome = publisher.publish(std::slice::from_ref(&event)).await;
+            let sql = match outcome.into_iter().next() {
+                Some(Ok(())) => {
+                    published += 1;
+                    &done
+                }
+                Some(Err(e)) => {
+                    last_error = Some(e.to_string());
+                    &failed
+                }
+                None => &failed,
+            };
+            sqlx::query(sql)
+                .bind(event.id)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| map_sqlx("bench", e))?;
+        }
+        tx.commit().await.map_err(|e| map_sqlx("bench", e))?;
+        if last_report.elapsed() >= Duration::from_secs(2) {
+            progress(&format!("  {published} / {}", o.reference_events));
+            last_report = Instant::now();
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    if published < o.reference_events as u64 {
+        return Err(Error::new(
+            ErrorKind::Unexpected,
+            format!(
+                "the reference relay published {published} of {} events (last error: {})",
+                o.reference_events,
+                last_error.unwrap_or_else(|| "none".into())
+            ),
+        ));
+    }
+    let rate = published as f64 / seconds;
+    progress(&format!("reference: {rate:.0} events/s"));
+    Ok(DrainFigures {
+        publisher: target.name().to_string(),
+        relay: "reference".into(),
+        relays: 1,
+        events: published,
+        seconds,
+        events_per_second: rate,
+        peak_rss_bytes: rss.peak(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Latency
+
+/// Records when each event was acknowledged.
+struct AckClock {
+    inner: Arc<dyn Publisher>,
+    acks: Mutex<Vec<(Uuid, Instant)>>,
+}
+
+#[async_trait]
+impl Publisher for AckClock {
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        let outcomes = self.inner.publish(events).await;
+        let now = Instant::now();
+        if let Ok(mut acks) = self.acks.lock() {
+            for (e, o) in events.iter().zip(&outcomes) {
+                if o.is_ok() {
+                    acks.push((e.id, now));
+                }
+            }
+        }
+        outcomes
+    }
+
+    async fn check(&self) -> Result<(), Error> {
+        self.inner.check().await
+    }
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+async fn latency_run(
+    url: &str,
+    admin: &PgPool,
+    table: &OutboxTable,
+    target: &dyn BenchTarget,
+    o: &BenchOptions,
+    notify_on: bool,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<LatencyFigures, Error> {
+    let wakeup = if notify_on { "notify" } else { "poll" };
+    if notify_on {
+        notify::install_notify_trigger(admin, table).await?;
+    }
+    let result = latency_inner(url, table, target, o, notify_on, progress).await;
+    if notify_on {
+        notify::remove_notify_trigger(admin, table).await?;
+    }
+    let (committed, acks, seconds) = result?;
+    let warm_up = committed
+        .iter()
+        .map(|(_, t)| *t)
+        .min()
+        .map(|t| t + Duration::from_secs(1));
+    let acked: HashMap<Uuid, Instant> = acks.into_iter().collect();
+    let mut ms: Vec<f64> = committed
+        .iter()
+        .filter(|(_, t)| Some(*t) >= warm_up)
+        .filter_map(|(id, t)| {
+            acked
+                .get(id)
+                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    let figures = LatencyFigures {
+        wakeup: wakeup.into(),
+        offered_rate: o.rate,
+        achieved_rate: committed.len() as f64 / seconds,
+        events: ms.len(),
+        p50_ms: percentile(&ms, 50.0),
+        p95_ms: percentile(&ms, 95.0),
+        p99_ms: percentile(&ms, 99.0),
+        max_ms: ms.last().copied().unwrap_or(0.0),
+    };
+    progress(&format!(
+        "latency ({wakeup}): p50 {:.2} ms, p99 {:.2} ms at {:.0} events/s",
+        figures.p50_ms, figures.p99_ms, figures.achieved_rate
+    ));
+    Ok(figures)
+}
+
+type Stamps = Vec<(Uuid, Instant)>;
+
+async fn latency_inner(
+    url: &str,
+    table: &OutboxTable,
+    target: &dyn BenchTarget,
+    o: &BenchOptions,
+    notify_on: bool,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<(Stamps, Stamps, f64), Error> {
+    let relay_pool = connect(url, o.relay.max_in_flight as u32 + 2).await?;
+    let clock = Arc::new(AckClock {
+        inner: target.publisher().await?,
+        acks: Mutex::new(Vec::new()),
+    });
+    clock.check().await?;
+    let store = Arc::new(PostgresStore::new(relay_pool.clone(), table.clone()));
+    let counter = Arc::new(Counter::default());
+    let relay = Relay::new(store, clock.clone(), o.relay.clone())?.with_observer(counter.clone());
+    let shutdown = CancellationToken::new();
+    if notify_on {
+        let (pool, table, wake, s) = (
+            relay_pool.clone(),
+            table.clone(),
+            relay.wake_handle(),
+            shutdown.clone(),
+        );
+        tokio::spawn(async move { notify::listen(&pool, &table, wake, s).await });
+    }
+    let relay_task = {
+        let s = shutdown.clone();
+        tokio::spawn(async move { relay.run(s).await })
+    };
+    // The writers commit one event per transaction, spread over tasks so that commit flushes overlap;
+    // they do not wake the relay (it stands for a relay in another process).
+    let tasks_n = 8usize;
+    let period = Duration::from_secs_f64(tasks_n as f64 / f64::from(o.rate));
+    let writer_pool = connect(url, tasks_n as u32).await?;
+    let writer = Writer::new(table.clone());
+    progress(&format!(
+        "latency ({}): {} events/s for {}",
+        if notify_on { "notify" } else { "poll" },
+        o.rate,
+        outbox_core::duration::format(o.latency_duration)
+    ));
+    let started = Instant::now();
+    let deadline = started + o.latency_duration;
+    let mut tasks = Vec::new();
+    for w in 0..tasks_n {
+        let (pool, writer, pad) = (writer_pool.clone(), writer.clone(), o.payload_bytes);
+        let aggregates = o.aggregates as u64;
+        tasks.push(tokio::spawn(async move {
+            let mut ticks = tokio::time::interval_at(
+                started + period.mul_f64(w as f64 / tasks_n as f64),
+                period,
+            );
+            let mut stamps = Vec::new();
+            let mut n = 0u64;
+            loop {
+                ticks.tick().await;
+                if Instant::now() >= deadline {
+                    break;
+                }
+                let k = n * tasks_n as u64 + w as u64;
+                let event = NewEvent::new(
+                    "order",
+                    format!("a{}", k % aggregates),
+                    "order.created",
+                    payload(k, pad),
+                );
+                let id = event.id;
+                let mut tx = pool.begin().await.map_err(|e| map_sqlx("bench", e))?;
+                writer.enqueue(&mut tx, event).await?;
+                tx.commit().await.map_err(|e| map_sqlx("bench", e))?;
+                stamps.push((id, Instant::now()));
+                n += 1;
+            }
+            Ok::<Stamps, Error>(stamps)
+        }));
+    }
+    let mut committed = Vec::new();
+    for t in tasks {
+        committed.extend(join(t).await??);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let settled = wait_for_settled(&counter, committed.len() as u64, progress).await;
+    shutdown.cancel();
+    join(relay_task).await?;
+    settled?;
+    let acks = clock
+        .acks
+        .lock()
+        .map(|mut a| std::mem::take(&mut *a))
+        .unwrap_or_default();
+    Ok((committed, acks, seconds))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Claim cost
+
+async fn claim_phase(
+    admin: &PgPool,
+    o: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<Vec<ClaimFigures>, Error> {
+    let table = OutboxTable::new(&o.schema, "outbox_claim")?;
+    migrate(admin, &table).await?;
+    let store = PostgresStore::with_retention(admin.clone(), table.clone(), Retention::Keep);
+    let small = 10_000u64;
+    let mut out: Vec<ClaimFigures> = Vec::new();
+    let mut push = |state: &str, pending, processed, (median, p95): (f64, f64)| {
+        let first = out.first().map_or(median, |f| f.median_ms);
+        progress(&format!("claim: {state}: median {median:.2} ms"));
+        out.push(ClaimFigures {
+            state: state.into(),
+            pending_rows: pending,
+            processed_rows: processed,
+            median_ms: median,
+            p95_ms: p95,
+            vs_first: ratio(median, first).unwrap_or(1.0),
+        });
+    };
+    progress(&format!("claim: {small} pending rows, no history"));
+    prefill(admin, &table, small, o, false, 100).await?;
+    push("pending only", small, 0, time_claims(&store, o).await?);
+    progress(&format!(
+        "claim: adding {} processed rows (keep-processed mode); this takes a while",
+        o.claim_processed_rows
+    ));
+    prefill(admin, &table, o.claim_processed_rows, o, true, 101).await?;
+    push(
+        "pending + processed history",
+        small,
+        o.claim_processed_rows,
+        time_claims(&store, o).await?,
+    );
+    truncate(admin, &table).await?;
+    progress(&format!("claim: {} pending rows", o.claim_pending_rows));
+    prefill(admin, &table, o.claim_pending_rows, o, false, 102).await?;
+    push(
+        "large pending backlog",
+        o.claim_pending_rows,
+        0,
+        time_claims(&store, o).await?,
+    );
+    Ok(out)
+}
+
+/// Times `claim_samples` claims of a batch (each released again), after a few for warm-up; returns
+/// the median and the 95th percentile in milliseconds.
+async fn time_claims(store: &PostgresStore, o: &BenchOptions) -> Result<(f64, f64), Error> {
+    let request = ClaimRequest {
+        limit: o.relay.batch_size,
+        ordering: o.relay.ordering,
+    };
+    let mut ms = Vec::with_capacity(o.claim_samples);
+    for i in 0..o.claim_samples + 5 {
+        let started = Instant::now();
+        let batch = store.claim(request).await?;
+        let elapsed = started.elapsed();
+        if batch.events.is_empty() && request.ordering == OrderingPolicy::PerAggregate {
+            return Err(Error::new(
+                ErrorKind::Unexpected,
+                "the claim-cost phase claimed nothing from a filled table",
+            ));
+        }
+        batch.lease.release().await?;
+        if i >= 5 {
+            ms.push(elapsed.as_secs_f64() * 1000.0);
+        }
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok((percentile(&ms, 50.0), percentile(&ms, 95.0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&v, 100.0), 100.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+
+    #[test]
+    fn options_refuse_a_schema_the_bench_would_drop_by_mistake() {
+        let o = BenchOptions {
+            schema: "public".into(),
+            ..BenchOptions::default()
+        };
+        let e = o.validate().unwrap_err();
+        assert!(e.to_string().contains("outbox_bench"), "{e}");
+        assert!(BenchOptions::default().validate().is_ok());
+        assert!(Phase::parse("drain").is_ok());
+        assert!(Phase::parse("drains").is_err());
+    }
+}
