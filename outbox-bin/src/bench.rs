@@ -161,6 +161,10 @@ async fn target(
         "discard" => Ok(Box::new(DiscardTarget)),
         #[cfg(feature = "amqp")]
         "amqp" => Ok(Box::new(amqp::AmqpTarget::new(config, progress).await?)),
+        #[cfg(feature = "kafka")]
+        "kafka" => Ok(Box::new(kafka::KafkaTarget::new(config, progress).await?)),
+        #[cfg(feature = "sqs")]
+        "sqs" => Ok(Box::new(sqs::SqsTarget::new(config, progress).await?)),
         other => Err(Failure {
             code: 2,
             message: format!(
@@ -231,6 +235,111 @@ mod amqp {
                 if let Err(e) = q.delete().await {
                     eprintln!("[bench] could not delete the queue outbox.bench: {e}");
                 }
+            }
+        }
+    }
+}
+
+#[cfg(feature = "kafka")]
+mod kafka {
+    use super::*;
+    use outbox_kafka::{admin, KafkaConfig, KafkaPublisher};
+
+    const TOPIC: &str = "outbox.bench";
+    const PARTITIONS: i32 = 8;
+
+    /// Topic `outbox.bench` (8 partitions, created for the run, deleted at the end); brokers,
+    /// producer settings and properties from `[kafka]`.
+    pub(super) struct KafkaTarget {
+        config: KafkaConfig,
+    }
+
+    impl KafkaTarget {
+        pub(super) async fn new(
+            config: &Config,
+            progress: &(dyn Fn(&str) + Send + Sync),
+        ) -> Result<Self, Error> {
+            let mut c = config.kafka.clone();
+            c.topic = TOPIC.into();
+            admin::create_topic(&c, TOPIC, PARTITIONS, 1).await?;
+            progress(&format!(
+                "kafka: topic {TOPIC} ({PARTITIONS} partitions) at {}",
+                c.brokers
+            ));
+            Ok(KafkaTarget { config: c })
+        }
+    }
+
+    #[async_trait]
+    impl BenchTarget for KafkaTarget {
+        fn name(&self) -> &str {
+            "kafka"
+        }
+
+        async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error> {
+            Ok(Arc::new(KafkaPublisher::new(self.config.clone())?))
+        }
+    }
+
+    #[async_trait]
+    impl OwnedTarget for KafkaTarget {
+        async fn teardown(&self) {
+            if let Err(e) = admin::delete_topic(&self.config, TOPIC).await {
+                eprintln!("[bench] could not delete the topic {TOPIC}: {e}");
+            }
+        }
+    }
+}
+
+#[cfg(feature = "sqs")]
+mod sqs {
+    use super::*;
+    use outbox_sqs::{admin, SqsConfig, SqsPublisher};
+
+    const QUEUE: &str = "outbox-bench";
+
+    /// Standard queue `outbox-bench` (created for the run, deleted at the end); region, endpoint
+    /// and timeouts from `[sqs]`.
+    pub(super) struct SqsTarget {
+        config: SqsConfig,
+        admin: SqsPublisher,
+        url: String,
+    }
+
+    impl SqsTarget {
+        pub(super) async fn new(
+            config: &Config,
+            progress: &(dyn Fn(&str) + Send + Sync),
+        ) -> Result<Self, Error> {
+            let mut c = config.sqs.clone();
+            c.queue = QUEUE.into();
+            let admin = SqsPublisher::new(c.clone()).await?;
+            let url = admin::create_queue(&admin, QUEUE).await?;
+            progress(&format!("sqs: queue {url}"));
+            Ok(SqsTarget {
+                config: c,
+                admin,
+                url,
+            })
+        }
+    }
+
+    #[async_trait]
+    impl BenchTarget for SqsTarget {
+        fn name(&self) -> &str {
+            "sqs"
+        }
+
+        async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error> {
+            Ok(Arc::new(SqsPublisher::new(self.config.clone()).await?))
+        }
+    }
+
+    #[async_trait]
+    impl OwnedTarget for SqsTarget {
+        async fn teardown(&self) {
+            if let Err(e) = admin::delete_queue(&self.admin, &self.url).await {
+                eprintln!("[bench] could not delete the queue {}: {e}", self.url);
             }
         }
     }

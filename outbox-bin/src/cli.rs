@@ -183,13 +183,22 @@ fn usage(message: impl Into<String>) -> Failure {
 
 /// Runs the parsed command; returns the process exit code.
 pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
-    let config = match Config::load(cli.config.as_deref(), env) {
+    // The benchmark's progress lines are its log; the relays it runs log warnings only unless the
+    // level is set explicitly.
+    let quiet = matches!(cli.command, Command::Bench(_))
+        && !env
+            .iter()
+            .any(|(k, _)| k == "RUST_LOG" || k == "OUTBOX_LOG__LEVEL");
+    let mut config = match Config::load(cli.config.as_deref(), env) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("outbox: configuration error: {}", e.message());
             return ExitCode::from(2);
         }
     };
+    if quiet {
+        config.log.level = "warn".into();
+    }
     init_logging(&config);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

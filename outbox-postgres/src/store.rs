@@ -67,14 +67,20 @@ impl Sql {
             LIMIT $1
             FOR UPDATE SKIP LOCKED"
         );
+        // Each aggregate's run is read from its index in seq order and cut at $4 rows, so the cost
+        // of a claim follows the batch size, not the length of the backlog behind each head.
         let claim_runs = format!(
-            "SELECT {EVENT_COLUMNS}, e.seq,
-                (e.dead_lettered_at IS NULL AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())) AS ready
-            FROM {t} e
-            JOIN UNNEST($1::text[], $2::text[]) AS h(aggregate_type, aggregate_id)
-              ON e.aggregate_type = h.aggregate_type AND e.aggregate_id = h.aggregate_id
-            WHERE e.processed_at IS NULL
-            ORDER BY e.seq
+            "SELECT r.* FROM UNNEST($1::text[], $2::text[]) AS h(aggregate_type, aggregate_id)
+            CROSS JOIN LATERAL (
+                SELECT {EVENT_COLUMNS}, e.seq,
+                    (e.dead_lettered_at IS NULL AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())) AS ready
+                FROM {t} e
+                WHERE e.aggregate_type = h.aggregate_type AND e.aggregate_id = h.aggregate_id
+                  AND e.processed_at IS NULL
+                ORDER BY e.seq
+                LIMIT $4
+            ) r
+            ORDER BY r.seq
             LIMIT $3"
         );
         let claim_unordered = format!(
@@ -189,6 +195,16 @@ fn runs_from_heads(
     Ok(events)
 }
 
+/// The most rows read per aggregate in one claim: twice an even share of the batch, so that a batch
+/// still fills when some runs are short, while a claim never reads more than about two batches of rows
+/// however long the runs behind the heads are. Taking fewer rows of a run is always safe: the rest
+/// stays for the next claim, behind the same head.
+fn run_cap(limit: i64, heads: usize) -> i64 {
+    let heads = i64::try_from(heads.max(1)).unwrap_or(i64::MAX);
+    let share = (limit + heads - 1) / heads;
+    share.saturating_mul(2).clamp(1, limit.max(1))
+}
+
 /// Headers as stored: a JSON object. Non-string values (from plain-SQL writers) keep their JSON text;
 /// anything that is not an object yields no headers rather than a failure.
 fn parse_headers(text: &str) -> BTreeMap<String, String> {
@@ -286,6 +302,7 @@ impl Store for PostgresStore {
                         .bind(&types)
                         .bind(&ids)
                         .bind(limit)
+                        .bind(run_cap(limit, heads.len()))
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(|e| map_sqlx("claim", e))?;
@@ -631,5 +648,14 @@ mod tests {
         assert!(sql.settle.contains("DELETE FROM \"s\".\"events\""));
         let keep = Sql::new(&t, Retention::Keep);
         assert!(keep.settle.contains("SET processed_at = now()"));
+    }
+
+    #[test]
+    fn runs_are_cut_at_twice_an_even_share_of_the_batch() {
+        assert_eq!(run_cap(500, 500), 2);
+        assert_eq!(run_cap(500, 1), 500);
+        assert_eq!(run_cap(500, 3), 334);
+        assert_eq!(run_cap(500, 0), 500);
+        assert_eq!(run_cap(1, 7), 1);
     }
 }

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod admin;
 mod config;
 mod error;
 mod publisher;

@@ -1,0 +1,213 @@
+//! `outbox bench` against the real PostgreSQL and brokers, with small sizes: every phase runs and
+//! reports consistent figures, the benchmark's schema and destinations are removed, bad options are
+//! refused. (Speed is the benchmark's output, never asserted here.)
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+mod common;
+
+use common::{outbox, run, text, unmigrated_table};
+use outbox_postgres::testing::pool;
+use serde_json::Value;
+
+fn bench_schema() -> String {
+    format!(
+        "outbox_bench_t{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    )
+}
+
+fn bench(schema: &str, broker: &str, extra: &[&str]) -> (i32, Value, String) {
+    let table = unmigrated_table();
+    let mut args = vec!["bench", "--broker", broker, "--schema", schema, "--json"];
+    args.extend_from_slice(extra);
+    let mut c = outbox(&table, &args);
+    c.env("OUTBOX_AMQP__URL", outbox_amqp::testing::amqp_url())
+        .env("OUTBOX_KAFKA__BROKERS", outbox_kafka::testing::brokers())
+        .env("OUTBOX_SQS__ENDPOINT_URL", outbox_sqs::testing::endpoint())
+        .env("OUTBOX_SQS__REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test");
+    let out = run(c);
+    let stderr = text(&out.stderr);
+    let json = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (out.status.code().unwrap_or(-1), json, stderr)
+}
+
+async fn schema_exists(schema: &str) -> bool {
+    let pg = pool(1).await;
+    sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+        .bind(schema)
+        .fetch_one(&pg)
+        .await
+        .unwrap()
+}
+
+fn num(v: &Value, key: &str) -> f64 {
+    v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} missing in {v}"))
+}
+
+#[tokio::test]
+async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
+    let schema = bench_schema();
+    let (code, r, stderr) = bench(
+        &schema,
+        "amqp",
+        &[
+            "--backlog=3000",
+            "--relays=2",
+            "--aggregates=50",
+            "--reference-events=400",
+            "--writers=2",
+            "--writer-duration=1s",
+            "--rate=200",
+            "--latency-duration=2s",
+            "--claim-processed-rows=20000",
+            "--claim-pending-rows=5000",
+            "--claim-samples=5",
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains("[bench] drain"),
+        "progress is shown: {stderr}"
+    );
+    assert_eq!(r["target"], "amqp");
+
+    let w = &r["writer"];
+    assert!(num(w, "without_outbox_tps") > 0.0 && num(w, "with_outbox_tps") > 0.0);
+    let expected_overhead = 1.0 - num(w, "with_outbox_tps") / num(w, "without_outbox_tps");
+    assert!((num(w, "overhead") - expected_overhead).abs() < 1e-9);
+
+    let drain = r["drain"].as_array().unwrap();
+    let runs: Vec<(String, String, u64, u64)> = drain
+        .iter()
+        .map(|d| {
+            (
+                d["relay"].as_str().unwrap().to_string(),
+                d["publisher"].as_str().unwrap().to_string(),
+                d["relays"].as_u64().unwrap(),
+                d["events"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let run = |relay: &str, publisher: &str, relays, events| {
+        (relay.to_string(), publisher.to_string(), relays, events)
+    };
+    assert_eq!(
+        runs,
+        vec![
+            run("relay", "discard", 1, 3000),
+            run("relay", "amqp", 1, 3000),
+            run("relay", "discard", 2, 3000),
+            run("relay", "amqp", 2, 3000),
+            run("reference", "amqp", 1, 400),
+        ]
+    );
+    for d in drain {
+        let rate = num(d, "events_per_second");
+        assert!(rate > 0.0);
+        assert!((rate * num(d, "seconds") - num(d, "events")).abs() < 1.0);
+        assert!(num(d, "peak_rss_bytes") > 1e6, "RSS sampled: {d}");
+    }
+    let ratio = |p: &str| r["ratios"][p].as_f64().unwrap();
+    let rate = |i: usize| num(&drain[i], "events_per_second");
+    assert!((ratio("target_vs_ceiling_1") - rate(1) / rate(0)).abs() < 1e-9);
+    assert!((ratio("target_vs_ceiling_n") - rate(3) / rate(2)).abs() < 1e-9);
+    assert!((ratio("target_vs_reference") - rate(1).max(rate(3)) / rate(4)).abs() < 1e-9);
+
+    let latency = r["latency"].as_array().unwrap();
+    assert_eq!(latency.len(), 2);
+    assert_eq!(latency[0]["wakeup"], "poll");
+    assert_eq!(latency[1]["wakeup"], "notify");
+    for l in latency {
+        // 2 s at 200/s, the first second not counted: about 200 events, each acknowledged.
+        let events = num(l, "events");
+        assert!((100.0..=400.0).contains(&events), "{l}");
+        let (p50, p95, p99, max) = (
+            num(l, "p50_ms"),
+            num(l, "p95_ms"),
+            num(l, "p99_ms"),
+            num(l, "max_ms"),
+        );
+        assert!(p50 > 0.0 && p50 <= p95 && p95 <= p99 && p99 <= max, "{l}");
+    }
+
+    let claim = r["claim"].as_array().unwrap();
+    let states: Vec<(u64, u64)> = claim
+        .iter()
+        .map(|c| {
+            (
+                c["pending_rows"].as_u64().unwrap(),
+                c["processed_rows"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(states, vec![(10_000, 0), (10_000, 20_000), (5_000, 0)]);
+    assert_eq!(num(&claim[0], "vs_first"), 1.0);
+    for c in claim {
+        assert!(num(c, "median_ms") > 0.0 && num(c, "median_ms") <= num(c, "p95_ms"));
+    }
+
+    assert!(!schema_exists(&schema).await, "the bench schema is dropped");
+}
+
+#[tokio::test]
+async fn drains_to_kafka_and_sqs() {
+    for (broker, backlog) in [("kafka", "2000"), ("sqs", "300")] {
+        let schema = bench_schema();
+        let (code, r, stderr) = bench(
+            &schema,
+            broker,
+            &[
+                "--phases=drain",
+                "--relays=1",
+                "--aggregates=20",
+                &format!("--backlog={backlog}"),
+            ],
+        );
+        assert_eq!(code, 0, "{broker}: {stderr}");
+        let drain = r["drain"].as_array().unwrap();
+        assert_eq!(drain.len(), 2, "{r}");
+        assert_eq!(drain[1]["publisher"], broker);
+        assert_eq!(
+            drain[1]["events"].as_u64().unwrap(),
+            backlog.parse::<u64>().unwrap()
+        );
+        assert!(r["latency"].as_array().unwrap().is_empty());
+        assert!(r["writer"].is_null());
+        assert!(!schema_exists(&schema).await);
+    }
+}
+
+#[tokio::test]
+async fn refuses_options_it_cannot_honour() {
+    let (code, _, stderr) = bench("public", "discard", &[]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("outbox_bench"), "{stderr}");
+
+    let (code, _, stderr) = bench(&bench_schema(), "discard", &["--phases=drain,warp"]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("\"warp\"") && stderr.contains("expected writer"),
+        "{stderr}"
+    );
+
+    let (code, _, stderr) = bench(&bench_schema(), "carrier-pigeon", &[]);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("carrier-pigeon") && stderr.contains("amqp"),
+        "{stderr}"
+    );
+
+    // The default configuration publishes to standard output, which is no broker to measure.
+    let table = unmigrated_table();
+    let out = run(outbox(&table, &["bench"]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("--broker"),
+        "{}",
+        text(&out.stderr)
+    );
+}

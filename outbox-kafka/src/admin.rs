@@ -1,0 +1,104 @@
+//! Topic administration for tools (`outbox bench`, set-up scripts): create and delete a topic with
+//! the brokers and security properties of a [`KafkaConfig`].
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::types::RDKafkaErrorCode;
+
+use outbox_core::{Error, ErrorKind};
+
+use crate::config::KafkaConfig;
+use crate::error::map_kafka;
+
+/// Producer-only properties librdkafka rejects or warns about on an admin client.
+const PRODUCER_ONLY: [&str; 6] = [
+    "acks",
+    "enable.idempotence",
+    "max.in.flight.requests.per.connection",
+    "compression.type",
+    "linger.ms",
+    "message.timeout.ms",
+];
+
+fn admin(config: &KafkaConfig) -> Result<AdminClient<DefaultClientContext>, Error> {
+    let mut client = ClientConfig::new();
+    for (k, v) in config.producer_properties() {
+        if !PRODUCER_ONLY.contains(&k.as_str()) {
+            client.set(k, v);
+        }
+    }
+    client
+        .create()
+        .map_err(|e| map_kafka("create admin client", e))
+}
+
+fn options() -> AdminOptions {
+    AdminOptions::new()
+        .operation_timeout(Some(Duration::from_secs(30)))
+        .request_timeout(Some(Duration::from_secs(30)))
+}
+
+/// Creates `topic` with `partitions` partitions and replication factor `replication`; a topic that
+/// already exists is left as it is.
+///
+/// # Errors
+/// The broker's refusal, or an unreachable broker.
+pub async fn create_topic(
+    config: &KafkaConfig,
+    topic: &str,
+    partitions: i32,
+    replication: i32,
+) -> Result<(), Error> {
+    crate::publisher::check_topic(topic)?;
+    let results = admin(config)?
+        .create_topics(
+            &[NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(replication),
+            )],
+            &options(),
+        )
+        .await
+        .map_err(|e| map_kafka("create topic", e))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((t, code)) => {
+                return Err(Error::new(
+                    ErrorKind::Unexpected,
+                    format!("the broker refused to create topic {t:?}: {code}"),
+                )
+                .with_context("adapter", "kafka"))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Deletes `topic` (a missing topic is not an error).
+///
+/// # Errors
+/// The broker's refusal, or an unreachable broker.
+pub async fn delete_topic(config: &KafkaConfig, topic: &str) -> Result<(), Error> {
+    let results = admin(config)?
+        .delete_topics(&[topic], &options())
+        .await
+        .map_err(|e| map_kafka("delete topic", e))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+            Err((t, code)) => {
+                return Err(Error::new(
+                    ErrorKind::Unexpected,
+                    format!("the broker refused to delete topic {t:?}: {code}"),
+                )
+                .with_context("adapter", "kafka"))
+            }
+        }
+    }
+    Ok(())
+}
