@@ -1,7 +1,7 @@
 //! The relay's store: claim with `FOR UPDATE SKIP LOCKED`, settle a batch in one statement.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -29,6 +29,8 @@ pub enum Retention {
 
 struct Sql {
     claim_heads: String,
+    claim_skip_first: String,
+    claim_skip_after: String,
     claim_runs: String,
     claim_unordered: String,
     settle: String,
@@ -53,20 +55,77 @@ impl Sql {
         // the ready rows from the head on, up to the first row that is not ready. An aggregate whose
         // oldest unprocessed row is not the locked head (it changed since step 1's snapshot) is left
         // out of this batch.
+        // The heads are looked for among the first $2 ready rows in seq order (the window), never
+        // the whole backlog: when other relays hold most heads, or one aggregate's long backlog
+        // waits behind a backing-off head, a scan for heads would otherwise walk every pending row.
+        // The first column tells how many rows the window held, so the store knows whether heads
+        // may lie beyond it (the window was full) and the skip scan below is worth running.
         let claim_heads = format!(
-            "SELECT e.seq, e.aggregate_type, e.aggregate_id
-            FROM {t} e
-            WHERE {READY}
-              AND NOT EXISTS (
-                  SELECT 1 FROM {t} p
-                  WHERE p.aggregate_type = e.aggregate_type
-                    AND p.aggregate_id = e.aggregate_id
-                    AND p.processed_at IS NULL
-                    AND p.seq < e.seq)
-            ORDER BY e.seq
-            LIMIT $1
-            FOR UPDATE SKIP LOCKED"
+            "WITH w AS MATERIALIZED (
+                SELECT e.seq FROM {t} e WHERE {READY} ORDER BY e.seq LIMIT $2)
+            SELECT (SELECT count(*) FROM w) AS window_rows, h.seq, h.aggregate_type, h.aggregate_id
+            FROM (SELECT 1) one
+            LEFT JOIN LATERAL (
+                SELECT e.seq, e.aggregate_type, e.aggregate_id
+                FROM {t} e
+                WHERE e.seq = ANY(ARRAY(SELECT seq FROM w))
+                  AND {READY}
+                  AND NOT EXISTS (
+                      SELECT 1 FROM {t} p
+                      WHERE p.aggregate_type = e.aggregate_type
+                        AND p.aggregate_id = e.aggregate_id
+                        AND p.processed_at IS NULL
+                        AND p.seq < e.seq)
+                ORDER BY e.seq
+                LIMIT $1
+                FOR UPDATE SKIP LOCKED
+            ) h ON true"
         );
+        // The skip scan: walks up to $2 aggregates with unprocessed rows, in key order from a cursor
+        // the store rotates, takes each one's oldest unprocessed row (its head) and locks the ready
+        // heads not already held ($3). Its cost follows $2, not the number of pending rows. The first
+        // columns tell how many aggregates were visited and the last one, for the next cursor.
+        let skip = |start: &str| {
+            format!(
+                "WITH RECURSIVE aggs AS (
+                    (SELECT a.aggregate_type, a.aggregate_id, 1 AS n FROM {t} a
+                     WHERE a.processed_at IS NULL {start}
+                     ORDER BY a.aggregate_type, a.aggregate_id LIMIT 1)
+                    UNION ALL
+                    SELECT nx.aggregate_type, nx.aggregate_id, aggs.n + 1
+                    FROM aggs CROSS JOIN LATERAL (
+                        SELECT a.aggregate_type, a.aggregate_id FROM {t} a
+                        WHERE a.processed_at IS NULL
+                          AND (a.aggregate_type, a.aggregate_id) > (aggs.aggregate_type, aggs.aggregate_id)
+                        ORDER BY a.aggregate_type, a.aggregate_id LIMIT 1) nx
+                    WHERE aggs.n < $2
+                ),
+                last AS (SELECT aggregate_type, aggregate_id, n FROM aggs ORDER BY n DESC LIMIT 1),
+                heads AS (
+                    SELECT hd.seq FROM aggs CROSS JOIN LATERAL (
+                        SELECT a.seq FROM {t} a
+                        WHERE a.aggregate_type = aggs.aggregate_type AND a.aggregate_id = aggs.aggregate_id
+                          AND a.processed_at IS NULL
+                        ORDER BY a.seq LIMIT 1) hd
+                )
+                SELECT last.n AS visited, last.aggregate_type AS last_type, last.aggregate_id AS last_id,
+                       h.seq, h.aggregate_type, h.aggregate_id
+                FROM (SELECT 1) one
+                LEFT JOIN last ON true
+                LEFT JOIN LATERAL (
+                    SELECT e.seq, e.aggregate_type, e.aggregate_id
+                    FROM {t} e
+                    WHERE e.seq = ANY(ARRAY(SELECT seq FROM heads))
+                      AND e.seq <> ALL($3::bigint[])
+                      AND {READY}
+                    ORDER BY e.seq
+                    LIMIT $1
+                    FOR UPDATE SKIP LOCKED
+                ) h ON true"
+            )
+        };
+        let claim_skip_first = skip("");
+        let claim_skip_after = skip("AND (a.aggregate_type, a.aggregate_id) > ($4, $5)");
         // Each aggregate's run is read from its index in seq order and cut at $4 rows, so the cost
         // of a claim follows the batch size, not the length of the backlog behind each head.
         let claim_runs = format!(
@@ -117,6 +176,8 @@ impl Sql {
         );
         Sql {
             claim_heads,
+            claim_skip_first,
+            claim_skip_after,
             claim_runs,
             claim_unordered,
             settle,
@@ -131,6 +192,9 @@ pub struct PostgresStore {
     table: OutboxTable,
     retention: Retention,
     sql: Arc<Sql>,
+    /// Where the next skip scan starts: the last aggregate the previous one visited (`None`: from
+    /// the first). Rotating it gives every aggregate its turn, however many there are.
+    skip_cursor: Arc<Mutex<Option<(String, String)>>>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -234,6 +298,7 @@ impl PostgresStore {
             table,
             retention,
             sql,
+            skip_cursor: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -261,6 +326,122 @@ impl PostgresStore {
     }
 }
 
+/// A head locked by a claim: the oldest unprocessed row of its aggregate.
+struct Head {
+    seq: i64,
+    key: (String, String),
+}
+
+/// How many ready rows (in seq order) the heads are looked for among: four batches, and at least
+/// 256, so that a batch fills from the window whenever the backlog is spread over many aggregates.
+fn heads_window(limit: i64) -> i64 {
+    limit.saturating_mul(4).max(256)
+}
+
+/// How many aggregates one skip scan visits at most: two batches, at least 256, at most 20,000.
+fn skip_span(limit: i64) -> i64 {
+    limit.saturating_mul(2).clamp(256, 20_000)
+}
+
+/// Reads the optional head columns (`seq`, `aggregate_type`, `aggregate_id`) of a heads row: `None`
+/// for the one row a heads statement returns when it locked nothing.
+fn head_of(row: &PgRow) -> Result<Option<Head>, Error> {
+    let get = |e: sqlx::Error| map_sqlx("claim", e);
+    let seq: Option<i64> = row.try_get("seq").map_err(get)?;
+    let Some(seq) = seq else { return Ok(None) };
+    Ok(Some(Head {
+        seq,
+        key: (
+            row.try_get("aggregate_type").map_err(get)?,
+            row.try_get("aggregate_id").map_err(get)?,
+        ),
+    }))
+}
+
+impl PostgresStore {
+    /// Step 1 of an ordered claim: locks up to `limit` ready heads, oldest first. The window over the
+    /// first ready rows finds them in the common case; when it was full and yielded fewer than
+    /// `limit` (other relays hold the heads in it, or it holds one aggregate's backlog behind a
+    /// backing-off head), skip scans over the aggregates find the others.
+    async fn claim_heads(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        limit: i64,
+    ) -> Result<Vec<Head>, Error> {
+        let window = heads_window(limit);
+        let rows = sqlx::query(&self.sql.claim_heads)
+            .bind(limit)
+            .bind(window)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("claim", e))?;
+        let mut window_rows = 0i64;
+        let mut heads = Vec::new();
+        for row in &rows {
+            window_rows = row
+                .try_get("window_rows")
+                .map_err(|e| map_sqlx("claim", e))?;
+            heads.extend(head_of(row)?);
+        }
+        if window_rows < window || heads.len() as i64 >= limit {
+            return Ok(heads);
+        }
+        // Up to four skip scans per claim, each going on from where the previous one stopped; one
+        // that started after a cursor and reached the last aggregate goes on from the first (once).
+        let span = skip_span(limit);
+        let (mut scans, mut wrapped) = (0, false);
+        while (heads.len() as i64) < limit && scans < 4 {
+            scans += 1;
+            let cursor = self
+                .skip_cursor
+                .lock()
+                .map_or(None, |cursor| cursor.clone());
+            let held: Vec<i64> = heads.iter().map(|h| h.seq).collect();
+            let query = match &cursor {
+                None => sqlx::query(&self.sql.claim_skip_first),
+                Some(_) => sqlx::query(&self.sql.claim_skip_after),
+            }
+            .bind(limit - heads.len() as i64)
+            .bind(span)
+            .bind(&held);
+            let query = match &cursor {
+                None => query,
+                Some((aggregate_type, aggregate_id)) => {
+                    query.bind(aggregate_type).bind(aggregate_id)
+                }
+            };
+            let rows = query
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(|e| map_sqlx("claim", e))?;
+            let (mut visited, mut last) = (0i64, None);
+            for row in &rows {
+                let get = |e: sqlx::Error| map_sqlx("claim", e);
+                visited = row
+                    .try_get::<Option<i32>, _>("visited")
+                    .map_err(get)?
+                    .map_or(0, i64::from);
+                let last_type: Option<String> = row.try_get("last_type").map_err(get)?;
+                let last_id: Option<String> = row.try_get("last_id").map_err(get)?;
+                last = last_type.zip(last_id);
+                heads.extend(head_of(row)?);
+            }
+            let reached_end = visited < span;
+            if let Ok(mut guard) = self.skip_cursor.lock() {
+                *guard = if reached_end { None } else { last };
+            }
+            if reached_end {
+                if cursor.is_none() || wrapped {
+                    break;
+                }
+                wrapped = true;
+            }
+        }
+        heads.sort_by_key(|h| h.seq);
+        Ok(heads)
+    }
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error> {
@@ -278,25 +459,16 @@ impl Store for PostgresStore {
                     .collect::<Result<Vec<_>, _>>()?
             }
             OrderingPolicy::PerAggregate => {
-                let heads = sqlx::query(&self.sql.claim_heads)
-                    .bind(limit)
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err(|e| map_sqlx("claim", e))?;
+                let heads = self.claim_heads(&mut tx, limit).await?;
                 if heads.is_empty() {
                     Vec::new()
                 } else {
                     let mut head_seq: HashMap<(String, String), i64> = HashMap::new();
                     let (mut types, mut ids) = (Vec::new(), Vec::new());
-                    for r in &heads {
-                        let get = |e: sqlx::Error| map_sqlx("claim", e);
-                        let key: (String, String) = (
-                            r.try_get("aggregate_type").map_err(get)?,
-                            r.try_get("aggregate_id").map_err(get)?,
-                        );
-                        types.push(key.0.clone());
-                        ids.push(key.1.clone());
-                        head_seq.insert(key, r.try_get("seq").map_err(get)?);
+                    for head in &heads {
+                        types.push(head.key.0.clone());
+                        ids.push(head.key.1.clone());
+                        head_seq.insert(head.key.clone(), head.seq);
                     }
                     let rows = sqlx::query(&self.sql.claim_runs)
                         .bind(&types)
@@ -644,10 +816,25 @@ mod tests {
         assert!(sql.claim_heads.contains("FOR UPDATE SKIP LOCKED"));
         assert!(sql.claim_heads.contains("\"s\".\"events\""));
         assert!(sql.claim_runs.contains("\"s\".\"events\""));
+        for skip in [&sql.claim_skip_first, &sql.claim_skip_after] {
+            assert!(skip.contains("FOR UPDATE SKIP LOCKED"));
+            assert!(skip.contains("\"s\".\"events\""));
+        }
+        assert!(sql.claim_skip_after.contains("> ($4, $5)"));
+        assert!(!sql.claim_skip_first.contains("$4"));
         assert!(!sql.claim_unordered.contains("NOT EXISTS"));
         assert!(sql.settle.contains("DELETE FROM \"s\".\"events\""));
         let keep = Sql::new(&t, Retention::Keep);
         assert!(keep.settle.contains("SET processed_at = now()"));
+    }
+
+    #[test]
+    fn the_heads_window_and_skip_span_follow_the_batch_within_bounds() {
+        assert_eq!(heads_window(500), 2000);
+        assert_eq!(heads_window(1), 256);
+        assert_eq!(skip_span(500), 1000);
+        assert_eq!(skip_span(1), 256);
+        assert_eq!(skip_span(100_000), 20_000);
     }
 
     #[test]
