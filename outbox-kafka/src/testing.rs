@@ -25,12 +25,12 @@ pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| crate::DEFAULT_BROKERS.to_string())
 }
 
-fn unreachable(e: impl std::fmt::Display) -> ! {
+fn unreachable(at: &str, e: impl std::fmt::Display) -> ! {
     panic!(
         "a Kafka-protocol broker is required for this test and is unreachable at {}: {e}\n\
          Start one with `bash scripts/test-env.sh` (it installs and starts Tansu on 127.0.0.1:9092), \
          or point KAFKA_BROKERS at a running broker.",
-        brokers()
+        at
     )
 }
 
@@ -45,6 +45,7 @@ pub struct Delivered {
 
 /// A topic of its own with `partitions` partitions, consumed from the beginning in the background.
 pub struct Fixture {
+    pub brokers: String,
     pub topic: String,
     pub partitions: i32,
     pub got: Arc<Mutex<Vec<Delivered>>>,
@@ -58,12 +59,19 @@ impl Drop for Fixture {
 }
 
 impl Fixture {
+    /// A new topic on the test broker ([`brokers`]).
     pub async fn new(partitions: i32) -> Fixture {
         let topic = format!("outbox.test.{}", uuid::Uuid::new_v4().simple());
+        Fixture::create_at(&brokers(), &topic, partitions).await
+    }
+
+    /// Creates `topic` on the broker at `brokers` (a broker of the test's own, say) and consumes it.
+    pub async fn create_at(brokers: &str, topic: &str, partitions: i32) -> Fixture {
+        let topic = topic.to_string();
         let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", brokers)
             .create()
-            .unwrap_or_else(|e| unreachable(e));
+            .unwrap_or_else(|e| unreachable(brokers, e));
         let created = admin
             .create_topics(
                 &[NewTopic::new(
@@ -76,14 +84,14 @@ impl Fixture {
                     .request_timeout(Some(Duration::from_secs(10))),
             )
             .await
-            .unwrap_or_else(|e| unreachable(e));
+            .unwrap_or_else(|e| unreachable(brokers, e));
         for r in created {
             if let Err((t, code)) = r {
                 panic!("cannot create topic {t}: {code:?}");
             }
         }
         let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", brokers)
             .set(
                 "group.id",
                 format!("outbox-test-{}", uuid::Uuid::new_v4().simple()),
@@ -91,7 +99,7 @@ impl Fixture {
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
             .create()
-            .unwrap_or_else(|e| unreachable(e));
+            .unwrap_or_else(|e| unreachable(brokers, e));
         let mut tpl = TopicPartitionList::new();
         for p in 0..partitions {
             tpl.add_partition_offset(&topic, p, Offset::Beginning)
@@ -138,6 +146,7 @@ impl Fixture {
             }
         });
         Fixture {
+            brokers: brokers.to_string(),
             topic,
             partitions,
             got,
@@ -147,7 +156,7 @@ impl Fixture {
 
     pub fn config(&self) -> KafkaConfig {
         KafkaConfig {
-            brokers: brokers(),
+            brokers: self.brokers.clone(),
             topic: self.topic.clone(),
             ..KafkaConfig::default()
         }
@@ -155,6 +164,11 @@ impl Fixture {
 
     pub fn publisher(&self) -> Arc<KafkaPublisher> {
         Arc::new(KafkaPublisher::new(self.config()).unwrap())
+    }
+
+    /// Stops the background consumer (as dropping the fixture does).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
 
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {

@@ -28,10 +28,15 @@ pub fn endpoint() -> String {
 
 /// An SDK client for the test endpoint, with the emulator's fixed credentials.
 pub fn client() -> Client {
+    client_at(&endpoint())
+}
+
+/// An SDK client for the endpoint at `url` (an emulator of the test's own, say).
+pub fn client_at(url: &str) -> Client {
     let conf = aws_sdk_sqs::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new("us-east-1"))
-        .endpoint_url(endpoint())
+        .endpoint_url(url)
         .credentials_provider(Credentials::new("test", "test", None, None, "outbox-tests"))
         .http_client(crate::https_client())
         .build();
@@ -48,6 +53,7 @@ pub struct Delivered {
 
 /// A queue of its own (FIFO or standard), drained in the background.
 pub struct Fixture {
+    pub endpoint: String,
     pub queue_url: String,
     pub queue_name: String,
     pub got: Arc<Mutex<Vec<Delivered>>>,
@@ -62,12 +68,21 @@ impl Drop for Fixture {
 }
 
 impl Fixture {
+    /// A new queue on the test endpoint ([`endpoint`]).
     pub async fn new(fifo: bool) -> Fixture {
-        let client = client();
         let mut name = format!("outbox-test-{}", uuid::Uuid::new_v4().simple());
-        let mut create = client.create_queue();
         if fifo {
             name.push_str(".fifo");
+        }
+        Fixture::create_at(&endpoint(), &name).await
+    }
+
+    /// Creates the queue `name` (FIFO when it ends in `.fifo`) at the endpoint `url` and drains it.
+    pub async fn create_at(endpoint: &str, name: &str) -> Fixture {
+        let client = client_at(endpoint);
+        let name = name.to_string();
+        let mut create = client.create_queue();
+        if name.ends_with(".fifo") {
             create = create
                 .attributes(QueueAttributeName::FifoQueue, "true")
                 .attributes(QueueAttributeName::ContentBasedDeduplication, "false");
@@ -77,7 +92,7 @@ impl Fixture {
                 "an SQS endpoint is required for this test and is unreachable at {}: {e:?}\n\
                  Start one with `bash scripts/test-env.sh` (it installs and starts moto's server on 127.0.0.1:4566), \
                  or point SQS_ENDPOINT_URL at a running endpoint.",
-                endpoint()
+                endpoint
             )
         });
         let queue_url = out.queue_url().unwrap().to_string();
@@ -165,6 +180,7 @@ impl Fixture {
             }
         });
         Fixture {
+            endpoint: endpoint.to_string(),
             queue_url,
             queue_name: name,
             got,
@@ -187,13 +203,18 @@ impl Fixture {
     pub fn config(&self) -> SqsConfig {
         SqsConfig {
             queue: self.queue_name.clone(),
-            endpoint_url: Some(endpoint()),
+            endpoint_url: Some(self.endpoint.clone()),
             ..SqsConfig::default()
         }
     }
 
     pub fn publisher(&self) -> Arc<SqsPublisher> {
-        Arc::new(SqsPublisher::from_client(client(), self.config()).unwrap())
+        Arc::new(SqsPublisher::from_client(client_at(&self.endpoint), self.config()).unwrap())
+    }
+
+    /// Stops the background consumer (as dropping the fixture does).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
 
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {

@@ -22,12 +22,12 @@ impl Endpoint {
             std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err(),
             "port {PORT} is taken: this test needs it for an endpoint of its own"
         );
-        let bin = std::env::var("MOTO_SERVER_BIN")
+        let bin = std::env::var("SQS_ENDPOINT_BIN")
             .map(PathBuf::from)
             .unwrap_or_else(|_| {
-                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/bin/moto_server")
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/bin/sqs-endpoint")
             });
-        assert!(bin.exists(), "this test starts its own moto server and needs {}: run `bash scripts/test-env.sh` (it installs it) or set MOTO_SERVER_BIN", bin.display());
+        assert!(bin.exists(), "this test starts its own moto server and needs {}: run `bash scripts/test-env.sh` (it installs it) or set SQS_ENDPOINT_BIN", bin.display());
         let child = Command::new(bin)
             .args(["-H", "127.0.0.1", "-p", &PORT.to_string()])
             .stdout(Stdio::null())

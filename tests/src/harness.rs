@@ -63,6 +63,47 @@ impl Sink {
         }
     }
 
+    /// The same destination (exchange, topic or queue name on the same broker) declared again, with a
+    /// new consumer: after a broker restart that lost it (Tansu and moto keep nothing; RabbitMQ drops
+    /// the consumer's exclusive queue, not the durable exchange).
+    pub async fn recreate(&self) -> Sink {
+        match self {
+            Sink::Amqp(fx) => {
+                Sink::Amqp(outbox_amqp::testing::Fixture::on_exchange(&fx.exchange).await)
+            }
+            Sink::Kafka(fx) => Sink::Kafka(
+                outbox_kafka::testing::Fixture::create_at(&fx.brokers, &fx.topic, fx.partitions)
+                    .await,
+            ),
+            Sink::Sqs(fx) => Sink::Sqs(
+                outbox_sqs::testing::Fixture::create_at(&fx.endpoint, &fx.queue_name).await,
+            ),
+        }
+    }
+
+    /// Stops the consumer (Kafka, SQS; a RabbitMQ consumer ends with its connection), so that it
+    /// reads nothing of a destination declared again under the same name.
+    pub fn stop_consuming(&self) {
+        match self {
+            Sink::Amqp(_) => {}
+            Sink::Kafka(fx) => fx.stop(),
+            Sink::Sqs(fx) => fx.stop(),
+        }
+    }
+
+    /// Every id received so far, once nothing more arrived for half a second.
+    pub async fn received_settled(&self) -> Vec<Uuid> {
+        let mut last = self.received(usize::MAX, Duration::ZERO).await;
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let now = self.received(usize::MAX, Duration::ZERO).await;
+            if now.len() == last.len() {
+                return now;
+            }
+            last = now;
+        }
+    }
+
     /// Points an `outbox` command at this sink.
     pub fn configure(&self, c: &mut Command) {
         match self {
@@ -75,7 +116,7 @@ impl Sink {
             }
             Sink::Kafka(fx) => {
                 c.env("OUTBOX_PUBLISHER__TYPE", "kafka")
-                    .env("OUTBOX_KAFKA__BROKERS", outbox_kafka::testing::brokers())
+                    .env("OUTBOX_KAFKA__BROKERS", &fx.brokers)
                     .env("OUTBOX_KAFKA__TOPIC", &fx.topic)
                     .env("OUTBOX_KAFKA__DELIVERY_TIMEOUT", "5s");
             }
@@ -83,7 +124,7 @@ impl Sink {
                 c.env("OUTBOX_PUBLISHER__TYPE", "sqs")
                     .env("OUTBOX_SQS__QUEUE", &fx.queue_name)
                     .env("OUTBOX_SQS__REGION", "us-east-1")
-                    .env("OUTBOX_SQS__ENDPOINT_URL", outbox_sqs::testing::endpoint())
+                    .env("OUTBOX_SQS__ENDPOINT_URL", &fx.endpoint)
                     .env("OUTBOX_SQS__OPERATION_TIMEOUT", "5s")
                     .env("AWS_ACCESS_KEY_ID", "test")
                     .env("AWS_SECRET_ACCESS_KEY", "test");
@@ -158,11 +199,22 @@ pub fn outbox_bin() -> PathBuf {
 /// A relay process.
 pub struct RelayProcess {
     pub child: Child,
+    started: std::time::Instant,
 }
 
 impl RelayProcess {
     /// Starts `outbox relay` over `table`, publishing to `sink`, with `extra` settings.
     pub fn start(table: &OutboxTable, sink: &Sink, extra: &[(&str, &str)]) -> RelayProcess {
+        Self::start_logging_to(table, sink, extra, Stdio::inherit())
+    }
+
+    /// As [`RelayProcess::start`], the relay's log (stderr) going to `log`.
+    pub fn start_logging_to(
+        table: &OutboxTable,
+        sink: &Sink,
+        extra: &[(&str, &str)],
+        log: impl Into<Stdio>,
+    ) -> RelayProcess {
         let mut c = Command::new(outbox_bin());
         c.arg("relay").current_dir(std::env::temp_dir());
         for (k, _) in std::env::vars() {
@@ -183,12 +235,49 @@ impl RelayProcess {
         for (k, v) in extra {
             c.env(k, v);
         }
-        let child = c
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
+        let child = c.stdout(Stdio::null()).stderr(log.into()).spawn().unwrap();
+        RelayProcess {
+            child,
+            started: std::time::Instant::now(),
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
             .unwrap();
-        RelayProcess { child }
+        assert!(status.success(), "kill {signal} {} failed", self.child.id());
+    }
+
+    /// SIGSTOP: the process stands still (its connections stay open) until [`RelayProcess::resume`].
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// CPU time the process has used so far (user + system), from /proc.
+    pub fn cpu_time(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
+        // Fields after the command name (which may hold spaces): state is the first, utime the 12th.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .collect();
+        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        // The kernel's USER_HZ is 100 on Linux.
+        Duration::from_millis(ticks * 10)
     }
 
     /// SIGKILL: no chance to clean up.
@@ -199,6 +288,9 @@ impl RelayProcess {
 
     /// SIGTERM, then waits for the exit (at most `timeout`); returns the exit code.
     pub fn terminate(mut self, timeout: Duration) -> Option<i32> {
+        // A process spawned a moment ago may not have reached main yet (no handler: SIGTERM kills).
+        let settle = Duration::from_secs(1).saturating_sub(self.started.elapsed());
+        std::thread::sleep(settle);
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -373,6 +465,260 @@ impl Publisher for FaultInjector {
 
     fn name(&self) -> &str {
         "fault-injector"
+    }
+}
+
+/// A spare loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET http://<addr><path>`: the status code, or `None` when nothing answered within 5 s.
+pub fn http_status(addr: &str, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut stream =
+        std::net::TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(5)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Rows of `table` not yet published (pending, backing off or in flight).
+pub async fn unpublished(pg: &sqlx::PgPool, table: &OutboxTable) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {} WHERE processed_at IS NULL",
+        table.qualified()
+    ))
+    .fetch_one(pg)
+    .await
+    .unwrap()
+}
+
+/// A broker the scenario may stop and start again: for Kafka and SQS, a Tansu or moto process of the
+/// scenario's own on a spare loopback port (both keep everything in memory: a restart loses every
+/// topic and queue); for RabbitMQ, the local node, stopped with `rabbitmqctl stop_app` (started again
+/// on drop, should the scenario fail in between).
+pub struct BrokerServer {
+    broker: Broker,
+    port: u16,
+    child: Option<Child>,
+    rabbit_stopped: bool,
+}
+
+/// The program that runs a private broker: `$TANSU_BIN` / `$SQS_ENDPOINT_BIN` (moto's server), else
+/// the one `scripts/test-env.sh` installed under `.tools/bin`.
+fn broker_program(broker: Broker) -> PathBuf {
+    let (var, name) = match broker {
+        Broker::Kafka => ("TANSU_BIN", "tansu"),
+        _ => ("SQS_ENDPOINT_BIN", "sqs-endpoint"),
+    };
+    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../.tools/bin")
+            .join(name)
+    });
+    assert!(
+        path.exists(),
+        "this scenario runs a {name} of its own and cannot find {}: run `bash scripts/test-env.sh` \
+         (it installs {name} under .tools/bin), or set {var} to the program",
+        path.display()
+    );
+    path
+}
+
+impl BrokerServer {
+    /// Starts the broker (Kafka, SQS) or checks the local one answers (RabbitMQ).
+    pub async fn start(broker: Broker) -> BrokerServer {
+        let mut server = BrokerServer {
+            broker,
+            port: match broker {
+                Broker::Amqp => 5672,
+                _ => free_port(),
+            },
+            child: None,
+            rabbit_stopped: false,
+        };
+        server.up().await;
+        server
+    }
+
+    /// A new destination with its consumer on this broker.
+    pub async fn sink(&self) -> Sink {
+        match self.broker {
+            Broker::Amqp => Sink::new(Broker::Amqp).await,
+            Broker::Kafka => Sink::Kafka(
+                outbox_kafka::testing::Fixture::create_at(
+                    &self.address(),
+                    &format!("outbox.test.{}", Uuid::new_v4().simple()),
+                    4,
+                )
+                .await,
+            ),
+            Broker::Sqs => Sink::Sqs(
+                outbox_sqs::testing::Fixture::create_at(
+                    &self.address(),
+                    &format!("outbox-test-{}.fifo", Uuid::new_v4().simple()),
+                )
+                .await,
+            ),
+        }
+    }
+
+    fn address(&self) -> String {
+        match self.broker {
+            Broker::Amqp => outbox_amqp::testing::amqp_url(),
+            Broker::Kafka => format!("127.0.0.1:{}", self.port),
+            Broker::Sqs => format!("http://127.0.0.1:{}", self.port),
+        }
+    }
+
+    /// Where the broker process logs (appended across restarts).
+    pub fn log_path(&self) -> PathBuf {
+        std::env::temp_dir().join(format!(
+            "outbox-test-{}-{}.log",
+            self.broker.name(),
+            self.port
+        ))
+    }
+
+    fn log(&self) -> Stdio {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .map_or_else(|_| Stdio::null(), Stdio::from)
+    }
+
+    fn answers(&self) -> bool {
+        std::net::TcpStream::connect_timeout(
+            &std::net::SocketAddr::from(([127, 0, 0, 1], self.port)),
+            Duration::from_millis(200),
+        )
+        .is_ok()
+    }
+
+    /// Stops the broker: kills the process (Kafka, SQS), or `rabbitmqctl stop_app`.
+    pub async fn stop(&mut self) {
+        match self.broker {
+            Broker::Amqp => {
+                rabbitmqctl("stop_app");
+                self.rabbit_stopped = true;
+            }
+            _ => {
+                if let Some(mut child) = self.child.take() {
+                    let _ = Command::new("kill")
+                        .args(["-TERM", &child.id().to_string()])
+                        .status();
+                    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                    while child.try_wait().unwrap().is_none() {
+                        if std::time::Instant::now() > deadline {
+                            let _ = child.kill();
+                        }
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            }
+        }
+        for _ in 0..100 {
+            if !self.answers() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "the {} broker still answers after being stopped",
+            self.broker.name()
+        );
+    }
+
+    /// Starts the broker again (or for the first time) and waits until it answers.
+    pub async fn up(&mut self) {
+        match self.broker {
+            Broker::Amqp => {
+                if self.rabbit_stopped {
+                    rabbitmqctl("start_app");
+                    self.rabbit_stopped = false;
+                }
+            }
+            Broker::Kafka => {
+                let url = format!("tcp://127.0.0.1:{}", self.port);
+                self.child = Some(
+                    Command::new(broker_program(Broker::Kafka))
+                        .args([
+                            "broker",
+                            "--listener-url",
+                            &url,
+                            "--advertised-listener-url",
+                            &url,
+                        ])
+                        .args(["--storage-engine", "memory://tansu/"])
+                        .stdout(Stdio::null())
+                        .stderr(self.log())
+                        .spawn()
+                        .unwrap(),
+                );
+            }
+            Broker::Sqs => {
+                self.child = Some(
+                    Command::new(broker_program(Broker::Sqs))
+                        .args(["-H", "127.0.0.1", "-p", &self.port.to_string()])
+                        .stdout(Stdio::null())
+                        .stderr(self.log())
+                        .spawn()
+                        .unwrap(),
+                );
+            }
+        }
+        for _ in 0..300 {
+            if self.answers() {
+                // Tansu and moto accept connections a moment before they serve requests.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "the {} broker did not come up on port {}",
+            self.broker.name(),
+            self.port
+        );
+    }
+}
+
+fn rabbitmqctl(command: &str) {
+    let status = Command::new("rabbitmqctl")
+        .args(["-q", command])
+        .stdout(Stdio::null())
+        .status()
+        .expect("this scenario stops and starts RabbitMQ with rabbitmqctl, which is not installed");
+    assert!(status.success(), "rabbitmqctl {command} failed");
+    if command == "start_app" {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-q", "await_startup"])
+            .stdout(Stdio::null())
+            .status();
+    }
+}
+
+impl Drop for BrokerServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if self.rabbit_stopped {
+            rabbitmqctl("start_app");
+        }
     }
 }
 

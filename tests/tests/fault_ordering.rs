@@ -73,3 +73,8 @@ async fn rabbitmq() {
 async fn kafka() {
     four_relays_with_failures(Broker::Kafka).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs() {
+    four_relays_with_failures(Broker::Sqs).await;
+}

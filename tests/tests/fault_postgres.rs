@@ -5,18 +5,21 @@
 use std::time::Duration;
 
 use outbox_postgres::testing::{fresh_table, pool};
-use outbox_tests::harness::{report, restart_postgres, Broker, RelayProcess, Sink};
+use outbox_tests::harness::{report, restart_postgres, soak_factor, Broker, RelayProcess, Sink};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restart_during_load_loses_nothing() {
-    for broker in [Broker::Amqp, Broker::Kafka] {
+    for broker in Broker::ALL {
         let pg = pool(2).await;
         let table = fresh_table(&pg).await;
         let sink = Sink::new(broker).await;
         let load = broker.load(&table);
         let relay = RelayProcess::start(&table, &sink, &[]);
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        tokio::task::spawn_blocking(restart_postgres).await.unwrap();
+        // The soak variant restarts the server once per factor, under load all along.
+        for _ in 0..soak_factor() {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            tokio::task::spawn_blocking(restart_postgres).await.unwrap();
+        }
         tokio::time::sleep(Duration::from_secs(3)).await;
         let written = load.stop().await;
         let verdict = sink

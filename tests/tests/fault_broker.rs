@@ -1,0 +1,181 @@
+//! Scenario 2: the broker stopped for 12 seconds during load (RabbitMQ with `rabbitmqctl stop_app` /
+//! `start_app`; Kafka and SQS by stopping and restarting a Tansu or moto process of the scenario's
+//! own). While it is down the outbox grows, the relay stays up, backs off without spinning (CPU and
+//! log lines are measured), and `/readyz` says not ready; once it is back the backlog drains
+//! completely. Alone in its file: stopping RabbitMQ would disturb other tests using it.
+//!
+//! The test servers keep nothing across a restart (Tansu and moto are memory-only; the consumer's
+//! RabbitMQ queue is exclusive), so around each restart the relay is paused (SIGSTOP) for the moment
+//! it takes to read what the broker already holds, or to declare the destination again with a new
+//! consumer: a production broker keeps its topics and queues, and the relay never sees the pause.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::{Duration, Instant};
+
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_tests::check;
+use outbox_tests::harness::{
+    free_port, http_status, report, soak_factor, unpublished, Broker, BrokerServer, RelayProcess,
+};
+
+async fn wait_ready(addr: &str, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        let addr = addr.to_string();
+        let status = tokio::task::spawn_blocking(move || http_status(&addr, "/readyz"))
+            .await
+            .unwrap();
+        if status == Some(200) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    false
+}
+
+async fn broker_down(broker: Broker) {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    let mut server = BrokerServer::start(broker).await;
+    let sink = server.sink().await;
+    let http = format!("127.0.0.1:{}", free_port());
+    let log_path = std::env::temp_dir().join(format!(
+        "outbox-fault-broker-{}-{}.log",
+        broker.name(),
+        std::process::id()
+    ));
+    let log = std::fs::File::create(&log_path).unwrap();
+    let load = broker.load(&table);
+    let mut relay = RelayProcess::start_logging_to(
+        &table,
+        &sink,
+        &[
+            ("OUTBOX_HTTP__ENABLED", "true"),
+            ("OUTBOX_HTTP__LISTEN", http.as_str()),
+            ("OUTBOX_LOG__LEVEL", "info"),
+        ],
+        log,
+    );
+    assert!(
+        wait_ready(&http, Duration::from_secs(30)).await,
+        "the relay never became ready; its log: {}",
+        log_path.display()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Everything published so far is read before the broker (and what it holds) goes away.
+    relay.pause();
+    let received = sink.received_settled().await;
+    sink.stop_consuming();
+    server.stop().await;
+    relay.resume();
+
+    let down = Duration::from_secs(12 * soak_factor() as u64);
+    let started = Instant::now();
+    let (cpu_before, log_before) = (relay.cpu_time(), log_lines(&log_path));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let pending_early = unpublished(&pg, &table).await;
+    let mut readiness = Vec::new();
+    while started.elapsed() < down {
+        let addr = http.clone();
+        readiness.push(
+            tokio::task::spawn_blocking(move || http_status(&addr, "/readyz"))
+                .await
+                .unwrap(),
+        );
+        assert!(relay.alive(), "the relay exited while the broker was down");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let elapsed = started.elapsed();
+    let pending_late = unpublished(&pg, &table).await;
+    let cpu = relay.cpu_time() - cpu_before;
+    let lines = log_lines(&log_path) - log_before;
+    println!(
+        "  broker {} down {:.1}s: unpublished {pending_early} -> {pending_late}, relay CPU {:.2}s, \
+         {lines} log lines, /readyz {:?}",
+        broker.name(),
+        elapsed.as_secs_f64(),
+        cpu.as_secs_f64(),
+        readiness
+    );
+    assert!(
+        pending_late > pending_early,
+        "the outbox grows while the broker is down"
+    );
+    assert!(
+        readiness.iter().all(|s| *s != Some(200)),
+        "/readyz reported ready while the broker was down: {readiness:?}"
+    );
+    assert!(
+        readiness.contains(&Some(503)),
+        "/readyz answers 503 while the broker is down: {readiness:?}"
+    );
+    // Backing off, not spinning: well under half a core, and a bounded log.
+    assert!(
+        cpu < elapsed / 2,
+        "the relay used {cpu:?} of CPU in {elapsed:?} with the broker down: it spins"
+    );
+    assert!(
+        lines < 20 * elapsed.as_secs() as usize,
+        "{lines} log lines in {elapsed:?} with the broker down: see {}",
+        log_path.display()
+    );
+
+    // Back up: the destination is declared again before the relay goes on.
+    relay.pause();
+    server.up().await;
+    let old = sink;
+    let sink = old.recreate().await;
+    drop(old);
+    relay.resume();
+    assert!(
+        wait_ready(&http, Duration::from_secs(60)).await,
+        "the relay is not ready again after the broker came back; its log: {}",
+        log_path.display()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let written = load.stop().await;
+
+    // Everything committed arrives: before the outage, or after it.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let verdict = loop {
+        let mut all = received.clone();
+        all.extend(sink.received(usize::MAX, Duration::ZERO).await);
+        let v = check(&written.committed, &all);
+        if v.lost == 0 || Instant::now() > deadline {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
+    report("broker-down-12s", broker, &verdict);
+    assert_eq!(
+        (verdict.lost, verdict.order_violations),
+        (0, 0),
+        "{verdict}; the relay's log: {}",
+        log_path.display()
+    );
+    assert_eq!(unpublished(&pg, &table).await, 0, "the backlog drained");
+    let _ = std::fs::remove_file(&log_path);
+}
+
+fn log_lines(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path)
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_down_rabbitmq() {
+    broker_down(Broker::Amqp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_down_kafka() {
+    broker_down(Broker::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_down_sqs() {
+    broker_down(Broker::Sqs).await;
+}
