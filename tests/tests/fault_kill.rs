@@ -34,13 +34,13 @@ async fn sigterm_under_load(broker: Broker) {
     let table = fresh_table(&pg).await;
     let sink = Sink::new(broker).await;
     let load = broker.load(&table);
-    let relay = RelayProcess::start(&table, &sink, &[("OUTBOX_RELAY__SHUTDOWN_TIMEOUT", "10s")]);
+    let relay = RelayProcess::start(&table, &sink, &[("OUTBOX_RELAY__SHUTDOWN_TIMEOUT", "5s")]);
     tokio::time::sleep(Duration::from_secs(2 * soak_factor() as u64)).await;
-    // Exits by itself, cleanly, well within the 10 s deadline (the bound here only stops a hang).
+    // A clean exit within the configured 5 s deadline (plus a margin for the process to end).
     assert_eq!(
-        relay.terminate(Duration::from_secs(30)),
+        relay.terminate(Duration::from_secs(8)),
         Some(0),
-        "SIGTERM under load is a clean exit"
+        "SIGTERM under load is a clean exit within the shutdown deadline"
     );
     let written = load.stop().await;
     // Nothing was left claimed: a new relay drains everything.
