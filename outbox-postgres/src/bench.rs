@@ -304,6 +304,25 @@ pub struct ClaimFigures {
     pub vs_first: f64,
 }
 
+/// The target's publisher alone, without the database: the broker's ceiling for this publisher.
+#[derive(Debug, Clone, Serialize)]
+pub struct PublisherFigures {
+    /// Events published (built in memory, as the drain's rows).
+    pub events: u64,
+    /// Events per call, as the relay's batch size.
+    pub batch_size: usize,
+    /// Calls in flight at once, as the relay's `max_in_flight`.
+    pub in_flight: usize,
+    /// Wall-clock seconds.
+    pub seconds: f64,
+    /// Events per second.
+    pub events_per_second: f64,
+    /// Median time of one call (send the batch, wait for every acknowledgement), in milliseconds.
+    pub batch_p50_ms: f64,
+    /// 99th percentile of the same, in milliseconds.
+    pub batch_p99_ms: f64,
+}
+
 /// The ratios the targets are stated in, from figures of the same run.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Ratios {
@@ -313,6 +332,8 @@ pub struct Ratios {
     pub target_vs_ceiling_n: Option<f64>,
     /// Drain to the target (best of 1 and N relays) / the reference relay on the same target.
     pub target_vs_reference: Option<f64>,
+    /// Drain to the target, one relay / the target's publisher alone (no database).
+    pub target_vs_publisher: Option<f64>,
 }
 
 /// Everything a benchmark run measured.
@@ -326,6 +347,8 @@ pub struct BenchReport {
     pub writer: Option<WriterFigures>,
     /// Drain runs (relay and reference).
     pub drain: Vec<DrainFigures>,
+    /// The target's publisher alone (drain phase, real targets only).
+    pub publisher: Option<PublisherFigures>,
     /// Latency runs.
     pub latency: Vec<LatencyFigures>,
     /// Claim-cost states.
@@ -369,6 +392,9 @@ impl BenchReport {
             target_vs_ceiling_1: target(1).zip(ceiling(1)).and_then(|(a, b)| ratio(a, b)),
             target_vs_ceiling_n: target(n).zip(ceiling(n)).and_then(|(a, b)| ratio(a, b)),
             target_vs_reference: best.zip(reference).and_then(|(a, b)| ratio(a, b)),
+            target_vs_publisher: target(1)
+                .zip(self.publisher.as_ref().map(|p| p.events_per_second))
+                .and_then(|(a, b)| ratio(a, b)),
         };
         self.relay_peak_rss_bytes = self
             .drain
@@ -426,6 +452,14 @@ impl BenchReport {
                     mib(d.peak_rss_bytes)
                 );
             }
+            if let Some(p) = &self.publisher {
+                let _ = writeln!(
+                    s,
+                    "  publisher alone (no database): {:.0} events/s in calls of {} ({} in flight); \
+                     call p50 {:.1} ms, p99 {:.1} ms",
+                    p.events_per_second, p.batch_size, p.in_flight, p.batch_p50_ms, p.batch_p99_ms
+                );
+            }
             let r = &self.ratios;
             let show = |v: Option<f64>| v.map_or_else(|| "n/a".into(), |v| format!("{v:.2}x"));
             let _ = writeln!(
@@ -440,6 +474,12 @@ impl BenchReport {
                 self.target,
                 o.relays,
                 show(r.target_vs_ceiling_n)
+            );
+            let _ = writeln!(
+                s,
+                "  {} / publisher alone, 1 relay    {}",
+                self.target,
+                show(r.target_vs_publisher)
             );
             let _ = writeln!(
                 s,
@@ -528,6 +568,7 @@ pub async fn run(
         claim: Vec::new(),
         ratios: Ratios::default(),
         relay_peak_rss_bytes: None,
+        publisher: None,
     };
     let result = run_phases(url, &admin, target, options, progress, &mut report).await;
     // The schema goes whatever happened.
@@ -565,6 +606,11 @@ async fn run_phases(
                 report.drain.push(d);
             }
         }
+    }
+    if has(Phase::Drain) && target.name() != DiscardTarget.name() {
+        target.reset().await?;
+        report.publisher = Some(publisher_run(target, o.backlog as u64, o, progress).await?);
+        target.reset().await?;
     }
     if has(Phase::Reference) {
         let reference = OutboxTable::new(&o.schema, "outbox_reference")?;
@@ -1062,6 +1108,85 @@ async fn reference_run(
 // Latency
 
 /// Records when each event was acknowledged.
+/// Publishes `events` events built in memory through the target's publisher, in calls of the
+/// relay's batch size with its `max_in_flight` calls at once: what the broker takes from this
+/// publisher when no database is involved.
+async fn publisher_run(
+    target: &dyn BenchTarget,
+    events: u64,
+    o: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<PublisherFigures, Error> {
+    let publisher = target.publisher().await?;
+    publisher.check().await?;
+    let batch_size = o.relay.batch_size.max(1);
+    let in_flight = o.relay.max_in_flight.max(1);
+    progress(&format!(
+        "publisher alone: {events} events -> {}, calls of {batch_size}, {in_flight} in flight",
+        target.name()
+    ));
+    let next = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..in_flight {
+        let (publisher, next) = (publisher.clone(), next.clone());
+        let (aggregates, pad) = (o.aggregates.max(1) as u64, o.payload_bytes);
+        tasks.push(tokio::spawn(async move {
+            let mut calls = Vec::new();
+            loop {
+                let from = next.fetch_add(batch_size as u64, Ordering::Relaxed);
+                if from >= events {
+                    break;
+                }
+                let to = (from + batch_size as u64).min(events);
+                let batch: Vec<Event> = (from..to)
+                    .map(|g| Event {
+                        id: Uuid::now_v7(),
+                        aggregate_type: "bench".into(),
+                        aggregate_id: format!("a{}", g % aggregates),
+                        event_type: "bench.event".into(),
+                        payload: payload(g, pad).to_string().into_bytes(),
+                        content_type: "application/json".into(),
+                        headers: Default::default(),
+                        destination: None,
+                        created_at: chrono::Utc::now(),
+                        attempts: 0,
+                    })
+                    .collect();
+                let call = Instant::now();
+                let outcomes = publisher.publish(&batch).await;
+                calls.push(call.elapsed().as_secs_f64() * 1000.0);
+                if let Some(Err(e)) = outcomes.into_iter().find(Result::is_err) {
+                    return Err(e);
+                }
+            }
+            Ok::<Vec<f64>, Error>(calls)
+        }));
+    }
+    let mut calls = Vec::new();
+    for t in tasks {
+        calls.extend(join(t).await??);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    calls.sort_by(f64::total_cmp);
+    let figures = PublisherFigures {
+        events,
+        batch_size,
+        in_flight,
+        seconds,
+        events_per_second: events as f64 / seconds,
+        batch_p50_ms: percentile(&calls, 50.0),
+        batch_p99_ms: percentile(&calls, 99.0),
+    };
+    progress(&format!(
+        "publisher alone -> {}: {:.0} events/s, call p99 {:.1} ms",
+        target.name(),
+        figures.events_per_second,
+        figures.batch_p99_ms
+    ));
+    Ok(figures)
+}
+
 struct AckClock {
     inner: Arc<dyn Publisher>,
     acks: Mutex<Vec<(Uuid, Instant)>>,

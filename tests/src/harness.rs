@@ -400,9 +400,22 @@ impl Load {
     }
 }
 
-/// Prints the scenario's summary line.
+/// Prints the scenario's summary line, and appends it to the file `$OUTBOX_TEST_REPORT` when set
+/// (`scripts/test.sh` sets it and prints the file at the end, since cargo hides a passing test's
+/// output).
 pub fn report(scenario: &str, broker: Broker, v: &Verdict) {
-    println!("scenario={scenario} broker={} {v}", broker.name());
+    let line = format!("scenario={scenario} broker={} {v}", broker.name());
+    println!("{line}");
+    if let Some(path) = std::env::var_os("OUTBOX_TEST_REPORT") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
 }
 
 /// How much longer the soak variant runs (`OUTBOX_SOAK=<factor>`, default 1).
