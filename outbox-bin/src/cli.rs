@@ -197,7 +197,8 @@ pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
         }
     };
     if quiet {
-        config.log.level = "warn".into();
+        // The bench's own bulk statements (prefills of a million rows) are slow by design.
+        config.log.level = "warn,sqlx::query=error".into();
     }
     init_logging(&config);
     let runtime = match tokio::runtime::Builder::new_multi_thread()

@@ -116,6 +116,17 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
     assert!((ratio("target_vs_ceiling_1") - rate(1) / rate(0)).abs() < 1e-9);
     assert!((ratio("target_vs_ceiling_n") - rate(3) / rate(2)).abs() < 1e-9);
     assert!((ratio("target_vs_reference") - rate(1).max(rate(3)) / rate(4)).abs() < 1e-9);
+    // The publisher alone: the drain's backlog, in the relay's batch size and in-flight count.
+    let p = &r["publisher"];
+    assert_eq!(p["events"].as_u64(), Some(3000), "{p}");
+    assert_eq!(p["batch_size"].as_u64(), Some(500), "{p}");
+    assert_eq!(p["in_flight"].as_u64(), Some(2), "{p}");
+    assert!((num(p, "events_per_second") * num(p, "seconds") - 3000.0).abs() < 1.0);
+    assert!(num(p, "batch_p50_ms") > 0.0 && num(p, "batch_p50_ms") <= num(p, "batch_p99_ms"));
+    assert!((ratio("target_vs_publisher") - rate(1) / num(p, "events_per_second")).abs() < 1e-9);
+    // The relay's RSS is the one-relay runs' (the N-relay runs hold N relays).
+    let one_relay_rss = num(&drain[0], "peak_rss_bytes").max(num(&drain[1], "peak_rss_bytes"));
+    assert_eq!(num(&r, "relay_peak_rss_bytes"), one_relay_rss);
 
     let latency = r["latency"].as_array().unwrap();
     assert_eq!(latency.len(), 2);
@@ -174,6 +185,11 @@ async fn drains_to_kafka_and_sqs() {
         assert_eq!(
             drain[1]["events"].as_u64().unwrap(),
             backlog.parse::<u64>().unwrap()
+        );
+        assert_eq!(
+            r["publisher"]["events"].as_u64().unwrap(),
+            backlog.parse::<u64>().unwrap(),
+            "{broker}: the publisher alone runs with the drain"
         );
         assert!(r["latency"].as_array().unwrap().is_empty());
         assert!(r["writer"].is_null());

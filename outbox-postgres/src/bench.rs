@@ -355,7 +355,8 @@ pub struct BenchReport {
     pub claim: Vec<ClaimFigures>,
     /// Ratios of the figures above.
     pub ratios: Ratios,
-    /// Largest resident set size sampled during the relay drains, in bytes.
+    /// Largest resident set size sampled during the one-relay drains, in bytes (the whole bench
+    /// process: one relay, its publisher and the load generator).
     pub relay_peak_rss_bytes: Option<u64>,
 }
 
@@ -396,10 +397,11 @@ impl BenchReport {
                 .zip(self.publisher.as_ref().map(|p| p.events_per_second))
                 .and_then(|(a, b)| ratio(a, b)),
         };
+        // One relay's figure: the N-relay runs hold N relays (and N publishers) in this process.
         self.relay_peak_rss_bytes = self
             .drain
             .iter()
-            .filter(|d| d.relay == "relay")
+            .filter(|d| d.relay == "relay" && d.relays == 1)
             .filter_map(|d| d.peak_rss_bytes)
             .max();
     }
@@ -489,7 +491,7 @@ impl BenchReport {
             );
             let _ = writeln!(
                 s,
-                "  relay peak RSS                  {}",
+                "  relay peak RSS (1 relay)        {}",
                 mib(self.relay_peak_rss_bytes)
             );
         }
