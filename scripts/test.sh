@@ -6,13 +6,13 @@ cd "$(dirname "$0")/.."
 bash scripts/test-env.sh
 log=$(mktemp)
 # The fault scenarios append their summary lines here; they are printed before the summary.
-export OUTBOX_TEST_REPORT
-OUTBOX_TEST_REPORT=$(mktemp)
-trap 'rm -f "$log" "$OUTBOX_TEST_REPORT"' EXIT
+export FAULT_SCENARIO_REPORT
+FAULT_SCENARIO_REPORT=$(mktemp)
+trap 'rm -f "$log" "$FAULT_SCENARIO_REPORT"' EXIT
 status=0
 cargo test --workspace --all-features --locked -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee "$log" || status=$?
 echo "fault scenarios:"
-sort "$OUTBOX_TEST_REPORT" | sed 's/^/  /'
+sort "$FAULT_SCENARIO_REPORT" | sed 's/^/  /'
 passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi

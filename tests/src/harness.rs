@@ -400,13 +400,13 @@ impl Load {
     }
 }
 
-/// Prints the scenario's summary line, and appends it to the file `$OUTBOX_TEST_REPORT` when set
+/// Prints the scenario's summary line, and appends it to the file `$FAULT_SCENARIO_REPORT` when set
 /// (`scripts/test.sh` sets it and prints the file at the end, since cargo hides a passing test's
 /// output).
 pub fn report(scenario: &str, broker: Broker, v: &Verdict) {
     let line = format!("scenario={scenario} broker={} {v}", broker.name());
     println!("{line}");
-    if let Some(path) = std::env::var_os("OUTBOX_TEST_REPORT") {
+    if let Some(path) = std::env::var_os("FAULT_SCENARIO_REPORT") {
         use std::io::Write;
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
@@ -552,6 +552,14 @@ fn broker_program(broker: Broker) -> PathBuf {
 impl BrokerServer {
     /// Starts the broker (Kafka, SQS) or checks the local one answers (RabbitMQ).
     pub async fn start(broker: Broker) -> BrokerServer {
+        if broker == Broker::Amqp {
+            let url = outbox_amqp::testing::amqp_url();
+            assert!(
+                url.contains("@127.0.0.1:5672") || url.contains("@localhost:5672"),
+                "this scenario stops and starts the local RabbitMQ node with rabbitmqctl, but AMQP_URL \
+                 points elsewhere: unset AMQP_URL to run it against the local node"
+            );
+        }
         let mut server = BrokerServer {
             broker,
             port: match broker {
