@@ -195,6 +195,10 @@ pub struct PostgresStore {
     /// Where the next skip scan starts: the last aggregate the previous one visited (`None`: from
     /// the first). Rotating it gives every aggregate its turn, however many there are.
     skip_cursor: Arc<Mutex<Option<(String, String)>>>,
+    /// Until when skip scans rest: set when the last ones walked every aggregate and found no head
+    /// to take (other relays hold them all), so that claims bound to find nothing beyond the window
+    /// do not keep walking the aggregates (the window still runs on every claim).
+    skip_rest_until: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -299,6 +303,7 @@ impl PostgresStore {
             retention,
             sql,
             skip_cursor: Arc::new(Mutex::new(None)),
+            skip_rest_until: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -336,6 +341,15 @@ struct Head {
 /// 256, so that a batch fills from the window whenever the backlog is spread over many aggregates.
 fn heads_window(limit: i64) -> i64 {
     limit.saturating_mul(4).max(256)
+}
+
+/// How long skip scans rest after a complete walk over the aggregates that took `walk` and found no
+/// head to take.
+fn skip_rest(walk: std::time::Duration) -> std::time::Duration {
+    (walk * 10).clamp(
+        std::time::Duration::from_millis(50),
+        std::time::Duration::from_secs(2),
+    )
 }
 
 /// How many aggregates one skip scan visits at most: two batches, at least 256, at most 20,000.
@@ -386,6 +400,16 @@ impl PostgresStore {
         if window_rows < window || heads.len() as i64 >= limit {
             return Ok(heads);
         }
+        let started = std::time::Instant::now();
+        let resting = self
+            .skip_rest_until
+            .lock()
+            .map_or(false, |until| until.is_some_and(|t| started < t));
+        if resting {
+            return Ok(heads);
+        }
+        let found_before = heads.len();
+        let mut walked_all = false;
         // Up to four skip scans per claim, each going on from where the previous one stopped; one
         // that started after a cursor and reached the last aggregate goes on from the first (once).
         let span = skip_span(limit);
@@ -432,10 +456,17 @@ impl PostgresStore {
             }
             if reached_end {
                 if cursor.is_none() || wrapped {
+                    walked_all = true;
                     break;
                 }
                 wrapped = true;
             }
+        }
+        // A futile complete walk rests the skip scans ten times as long as it took (at least 50 ms):
+        // their share of the database stays under a tenth while every head is taken.
+        if let Ok(mut until) = self.skip_rest_until.lock() {
+            *until = (walked_all && heads.len() == found_before)
+                .then(|| started + skip_rest(started.elapsed()));
         }
         heads.sort_by_key(|h| h.seq);
         Ok(heads)
@@ -826,6 +857,20 @@ mod tests {
         assert!(sql.settle.contains("DELETE FROM \"s\".\"events\""));
         let keep = Sql::new(&t, Retention::Keep);
         assert!(keep.settle.contains("SET processed_at = now()"));
+    }
+
+    #[test]
+    fn skip_scans_rest_ten_times_a_futile_walk_within_bounds() {
+        use std::time::Duration;
+        assert_eq!(
+            skip_rest(Duration::from_millis(1)),
+            Duration::from_millis(50)
+        );
+        assert_eq!(
+            skip_rest(Duration::from_millis(30)),
+            Duration::from_millis(300)
+        );
+        assert_eq!(skip_rest(Duration::from_secs(1)), Duration::from_secs(2));
     }
 
     #[test]

@@ -152,3 +152,36 @@ async fn rotating_skip_scans_give_every_blocked_out_aggregate_its_turn() {
         batch.lease.release().await.unwrap();
     }
 }
+
+#[tokio::test]
+async fn heads_beyond_the_window_are_found_again_once_the_skip_scans_rest_is_over() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    insert(&pool, &table, "p", 0..1, 2000).await;
+    back_off_heads(&pool, &table, "p").await;
+    insert(&pool, &table, "c", 0..10, 1).await;
+    let first = PostgresStore::new(pool.clone(), table.clone());
+    let second = PostgresStore::new(pool.clone(), table.clone());
+    let held = first.claim(strict(10)).await.unwrap();
+    assert_eq!(held.events.len(), 10);
+    // The second relay walks every aggregate and finds each head taken: its skip scans rest.
+    let none = second.claim(strict(10)).await.unwrap();
+    assert!(none.events.is_empty());
+    none.lease.release().await.unwrap();
+    held.lease.release().await.unwrap();
+    // The rest is bounded (at most 2 s): the released heads are claimed again after it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let batch = second.claim(strict(10)).await.unwrap();
+        let n = batch.events.len();
+        batch.lease.release().await.unwrap();
+        if n == 10 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the heads beyond the window were never claimed again"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
