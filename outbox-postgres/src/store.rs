@@ -404,7 +404,7 @@ impl PostgresStore {
         let resting = self
             .skip_rest_until
             .lock()
-            .map_or(false, |until| until.is_some_and(|t| started < t));
+            .is_ok_and(|until| until.is_some_and(|t| started < t));
         if resting {
             return Ok(heads);
         }
