@@ -363,3 +363,44 @@ async fn notify_mode_wakes_an_idle_relay() {
         .bind(table.schema()).fetch_one(&pg).await.unwrap().get("n");
     assert_eq!(triggers, 0);
 }
+
+#[test]
+fn sigterm_while_starting_is_a_clean_exit() {
+    // A "database" that accepts connections and never answers: the relay stays in its start-up.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let held = std::thread::spawn(move || {
+        let mut open = Vec::new();
+        for stream in silent.incoming().take(4).flatten() {
+            open.push(stream);
+        }
+        std::thread::sleep(Duration::from_secs(30));
+    });
+    let table = unmigrated_table();
+    let mut c = outbox(&table, &["relay"]);
+    c.env(
+        "DATABASE_URL",
+        format!("postgres://postgres@127.0.0.1:{port}/test"),
+    )
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the relay is still starting"
+    );
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("shutdown requested while starting"),
+        "{}",
+        text(&out.stderr)
+    );
+    drop(held);
+}
