@@ -2,8 +2,7 @@
 //! 127.0.0.1:19092, started and stopped by this test) so other tests keep theirs.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use outbox_core::testkit::publisher_suite::event;
@@ -11,18 +10,6 @@ use outbox_core::Publisher;
 use outbox_kafka::{KafkaConfig, KafkaPublisher};
 
 const PORT: u16 = 19092;
-
-fn tansu() -> PathBuf {
-    let path = std::env::var("TANSU_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/bin/tansu"));
-    assert!(
-        path.exists(),
-        "this test starts its own Tansu broker and needs its binary at {}: run `bash scripts/test-env.sh` (it installs it) or set TANSU_BIN",
-        path.display()
-    );
-    path
-}
 
 /// The broker process; killed when dropped, so a failing test leaves nothing running.
 struct Broker(Child);
@@ -46,21 +33,7 @@ fn start_broker() -> Broker {
         std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err(),
         "port {PORT} is taken: this test needs it for a broker of its own"
     );
-    let url = format!("tcp://127.0.0.1:{PORT}");
-    let child = Command::new(tansu())
-        .args([
-            "broker",
-            "--listener-url",
-            &url,
-            "--advertised-listener-url",
-            &url,
-            "--storage-engine",
-            "memory://tansu/",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let child = outbox_kafka::testing::spawn_tansu(PORT, Stdio::null());
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err() {
         assert!(

@@ -2,8 +2,7 @@
 //! 127.0.0.1:14566, started and stopped by this test) so other tests keep theirs.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use aws_config::{BehaviorVersion, Region};
@@ -22,18 +21,7 @@ impl Endpoint {
             std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err(),
             "port {PORT} is taken: this test needs it for an endpoint of its own"
         );
-        let bin = std::env::var("SQS_ENDPOINT_BIN")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| {
-                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/bin/sqs-endpoint")
-            });
-        assert!(bin.exists(), "this test starts its own moto server and needs {}: run `bash scripts/test-env.sh` (it installs it) or set SQS_ENDPOINT_BIN", bin.display());
-        let child = Command::new(bin)
-            .args(["-H", "127.0.0.1", "-p", &PORT.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let child = outbox_sqs::testing::spawn_endpoint(PORT, Stdio::null());
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err() {
             assert!(

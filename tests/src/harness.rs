@@ -528,27 +528,6 @@ pub struct BrokerServer {
     rabbit_stopped: bool,
 }
 
-/// The program that runs a private broker: `$TANSU_BIN` / `$SQS_ENDPOINT_BIN` (moto's server), else
-/// the one `scripts/test-env.sh` installed under `.tools/bin`.
-fn broker_program(broker: Broker) -> PathBuf {
-    let (var, name) = match broker {
-        Broker::Kafka => ("TANSU_BIN", "tansu"),
-        _ => ("SQS_ENDPOINT_BIN", "sqs-endpoint"),
-    };
-    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../.tools/bin")
-            .join(name)
-    });
-    assert!(
-        path.exists(),
-        "this scenario runs a {name} of its own and cannot find {}: run `bash scripts/test-env.sh` \
-         (it installs {name} under .tools/bin), or set {var} to the program",
-        path.display()
-    );
-    path
-}
-
 impl BrokerServer {
     /// Starts the broker (Kafka, SQS) or checks the local one answers (RabbitMQ).
     pub async fn start(broker: Broker) -> BrokerServer {
@@ -672,32 +651,10 @@ impl BrokerServer {
                 }
             }
             Broker::Kafka => {
-                let url = format!("tcp://127.0.0.1:{}", self.port);
-                self.child = Some(
-                    Command::new(broker_program(Broker::Kafka))
-                        .args([
-                            "broker",
-                            "--listener-url",
-                            &url,
-                            "--advertised-listener-url",
-                            &url,
-                        ])
-                        .args(["--storage-engine", "memory://tansu/"])
-                        .stdout(Stdio::null())
-                        .stderr(self.log())
-                        .spawn()
-                        .unwrap(),
-                );
+                self.child = Some(outbox_kafka::testing::spawn_tansu(self.port, self.log()));
             }
             Broker::Sqs => {
-                self.child = Some(
-                    Command::new(broker_program(Broker::Sqs))
-                        .args(["-H", "127.0.0.1", "-p", &self.port.to_string()])
-                        .stdout(Stdio::null())
-                        .stderr(self.log())
-                        .spawn()
-                        .unwrap(),
-                );
+                self.child = Some(outbox_sqs::testing::spawn_endpoint(self.port, self.log()));
             }
         }
         for _ in 0..300 {
