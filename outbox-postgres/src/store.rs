@@ -40,6 +40,13 @@ pub(crate) const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, 
     CASE WHEN e.payload_bytes IS NOT NULL THEN e.payload_bytes ELSE convert_to(e.payload::text, 'UTF8') END AS payload,
     e.content_type, e.headers::text AS headers, e.destination, e.created_at, e.attempts";
 
+/// Opens a claim's transaction (one round trip). Every statement of a claim and its settlement reads
+/// the outbox through an index; without sequential scans the planner has no plan left whose cost
+/// grows with the table. (A plan cached while the outbox was nearly empty, which is its usual state,
+/// would otherwise scan the whole backlog once per candidate head when a backlog builds up: seconds
+/// per claim, until the next ANALYZE of the table. Measured by `outbox bench`, latency phase.)
+const CLAIM_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off";
+
 const READY: &str = "e.processed_at IS NULL AND e.dead_lettered_at IS NULL
       AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())";
 
@@ -60,22 +67,29 @@ impl Sql {
         // waits behind a backing-off head, a scan for heads would otherwise walk every pending row.
         // The first column tells how many rows the window held, so the store knows whether heads
         // may lie beyond it (the window was full) and the skip scan below is worth running.
+        // The window's rows are read once (seq, aggregate, row address); a row is a head when it is
+        // its aggregate's first unprocessed row, a point lookup on the aggregate index; the heads are
+        // then locked through their row addresses. Each step is an index or row-address access whose
+        // cost follows the window, whatever the planner believes of the table's size (see
+        // `CLAIM_BEGIN`): a cached plan made while the outbox was empty stays cheap once it is not.
         let claim_heads = format!(
             "WITH w AS MATERIALIZED (
-                SELECT e.seq FROM {t} e WHERE {READY} ORDER BY e.seq LIMIT $2)
+                SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id
+                FROM {t} e WHERE {READY} ORDER BY e.seq LIMIT $2),
+            c AS MATERIALIZED (
+                SELECT w.tid FROM w
+                WHERE w.seq = (
+                    SELECT p.seq FROM {t} p
+                    WHERE p.aggregate_type = w.aggregate_type AND p.aggregate_id = w.aggregate_id
+                      AND p.processed_at IS NULL
+                    ORDER BY p.seq LIMIT 1))
             SELECT (SELECT count(*) FROM w) AS window_rows, h.seq, h.aggregate_type, h.aggregate_id
             FROM (SELECT 1) one
             LEFT JOIN LATERAL (
                 SELECT e.seq, e.aggregate_type, e.aggregate_id
                 FROM {t} e
-                WHERE e.seq = ANY(ARRAY(SELECT seq FROM w))
+                WHERE e.ctid = ANY(ARRAY(SELECT tid FROM c))
                   AND {READY}
-                  AND NOT EXISTS (
-                      SELECT 1 FROM {t} p
-                      WHERE p.aggregate_type = e.aggregate_type
-                        AND p.aggregate_id = e.aggregate_id
-                        AND p.processed_at IS NULL
-                        AND p.seq < e.seq)
                 ORDER BY e.seq
                 LIMIT $1
                 FOR UPDATE SKIP LOCKED
@@ -477,7 +491,11 @@ impl PostgresStore {
 impl Store for PostgresStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error> {
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
-        let mut tx = self.pool.begin().await.map_err(|e| map_sqlx("claim", e))?;
+        let mut tx = self
+            .pool
+            .begin_with(CLAIM_BEGIN)
+            .await
+            .map_err(|e| map_sqlx("claim", e))?;
         let events = match request.ordering {
             OrderingPolicy::Unordered => {
                 let rows = sqlx::query(&self.sql.claim_unordered)
