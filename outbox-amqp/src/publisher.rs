@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex as StdMutex;
+use std::task::Poll;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -432,9 +433,13 @@ impl Publisher for AmqpPublisher {
             .collect();
         let missing = self.check_exchanges(destinations).await;
 
-        // Send every message without waiting for its confirm.
+        // Send every message without waiting for its confirm. Each publish is polled once, in event
+        // order, which hands its frames to the connection's I/O loop; the writes are then awaited
+        // for the whole batch at once. (Awaiting each write before the next publish costs a round
+        // trip through the I/O loop per message: 0.2-0.4 ms each, measured by `outbox bench`.)
         let mut fence = Fence::new();
         let mut pending = Vec::with_capacity(events.len());
+        let mut sending = Vec::with_capacity(events.len());
         let mut broken: Option<Error> = None;
         for (i, event) in events.iter().enumerate() {
             if let Some(e) = &broken {
@@ -457,24 +462,36 @@ impl Publisher for AmqpPublisher {
                     continue;
                 }
             };
-            let sent = channel
-                .basic_publish(
-                    out.exchange,
-                    out.routing_key,
-                    BasicPublishOptions {
-                        mandatory: self.config.mandatory,
-                        immediate: false,
-                    },
-                    &out.event.payload,
-                    out.properties,
-                )
-                .await;
-            match sent {
-                Ok(confirm) => pending.push((out.index, confirm)),
-                Err(e) => {
+            let mut send = Box::pin(channel.basic_publish(
+                out.exchange,
+                out.routing_key,
+                BasicPublishOptions {
+                    mandatory: self.config.mandatory,
+                    immediate: false,
+                },
+                &out.event.payload,
+                out.properties,
+            ));
+            match futures::poll!(send.as_mut()) {
+                Poll::Ready(Ok(confirm)) => pending.push((out.index, confirm)),
+                Poll::Ready(Err(e)) => {
                     let err = map_lapin("publish", e).temporary();
                     outcomes[i] = Some(Err(err.clone()));
                     broken = Some(err);
+                }
+                Poll::Pending => sending.push((out.index, send)),
+            }
+        }
+        // The frames of one channel are written in the order they were handed over, so a write that
+        // fails (the connection or channel closed) fails every later one as well.
+        let (indexes, writes): (Vec<usize>, Vec<_>) = sending.into_iter().unzip();
+        for (i, sent) in indexes.into_iter().zip(join_all(writes).await) {
+            match sent {
+                Ok(confirm) => pending.push((i, confirm)),
+                Err(e) => {
+                    let err = map_lapin("publish", e).temporary();
+                    outcomes[i] = Some(Err(err.clone()));
+                    broken.get_or_insert(err);
                 }
             }
         }
