@@ -145,7 +145,8 @@ pub struct BenchOptions {
     pub phases: Vec<Phase>,
     /// Concurrent writers in the writer phase. Default 8.
     pub writers: usize,
-    /// Length of each writer run (two with the outbox insert, two without, alternating). Default 5 s.
+    /// Length of each writer run (two without the outbox insert, two with it, two with `SELECT 1`
+    /// instead, alternating). Default 5 s.
     #[serde(with = "outbox_core::duration::serde_str")]
     pub writer_duration: Duration,
     /// Events in the pre-filled backlog of each drain run. Default 200,000.
@@ -244,6 +245,12 @@ pub struct WriterFigures {
     pub with_outbox_tps: f64,
     /// `1 - with / without`: the share of throughput the outbox insert costs.
     pub overhead: f64,
+    /// The same transactions with one no-op statement (`SELECT 1`) instead of the outbox insert: what
+    /// one more statement round trip costs by itself, whatever it does.
+    pub with_noop_statement_tps: f64,
+    /// `1 - with_noop_statement / without`: the share of throughput the round trip alone costs, the
+    /// floor of any insert made with a statement of its own.
+    pub noop_statement_overhead: f64,
 }
 
 /// One drain of a pre-filled backlog.
@@ -430,8 +437,18 @@ impl BenchReport {
             );
             let _ = writeln!(
                 s,
+                "  business tx/s with SELECT 1    {:>12.0}   (one more round trip, no insert)",
+                w.with_noop_statement_tps
+            );
+            let _ = writeln!(
+                s,
                 "  overhead of the outbox insert  {:>11.1}%",
                 w.overhead * 100.0
+            );
+            let _ = writeln!(
+                s,
+                "  overhead of SELECT 1           {:>11.1}%   (the round trip alone)",
+                w.noop_statement_overhead * 100.0
             );
         }
         if !self.drain.is_empty() {
@@ -731,20 +748,20 @@ async fn writer_phase(
     )
     .await?;
     let pool = connect(url, o.writers as u32).await?;
-    let (mut without, mut with) = (0.0, 0.0);
-    // Alternating runs, so that drift in the machine's state affects both sides alike.
+    let (mut without, mut with, mut noop) = (0.0, 0.0, 0.0);
+    // Alternating runs, so that drift in the machine's state affects every variant alike.
     for round in 1..=2 {
-        for outbox in [false, true] {
+        for extra in [Extra::None, Extra::Outbox, Extra::Noop] {
             exec(admin, &format!("TRUNCATE {orders}, {}", table.qualified())).await?;
-            let tps = writer_run(&pool, &orders, table, o, outbox).await?;
+            let tps = writer_run(&pool, &orders, table, o, extra).await?;
             progress(&format!(
-                "writer: round {round}, {} outbox: {tps:.0} tx/s",
-                if outbox { "with" } else { "without" }
+                "writer: round {round}, {}: {tps:.0} tx/s",
+                extra.label()
             ));
-            if outbox {
-                with += tps / 2.0;
-            } else {
-                without += tps / 2.0;
+            match extra {
+                Extra::None => without += tps / 2.0,
+                Extra::Outbox => with += tps / 2.0,
+                Extra::Noop => noop += tps / 2.0,
             }
         }
     }
@@ -754,7 +771,28 @@ async fn writer_phase(
         without_outbox_tps: without,
         with_outbox_tps: with,
         overhead: ratio(with, without).map_or(0.0, |r| 1.0 - r),
+        with_noop_statement_tps: noop,
+        noop_statement_overhead: ratio(noop, without).map_or(0.0, |r| 1.0 - r),
     })
+}
+
+/// What a writer run adds to each business transaction.
+#[derive(Debug, Clone, Copy)]
+enum Extra {
+    None,
+    Outbox,
+    /// `SELECT 1`: the cost of one more statement round trip alone.
+    Noop,
+}
+
+impl Extra {
+    fn label(self) -> &'static str {
+        match self {
+            Extra::None => "without outbox",
+            Extra::Outbox => "with outbox",
+            Extra::Noop => "with SELECT 1",
+        }
+    }
 }
 
 async fn writer_run(
@@ -762,7 +800,7 @@ async fn writer_run(
     orders: &str,
     table: &OutboxTable,
     o: &BenchOptions,
-    outbox: bool,
+    extra: Extra,
 ) -> Result<f64, Error> {
     let insert = Arc::<str>::from(format!(
         "INSERT INTO {orders} (customer, total, body) VALUES ($1, $2, $3::jsonb) RETURNING id"
@@ -791,13 +829,22 @@ async fn writer_run(
                     .fetch_one(&mut *tx)
                     .await
                     .map_err(|e| map_sqlx("bench", e))?;
-                if outbox {
-                    writer
-                        .enqueue(
-                            &mut tx,
-                            NewEvent::new("order", id.to_string(), "order.created", body),
-                        )
-                        .await?;
+                match extra {
+                    Extra::None => {}
+                    Extra::Outbox => {
+                        writer
+                            .enqueue(
+                                &mut tx,
+                                NewEvent::new("order", id.to_string(), "order.created", body),
+                            )
+                            .await?;
+                    }
+                    Extra::Noop => {
+                        sqlx::query("SELECT 1")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| map_sqlx("bench", e))?;
+                    }
                 }
                 tx.commit().await.map_err(|e| map_sqlx("bench", e))?;
                 done += 1;
