@@ -4,7 +4,13 @@ moto's SQS model asks whether every message in a queue is visible and not delaye
 each message sent or received, and each of those checks builds datetime objects to read the clock:
 with a few thousand messages in a FIFO queue a SendMessageBatch takes seconds, and a relay draining
 a backlog into it times out. Reading the clock with time.time() gives the same values (seconds since
-the epoch, UTC) about thirty times faster; nothing else is changed. Arguments are moto_server's.
+the epoch, UTC) about thirty times faster.
+
+moto also recounts every message of the queue (visible, delayed, in flight) each time it reads the
+queue's attributes, which it does several times for each message sent: sending into a queue that
+holds a few thousand messages costs O(messages) per message, and a consumer that falls behind makes
+every send slower. The three approximate counts are kept for 100 ms instead (SQS itself documents
+them as approximate). Nothing else is changed. Arguments are moto_server's.
 """
 import sys
 import time
@@ -23,6 +29,30 @@ def unix_time_millis(dt=None):
 
 sqs_models.unix_time = unix_time
 sqs_models.unix_time_millis = unix_time_millis
+
+COUNT_TTL_SECONDS = 0.1
+
+
+def kept_for_a_while(name, count):
+    def getter(queue):
+        kept = queue.__dict__.setdefault("_kept_counts", {})
+        now = time.time()
+        hit = kept.get(name)
+        if hit is not None and now - hit[0] < COUNT_TTL_SECONDS:
+            return hit[1]
+        value = count(queue)
+        kept[name] = (now, value)
+        return value
+
+    return property(getter)
+
+
+for _name in (
+    "approximate_number_of_messages",
+    "approximate_number_of_messages_delayed",
+    "approximate_number_of_messages_not_visible",
+):
+    setattr(sqs_models.Queue, _name, kept_for_a_while(_name, getattr(sqs_models.Queue, _name).fget))
 
 from moto.server import main  # noqa: E402  (after the patch, so the server sees it)
 
