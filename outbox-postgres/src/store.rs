@@ -67,21 +67,27 @@ impl Sql {
         // waits behind a backing-off head, a scan for heads would otherwise walk every pending row.
         // The first column tells how many rows the window held, so the store knows whether heads
         // may lie beyond it (the window was full) and the skip scan below is worth running.
-        // The window's rows are located once (their row addresses); each is fetched by address and
-        // is a head when no earlier unprocessed row of its aggregate exists (a point lookup on the
+        // The window's rows are located once (their row addresses); only the first of each aggregate
+        // can be a head (a head has no earlier unprocessed row, so none earlier in the window); each
+        // of those is fetched by address and is a head when no earlier unprocessed row of its
+        // aggregate exists (a point lookup on the
         // aggregate index, written as a scalar subquery so that it cannot become a join); the
         // oldest $1 heads are locked. Every step is a row-address or index access whose cost follows
         // the window, whatever the planner believes of the table's size (see `CLAIM_BEGIN`): a plan
         // cached while the outbox was empty stays cheap once it is not.
         let claim_heads = format!(
             "WITH w AS MATERIALIZED (
-                SELECT e.ctid AS tid FROM {t} e WHERE {READY} ORDER BY e.seq LIMIT $2)
+                SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id
+                FROM {t} e WHERE {READY} ORDER BY e.seq LIMIT $2),
+            firsts AS MATERIALIZED (
+                SELECT DISTINCT ON (w.aggregate_type, w.aggregate_id) w.tid
+                FROM w ORDER BY w.aggregate_type, w.aggregate_id, w.seq)
             SELECT (SELECT count(*) FROM w) AS window_rows, h.seq, h.aggregate_type, h.aggregate_id
             FROM (SELECT 1) one
             LEFT JOIN LATERAL (
                 SELECT e.seq, e.aggregate_type, e.aggregate_id
                 FROM {t} e
-                WHERE e.ctid = ANY(ARRAY(SELECT tid FROM w))
+                WHERE e.ctid = ANY(ARRAY(SELECT tid FROM firsts))
                   AND {READY}
                   AND (SELECT 1 FROM {t} p
                        WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
