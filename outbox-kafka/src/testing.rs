@@ -37,31 +37,22 @@ fn unreachable(at: &str, e: impl std::fmt::Display) -> ! {
 /// Starts a Tansu broker of the test's own on `127.0.0.1:<port>` (in-memory storage), its log going
 /// to `stderr`: `$TANSU_BIN`, else the one `scripts/test-env.sh` installed in `.tools/bin`.
 pub fn spawn_tansu(port: u16, stderr: std::process::Stdio) -> std::process::Child {
-    let path = std::env::var_os("TANSU_BIN")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/bin/tansu")
-        });
-    assert!(
-        path.exists(),
-        "this test starts a Tansu broker of its own and cannot find {}: run `bash scripts/test-env.sh` \
-         (it installs it under .tools/bin), or set TANSU_BIN to the program",
-        path.display()
-    );
     let url = format!("tcp://127.0.0.1:{port}");
-    std::process::Command::new(path)
-        .args([
+    outbox_core::testkit::spawn_tool(
+        "TANSU_BIN",
+        "tansu",
+        "a Tansu broker",
+        &[
             "broker",
             "--listener-url",
             &url,
             "--advertised-listener-url",
             &url,
-        ])
-        .args(["--storage-engine", "memory://tansu/"])
-        .stdout(std::process::Stdio::null())
-        .stderr(stderr)
-        .spawn()
-        .unwrap()
+            "--storage-engine",
+            "memory://tansu/",
+        ],
+        stderr,
+    )
 }
 
 /// A message as the consumer saw it.

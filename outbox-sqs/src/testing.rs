@@ -47,23 +47,13 @@ pub fn client_at(url: &str) -> Client {
 /// `127.0.0.1:<port>`, its log going to `stderr`: `$SQS_ENDPOINT_BIN`, else the launcher
 /// `scripts/test-env.sh` installed in `.tools/bin`.
 pub fn spawn_endpoint(port: u16, stderr: std::process::Stdio) -> std::process::Child {
-    let path = std::env::var_os("SQS_ENDPOINT_BIN")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/bin/sqs-endpoint")
-        });
-    assert!(
-        path.exists(),
-        "this test starts an SQS endpoint of its own and cannot find {}: run `bash scripts/test-env.sh` \
-         (it installs it under .tools/bin), or set SQS_ENDPOINT_BIN to the program",
-        path.display()
-    );
-    std::process::Command::new(path)
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(stderr)
-        .spawn()
-        .unwrap()
+    outbox_core::testkit::spawn_tool(
+        "SQS_ENDPOINT_BIN",
+        "sqs-endpoint",
+        "an SQS endpoint",
+        &["-H", "127.0.0.1", "-p", &port.to_string()],
+        stderr,
+    )
 }
 
 /// A message as the consumer saw it.

@@ -109,6 +109,37 @@ pub async fn wait_for_items<T: Clone>(
     }
 }
 
+/// Starts a server program of the test's own, found as `$<env_var>` or else as `.tools/bin/<name>`
+/// (where `scripts/test-env.sh` installs it), with `args`, standard output discarded and standard
+/// error going to `stderr`. Panics, saying how to install it, when the program is missing.
+pub fn spawn_tool(
+    env_var: &str,
+    name: &str,
+    what: &str,
+    args: &[&str],
+    stderr: std::process::Stdio,
+) -> std::process::Child {
+    let path = std::env::var_os(env_var)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../.tools/bin")
+                .join(name)
+        });
+    assert!(
+        path.exists(),
+        "this test starts {what} of its own and cannot find {}: run `bash scripts/test-env.sh` \
+         (it installs it under .tools/bin), or set {env_var} to the program",
+        path.display()
+    );
+    std::process::Command::new(&path)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {}: {e}", path.display()))
+}
+
 /// A JSON event of `aggregate` numbered `n`, with a `traceparent` header.
 pub fn sample_event(aggregate: &str, n: usize) -> NewEvent {
     NewEvent::new(
