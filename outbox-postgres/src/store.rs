@@ -68,11 +68,12 @@ impl Sql {
         // The first column tells how many rows the window held, so the store knows whether heads
         // may lie beyond it (the window was full) and the skip scan below is worth running.
         // The window's rows are located once (their row addresses); only the first of each aggregate
-        // can be a head (a head has no earlier unprocessed row, so none earlier in the window); each
-        // of those is fetched by address and is a head when no earlier unprocessed row of its
-        // aggregate exists (a point lookup on the
-        // aggregate index, written as a scalar subquery so that it cannot become a join); the
-        // oldest $1 heads are locked. Every step is a row-address or index access whose cost follows
+        // can be a head (a head has no earlier unprocessed row, so none earlier in the window). Those
+        // candidates are taken in seq order, one at a time (a lateral subquery with its own lock,
+        // so the walk stops at the $1-th locked head instead of checking every candidate): each is
+        // fetched by address and is a head when no earlier unprocessed row of its aggregate exists
+        // (a point lookup on the aggregate index, written as a scalar subquery so that it cannot
+        // become a join). Every step is a row-address or index access whose cost follows
         // the window, whatever the planner believes of the table's size (see `CLAIM_BEGIN`): a plan
         // cached while the outbox was empty stays cheap once it is not.
         let claim_heads = format!(
@@ -80,22 +81,26 @@ impl Sql {
                 SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id
                 FROM {t} e WHERE {READY} ORDER BY e.seq LIMIT $2),
             firsts AS MATERIALIZED (
-                SELECT DISTINCT ON (w.aggregate_type, w.aggregate_id) w.tid
+                SELECT DISTINCT ON (w.aggregate_type, w.aggregate_id) w.tid, w.seq
                 FROM w ORDER BY w.aggregate_type, w.aggregate_id, w.seq)
             SELECT (SELECT count(*) FROM w) AS window_rows, h.seq, h.aggregate_type, h.aggregate_id
             FROM (SELECT 1) one
             LEFT JOIN LATERAL (
-                SELECT e.seq, e.aggregate_type, e.aggregate_id
-                FROM {t} e
-                WHERE e.ctid = ANY(ARRAY(SELECT tid FROM firsts))
-                  AND {READY}
-                  AND (SELECT 1 FROM {t} p
-                       WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
-                         AND p.processed_at IS NULL AND p.seq < e.seq
-                       LIMIT 1) IS NULL
-                ORDER BY e.seq
+                SELECT l.seq, l.aggregate_type, l.aggregate_id
+                FROM (SELECT f.tid, f.seq FROM firsts f ORDER BY f.seq) c
+                CROSS JOIN LATERAL (
+                    SELECT e.seq, e.aggregate_type, e.aggregate_id
+                    FROM {t} e
+                    WHERE e.ctid = c.tid
+                      AND {READY}
+                      AND (SELECT 1 FROM {t} p
+                           WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
+                             AND p.processed_at IS NULL AND p.seq < e.seq
+                           LIMIT 1) IS NULL
+                    FOR UPDATE SKIP LOCKED
+                ) l
+                ORDER BY c.seq
                 LIMIT $1
-                FOR UPDATE SKIP LOCKED
             ) h ON true"
         );
         // The skip scan: walks up to $2 aggregates with unprocessed rows, in key order from a cursor
