@@ -61,6 +61,10 @@ pub struct BenchArgs {
     /// Claims timed per table state.
     #[arg(long, default_value_t = 200)]
     pub claim_samples: usize,
+    /// Partitions of the Kafka benchmark topic (librdkafka sends one produce request per partition,
+    /// so a batch spread over more partitions takes more requests).
+    #[arg(long, default_value_t = 8)]
+    pub kafka_partitions: i32,
     /// Schema the benchmark creates and drops (must start with outbox_bench).
     #[arg(long, default_value = "outbox_bench")]
     pub schema: String,
@@ -110,6 +114,15 @@ impl BenchArgs {
 pub async fn cmd_bench(config: &Config, args: BenchArgs) -> Result<(), Failure> {
     let options = args.options(config)?;
     options.validate()?;
+    if !(1..=1000).contains(&args.kafka_partitions) {
+        return Err(Failure {
+            code: 2,
+            message: format!(
+                "--kafka-partitions {}: expected 1 to 1000",
+                args.kafka_partitions
+            ),
+        });
+    }
     let broker = match args.broker.as_deref() {
         Some(b) => b.to_string(),
         None => match config.publisher.kind {
@@ -125,7 +138,7 @@ pub async fn cmd_bench(config: &Config, args: BenchArgs) -> Result<(), Failure> 
         },
     };
     let progress = |line: &str| eprintln!("[bench] {line}");
-    let target = target(config, &broker, &progress).await?;
+    let target = target(config, &broker, &args, &progress).await?;
     let result = bench::run(&config.database.url, target.as_ref(), &options, &progress).await;
     target.teardown().await;
     let report = result?;
@@ -154,15 +167,18 @@ impl OwnedTarget for DiscardTarget {}
 async fn target(
     config: &Config,
     broker: &str,
+    args: &BenchArgs,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<Box<dyn OwnedTarget>, Failure> {
-    let _ = (config, progress);
+    let _ = (config, args, progress);
     match broker {
         "discard" => Ok(Box::new(DiscardTarget)),
         #[cfg(feature = "amqp")]
         "amqp" => Ok(Box::new(amqp::AmqpTarget::new(config, progress).await?)),
         #[cfg(feature = "kafka")]
-        "kafka" => Ok(Box::new(kafka::KafkaTarget::new(config, progress).await?)),
+        "kafka" => Ok(Box::new(
+            kafka::KafkaTarget::new(config, args.kafka_partitions, progress).await?,
+        )),
         #[cfg(feature = "sqs")]
         "sqs" => Ok(Box::new(sqs::SqsTarget::new(config, progress).await?)),
         other => Err(Failure {
@@ -246,10 +262,9 @@ mod kafka {
     use outbox_kafka::{admin, KafkaConfig, KafkaPublisher};
 
     const TOPIC: &str = "outbox.bench";
-    const PARTITIONS: i32 = 8;
 
-    /// Topic `outbox.bench` (8 partitions, created for the run, deleted at the end); brokers,
-    /// producer settings and properties from `[kafka]`.
+    /// Topic `outbox.bench` (`--kafka-partitions`, created for the run, deleted at the end);
+    /// brokers, producer settings and properties from `[kafka]`.
     pub(super) struct KafkaTarget {
         config: KafkaConfig,
     }
@@ -257,13 +272,14 @@ mod kafka {
     impl KafkaTarget {
         pub(super) async fn new(
             config: &Config,
+            partitions: i32,
             progress: &(dyn Fn(&str) + Send + Sync),
         ) -> Result<Self, Error> {
             let mut c = config.kafka.clone();
             c.topic = TOPIC.into();
-            admin::create_topic(&c, TOPIC, PARTITIONS, 1).await?;
+            admin::create_topic(&c, TOPIC, partitions, 1).await?;
             progress(&format!(
-                "kafka: topic {TOPIC} ({PARTITIONS} partitions) at {}",
+                "kafka: topic {TOPIC} ({partitions} partitions) at {}",
                 c.brokers
             ));
             Ok(KafkaTarget { config: c })

@@ -146,6 +146,18 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
             num(l, "max_ms"),
         );
         assert!(p50 > 0.0 && p50 <= p95 && p95 <= p99 && p99 <= max, "{l}");
+        // Where the time went: every batch claimed, published and settled, with ordered percentiles.
+        let g = &l["stages"];
+        let batches = num(g, "batches");
+        assert!(batches >= 1.0, "{l}");
+        assert!(num(g, "mean_batch_events") * batches >= events, "{l}");
+        for step in ["claim", "publish", "settle"] {
+            let (p50, p99) = (
+                num(g, &format!("{step}_p50_ms")),
+                num(g, &format!("{step}_p99_ms")),
+            );
+            assert!(p50 > 0.0 && p50 <= p99, "{step}: {l}");
+        }
     }
 
     let claim = r["claim"].as_array().unwrap();
@@ -178,9 +190,13 @@ async fn drains_to_kafka_and_sqs() {
                 "--phases=drain",
                 "--relays=1",
                 "--aggregates=20",
+                "--kafka-partitions=3",
                 &format!("--backlog={backlog}"),
             ],
         );
+        if broker == "kafka" {
+            assert!(stderr.contains("(3 partitions)"), "{stderr}");
+        }
         assert_eq!(code, 0, "{broker}: {stderr}");
         let drain = r["drain"].as_array().unwrap();
         assert_eq!(drain.len(), 2, "{r}");

@@ -292,6 +292,29 @@ pub struct LatencyFigures {
     pub p99_ms: f64,
     /// Largest, in milliseconds.
     pub max_ms: f64,
+    /// Where the relay spent the time of each batch during the run.
+    pub stages: StageFigures,
+}
+
+/// The relay's batches during a latency run: how long each step took.
+#[derive(Debug, Clone, Serialize)]
+pub struct StageFigures {
+    /// Batches settled.
+    pub batches: usize,
+    /// Events per batch, on average.
+    pub mean_batch_events: f64,
+    /// Claims that returned events: median duration, in milliseconds.
+    pub claim_p50_ms: f64,
+    /// Claims that returned events: 99th percentile, in milliseconds.
+    pub claim_p99_ms: f64,
+    /// Publisher calls (broker acknowledgement included): median, in milliseconds.
+    pub publish_p50_ms: f64,
+    /// Publisher calls: 99th percentile, in milliseconds.
+    pub publish_p99_ms: f64,
+    /// Settlements (marking the batch published): median, in milliseconds.
+    pub settle_p50_ms: f64,
+    /// Settlements: 99th percentile, in milliseconds.
+    pub settle_p99_ms: f64,
 }
 
 /// Claim cost in one table state.
@@ -538,6 +561,27 @@ impl BenchReport {
                     l.p95_ms,
                     l.p99_ms,
                     l.max_ms
+                );
+            }
+            let _ = writeln!(s, "\nrelay steps during the latency runs (p50 / p99 ms)");
+            let _ = writeln!(
+                s,
+                "  {:<8} {:>12} {:>15} {:>15} {:>15}",
+                "wake-up", "events/batch", "claim", "publish", "settle"
+            );
+            for l in &self.latency {
+                let g = &l.stages;
+                let _ = writeln!(
+                    s,
+                    "  {:<8} {:>12.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1}",
+                    l.wakeup,
+                    g.mean_batch_events,
+                    g.claim_p50_ms,
+                    g.claim_p99_ms,
+                    g.publish_p50_ms,
+                    g.publish_p99_ms,
+                    g.settle_p50_ms,
+                    g.settle_p99_ms
                 );
             }
         }
@@ -856,7 +900,26 @@ async fn writer_run(
     for t in tasks {
         total += join(t).await??;
     }
-    Ok(total as f64 / started.elapsed().as_secs_f64())
+    let elapsed = started.elapsed().as_secs_f64();
+    // Every committed business transaction left exactly one event (none for the other variants).
+    let events: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
+        .fetch_one(pool)
+        .await
+        .map_err(|e| map_sqlx("bench", e))?;
+    let expected = match extra {
+        Extra::Outbox => total,
+        Extra::None | Extra::Noop => 0,
+    };
+    if u64::try_from(events).ok() != Some(expected) {
+        return Err(Error::new(
+            ErrorKind::Unexpected,
+            format!(
+                "writer run `{}` committed {total} business transactions but the outbox holds {events} events (expected {expected})",
+                extra.label()
+            ),
+        ));
+    }
+    Ok(total as f64 / elapsed)
 }
 
 async fn join<T>(t: tokio::task::JoinHandle<T>) -> Result<T, Error> {
@@ -878,9 +941,21 @@ struct Counter {
     published: AtomicU64,
     dead_lettered: AtomicU64,
     last_error: Mutex<Option<String>>,
+    /// Durations of the claims that returned events, in ms.
+    claims_ms: Mutex<Vec<f64>>,
+    /// Per settled batch: events, publish ms, settle ms.
+    batches: Mutex<Vec<(usize, f64, f64)>>,
 }
 
 impl RelayObserver for Counter {
+    fn claimed(&self, count: usize, duration: Duration) {
+        if count > 0 {
+            if let Ok(mut c) = self.claims_ms.lock() {
+                c.push(duration.as_secs_f64() * 1000.0);
+            }
+        }
+    }
+
     fn event_failed(&self, _event: &Event, error: &Error, _d: outbox_core::FailureDecision) {
         if let Ok(mut e) = self.last_error.lock() {
             *e = Some(error.to_string());
@@ -888,6 +963,13 @@ impl RelayObserver for Counter {
     }
 
     fn batch_settled(&self, report: &BatchReport) {
+        if let Ok(mut b) = self.batches.lock() {
+            b.push((
+                report.claimed,
+                report.publish_duration.as_secs_f64() * 1000.0,
+                report.settle_duration.as_secs_f64() * 1000.0,
+            ));
+        }
         if report.settle_error.is_none() {
             self.published
                 .fetch_add(report.published as u64, Ordering::Relaxed);
@@ -898,6 +980,28 @@ impl RelayObserver for Counter {
 }
 
 impl Counter {
+    /// Where the relay's time went: claim, publish and settle medians and 99th percentiles.
+    fn stages(&self) -> StageFigures {
+        let mut claims = self.claims_ms.lock().map(|c| c.clone()).unwrap_or_default();
+        let batches = self.batches.lock().map(|b| b.clone()).unwrap_or_default();
+        let mut publish: Vec<f64> = batches.iter().map(|b| b.1).collect();
+        let mut settle: Vec<f64> = batches.iter().map(|b| b.2).collect();
+        for v in [&mut claims, &mut publish, &mut settle] {
+            v.sort_by(f64::total_cmp);
+        }
+        let events: usize = batches.iter().map(|b| b.0).sum();
+        StageFigures {
+            batches: batches.len(),
+            mean_batch_events: ratio(events as f64, batches.len() as f64).unwrap_or(0.0),
+            claim_p50_ms: percentile(&claims, 50.0),
+            claim_p99_ms: percentile(&claims, 99.0),
+            publish_p50_ms: percentile(&publish, 50.0),
+            publish_p99_ms: percentile(&publish, 99.0),
+            settle_p50_ms: percentile(&settle, 50.0),
+            settle_p99_ms: percentile(&settle, 99.0),
+        }
+    }
+
     fn last_error(&self) -> String {
         self.last_error
             .lock()
@@ -1290,7 +1394,7 @@ async fn latency_run(
     if notify_on {
         notify::remove_notify_trigger(admin, table).await?;
     }
-    let (committed, acks, seconds) = result?;
+    let (committed, acks, seconds, stages) = result?;
     let warm_up = committed
         .iter()
         .map(|(_, t)| *t)
@@ -1316,6 +1420,7 @@ async fn latency_run(
         p95_ms: percentile(&ms, 95.0),
         p99_ms: percentile(&ms, 99.0),
         max_ms: ms.last().copied().unwrap_or(0.0),
+        stages,
     };
     progress(&format!(
         "latency ({wakeup}): p50 {:.2} ms, p99 {:.2} ms at {:.0} events/s",
@@ -1333,7 +1438,7 @@ async fn latency_inner(
     o: &BenchOptions,
     notify_on: bool,
     progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(Stamps, Stamps, f64), Error> {
+) -> Result<(Stamps, Stamps, f64, StageFigures), Error> {
     let relay_pool = connect(url, o.relay.max_in_flight as u32 + 2).await?;
     let clock = Arc::new(AckClock {
         inner: target.publisher().await?,
@@ -1418,7 +1523,7 @@ async fn latency_inner(
         .lock()
         .map(|mut a| std::mem::take(&mut *a))
         .unwrap_or_default();
-    Ok((committed, acks, seconds))
+    Ok((committed, acks, seconds, counter.stages()))
 }
 
 // ---------------------------------------------------------------------------------------------
