@@ -278,6 +278,17 @@ mod kafka {
             let mut c = config.kafka.clone();
             c.topic = TOPIC.into();
             admin::create_topic(&c, TOPIC, partitions, 1).await?;
+            // A topic left by an interrupted run keeps its partition count: say so, not a wrong one.
+            let actual = admin::partition_count(&c, TOPIC).await?;
+            if actual != usize::try_from(partitions).ok() {
+                return Err(Error::config(format!(
+                    "kafka: topic {TOPIC} has {} partitions, not the {partitions} asked for with \
+                     --kafka-partitions (left by an earlier run?): delete it, it is the benchmark's own, \
+                     or pass --kafka-partitions {}",
+                    actual.map_or_else(|| "no".to_string(), |n| n.to_string()),
+                    actual.unwrap_or(0)
+                )));
+            }
             progress(&format!(
                 "kafka: topic {TOPIC} ({partitions} partitions) at {}",
                 c.brokers

@@ -150,7 +150,9 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
         let g = &l["stages"];
         let batches = num(g, "batches");
         assert!(batches >= 1.0, "{l}");
-        assert!(num(g, "mean_batch_events") * batches >= events, "{l}");
+        // Calls of at most the batch size (the default 500), each with at least one event.
+        let per_batch = num(g, "mean_batch_events");
+        assert!((1.0..=500.0).contains(&per_batch), "{l}");
         for step in ["claim", "publish", "settle"] {
             let (p50, p99) = (
                 num(g, &format!("{step}_p50_ms")),

@@ -87,6 +87,29 @@ pub async fn create_topic(
     refused(results, "create", RDKafkaErrorCode::TopicAlreadyExists)
 }
 
+/// The number of partitions of `topic`, from the brokers' metadata (`None` when the topic does not
+/// exist).
+///
+/// # Errors
+/// An unreachable broker, or a metadata request that fails.
+pub async fn partition_count(config: &KafkaConfig, topic: &str) -> Result<Option<usize>, Error> {
+    let admin = admin(config)?;
+    let topic_name = topic.to_string();
+    let metadata = tokio::task::spawn_blocking(move || {
+        admin
+            .inner()
+            .fetch_metadata(Some(&topic_name), Duration::from_secs(10))
+    })
+    .await
+    .map_err(|e| Error::new(ErrorKind::Unexpected, format!("metadata task failed: {e}")))?
+    .map_err(|e| map_kafka("metadata request", e))?;
+    Ok(metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().len()))
+}
+
 /// Deletes `topic` (a missing topic is not an error).
 ///
 /// # Errors

@@ -143,3 +143,34 @@ async fn per_event_topics_and_templates() {
     assert_eq!(ids, vec![templated.id, routed.id]);
     assert!(p.check().await.is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_creates_a_topic_and_reads_its_partition_count() {
+    let config = outbox_kafka::KafkaConfig {
+        brokers: outbox_kafka::testing::brokers(),
+        ..outbox_kafka::KafkaConfig::default()
+    };
+    let topic = format!("outbox.test.admin.{}", uuid::Uuid::new_v4().simple());
+    outbox_kafka::admin::create_topic(&config, &topic, 3, 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        outbox_kafka::admin::partition_count(&config, &topic)
+            .await
+            .unwrap(),
+        Some(3)
+    );
+    // Creating it again keeps it as it is: the count tells what a caller actually got.
+    outbox_kafka::admin::create_topic(&config, &topic, 5, 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        outbox_kafka::admin::partition_count(&config, &topic)
+            .await
+            .unwrap(),
+        Some(3)
+    );
+    outbox_kafka::admin::delete_topic(&config, &topic)
+        .await
+        .unwrap();
+}

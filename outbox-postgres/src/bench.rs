@@ -292,14 +292,15 @@ pub struct LatencyFigures {
     pub p99_ms: f64,
     /// Largest, in milliseconds.
     pub max_ms: f64,
-    /// Where the relay spent the time of each batch during the run.
+    /// Where the relay spent the time of each batch, over the whole run (the warm-up second and the
+    /// final drain included, unlike the percentiles above).
     pub stages: StageFigures,
 }
 
 /// The relay's batches during a latency run: how long each step took.
 #[derive(Debug, Clone, Serialize)]
 pub struct StageFigures {
-    /// Batches settled.
+    /// Batches the relay finished (settled, or given back when their settlement failed).
     pub batches: usize,
     /// Events per batch, on average.
     pub mean_batch_events: f64,
