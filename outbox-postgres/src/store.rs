@@ -73,7 +73,10 @@ impl Sql {
         // so the walk stops at the $1-th locked head instead of checking every candidate): each is
         // fetched by address and is a head when no earlier unprocessed row of its aggregate exists
         // (a point lookup on the aggregate index, written as a scalar subquery so that it cannot
-        // become a join). Every step is a row-address or index access whose cost follows
+        // become a join). The grouping sorts by bytes (`COLLATE "C"`): it only needs equality, which
+        // is byte equality under any deterministic collation, and a linguistic sort (ICU, glibc
+        // en_US) of the window's keys costs about 2 ms per claim more (measured on an ICU database).
+        // Every step is a row-address or index access whose cost follows
         // the window, whatever the planner believes of the table's size (see `CLAIM_BEGIN`): a plan
         // cached while the outbox was empty stays cheap once it is not.
         let claim_heads = format!(
@@ -81,8 +84,8 @@ impl Sql {
                 SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id
                 FROM {t} e WHERE {READY} ORDER BY e.seq LIMIT $2),
             firsts AS MATERIALIZED (
-                SELECT DISTINCT ON (w.aggregate_type, w.aggregate_id) w.tid, w.seq
-                FROM w ORDER BY w.aggregate_type, w.aggregate_id, w.seq)
+                SELECT DISTINCT ON (w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\") w.tid, w.seq
+                FROM w ORDER BY w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\", w.seq)
             SELECT (SELECT count(*) FROM w) AS window_rows, h.seq, h.aggregate_type, h.aggregate_id
             FROM (SELECT 1) one
             LEFT JOIN LATERAL (

@@ -98,6 +98,58 @@ async fn a_second_relay_finds_the_heads_beyond_those_the_first_holds() {
 }
 
 #[tokio::test]
+async fn aggregates_are_told_apart_the_same_under_a_linguistic_collation() {
+    // The claim groups the window by bytes; the table's columns here sort linguistically (ICU), where
+    // "a" < "á" < "b" < "B", while by bytes "B" < "a" < "b" < "á".
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    // (The dead-letters view depends on the columns; this test does not use it.)
+    sqlx::raw_sql(&format!(
+        "DROP VIEW \"{}\".outbox_dead_letters;
+         ALTER TABLE {} ALTER COLUMN aggregate_type TYPE text COLLATE \"en-x-icu\",
+                        ALTER COLUMN aggregate_id TYPE text COLLATE \"en-x-icu\"",
+        table.schema(),
+        table.qualified()
+    ))
+    .execute(&pool)
+    .await
+    .expect("this test needs PostgreSQL built with ICU (collation en-x-icu)");
+    let ids = ["b", "á", "B", "a"];
+    for round in 1..=3 {
+        for id in ids {
+            sqlx::query(&format!(
+                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', $1, $2, '{{}}'::jsonb)",
+                table.qualified()
+            ))
+            .bind(id)
+            .bind(format!("e{round}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    }
+    let first = PostgresStore::new(pool.clone(), table.clone());
+    let second = PostgresStore::new(pool.clone(), table.clone());
+    let batch = first.claim(strict(100)).await.unwrap();
+    assert_eq!(batch.events.len(), 12, "every run, each event once");
+    for id in ids {
+        let run: Vec<&str> = batch
+            .events
+            .iter()
+            .filter(|e| e.aggregate_id == id)
+            .map(|e| e.event_type.as_str())
+            .collect();
+        assert_eq!(run, ["e1", "e2", "e3"], "aggregate {id:?}");
+    }
+    // Every aggregate is held: another relay gets none of them.
+    let other = second.claim(strict(100)).await.unwrap();
+    assert!(other.events.is_empty(), "{:?}", aggregates(&other.events));
+    other.lease.release().await.unwrap();
+    batch.lease.release().await.unwrap();
+}
+
+#[tokio::test]
 async fn skip_scans_go_on_past_blocked_aggregates_until_they_find_a_ready_head() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
