@@ -76,9 +76,9 @@ impl Sql {
         // become a join). The grouping sorts by bytes (`COLLATE "C"`): it only needs equality, which
         // is byte equality under any deterministic collation, and a linguistic sort (ICU, glibc
         // en_US) of the window's keys costs about 2 ms per claim more (measured on an ICU database).
-        // Every step is a row-address or index access whose cost follows
-        // the window, whatever the planner believes of the table's size (see `CLAIM_BEGIN`): a plan
-        // cached while the outbox was empty stays cheap once it is not.
+        // Every step is a row-address or index access whose cost follows the window, whatever the
+        // planner believes of the table's size (see `CLAIM_BEGIN`): a plan cached while the outbox
+        // was empty stays cheap once it is not.
         let claim_heads = format!(
             "WITH w AS MATERIALIZED (
                 SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id
