@@ -417,6 +417,19 @@ impl AmqpPublisher {
 
 #[async_trait]
 impl Publisher for AmqpPublisher {
+    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+        let margin = Duration::from_secs(5);
+        Some(outbox_core::CallLimit {
+            limit: self.config.connect_timeout + self.config.confirm_timeout + margin,
+            settings: format!(
+                "amqp.connect_timeout {} + amqp.confirm_timeout {} + {}",
+                outbox_core::duration::format(self.config.connect_timeout),
+                outbox_core::duration::format(self.config.confirm_timeout),
+                outbox_core::duration::format(margin)
+            ),
+        })
+    }
+
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
         let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
         if events.is_empty() {
@@ -483,23 +496,47 @@ impl Publisher for AmqpPublisher {
             }
         }
         // The frames of one channel are written in the order they were handed over, so a write that
-        // fails (the connection or channel closed) fails every later one as well.
+        // fails (the connection or channel closed) fails every later one as well. Writes and confirms
+        // share one deadline, amqp.confirm_timeout from the first send: a broker that stops reading
+        // (its socket buffer full) is a stall like one that stops confirming, and the channel is reset.
+        let deadline = tokio::time::Instant::now() + self.config.confirm_timeout;
+        let stalled = || {
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no publisher confirm within amqp.confirm_timeout = {}",
+                    outbox_core::duration::format(self.config.confirm_timeout)
+                ),
+            )
+            .with_context("adapter", "amqp")
+        };
         let (indexes, writes): (Vec<usize>, Vec<_>) = sending.into_iter().unzip();
-        for (i, sent) in indexes.into_iter().zip(join_all(writes).await) {
-            match sent {
-                Ok(confirm) => pending.push((i, confirm)),
-                Err(e) => {
-                    let err = map_lapin("publish", e).temporary();
-                    outcomes[i] = Some(Err(err.clone()));
-                    broken.get_or_insert(err);
+        match tokio::time::timeout_at(deadline, join_all(writes)).await {
+            Ok(written) => {
+                for (i, sent) in indexes.into_iter().zip(written) {
+                    match sent {
+                        Ok(confirm) => pending.push((i, confirm)),
+                        Err(e) => {
+                            let err = map_lapin("publish", e).temporary();
+                            outcomes[i] = Some(Err(err.clone()));
+                            broken.get_or_insert(err);
+                        }
+                    }
                 }
+            }
+            Err(_) => {
+                let e = stalled();
+                for i in indexes {
+                    outcomes[i] = Some(Err(e.clone()));
+                }
+                broken.get_or_insert(e);
             }
         }
 
-        // Collect every confirm, concurrently, within the confirm timeout.
+        // Collect every confirm, concurrently, within the same deadline.
         let indexes: Vec<usize> = pending.iter().map(|(i, _)| *i).collect();
         let confirms = join_all(pending.into_iter().map(|(_, c)| c));
-        match tokio::time::timeout(self.config.confirm_timeout, confirms).await {
+        match tokio::time::timeout_at(deadline, confirms).await {
             Ok(results) => {
                 for (i, result) in indexes.into_iter().zip(results) {
                     let outcome = match result {
@@ -548,14 +585,7 @@ impl Publisher for AmqpPublisher {
                 }
             }
             Err(_) => {
-                let e = Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "no publisher confirm within amqp.confirm_timeout = {}",
-                        outbox_core::duration::format(self.config.confirm_timeout)
-                    ),
-                )
-                .with_context("adapter", "amqp");
+                let e = stalled();
                 for i in indexes {
                     outcomes[i] = Some(Err(e.clone()));
                 }

@@ -20,6 +20,10 @@ pub struct ClaimRequest {
     pub limit: usize,
     /// Which events may be claimed together and side by side with other relays.
     pub ordering: OrderingPolicy,
+    /// The longest the relay may hold the batch before settling it. The store keeps the lease alive
+    /// at least this long (PostgreSQL: the claim transaction outlives any shorter
+    /// `idle_in_transaction_session_timeout` of the role or database).
+    pub hold_for: Duration,
 }
 
 /// A claimed batch: the events, and the lease that holds them until it is settled or released.
@@ -29,6 +33,21 @@ pub struct Batch {
     /// The lease on the events. Dropping it without settling releases the events (as a crashed relay
     /// would), so they become claimable again.
     pub lease: Box<dyn Lease>,
+}
+
+impl ClaimRequest {
+    /// A request with `hold_for` = [`ClaimRequest::DEFAULT_HOLD`] (the relay derives its own from
+    /// `relay.publish_timeout`: see `RelayConfig::claim_request`).
+    pub fn new(limit: usize, ordering: OrderingPolicy) -> Self {
+        ClaimRequest {
+            limit,
+            ordering,
+            hold_for: Self::DEFAULT_HOLD,
+        }
+    }
+
+    /// The default of [`ClaimRequest::hold_for`]: two minutes.
+    pub const DEFAULT_HOLD: Duration = Duration::from_secs(120);
 }
 
 impl std::fmt::Debug for Batch {
@@ -171,6 +190,8 @@ pub trait Publisher: Send + Sync {
     /// - Once an event fails, later events of the same aggregate in the same call should not reach the
     ///   broker where the publisher can prevent it (report them as retryable failures). The relay gives
     ///   them back unattempted in any case, and publishes them again after the failed event.
+    /// - The relay hands one call two events of one aggregate only when [`Publisher::keeps_order`]
+    ///   says the broker itself keeps the later one behind the earlier one.
     /// - Errors are classified: [`Error::is_retryable`] is true only when trying again may succeed.
     ///   An error for one event does not fail the others.
     /// - Must not panic on any event content; content the broker cannot carry is a permanent error
@@ -185,4 +206,43 @@ pub trait Publisher: Send + Sync {
 
     /// A short name for logs and metrics, such as `kafka`.
     fn name(&self) -> &str;
+
+    /// Whether `later` (an event of the same aggregate as `earlier`, after it) may travel in the same
+    /// call as `earlier`.
+    ///
+    /// # Behavior
+    /// - `true` only when the broker cannot acknowledge `later` unless it accepted `earlier`: for
+    ///   instance one Kafka partition under the idempotent producer with the gapless guarantee, where a
+    ///   rejected batch stops every later one; or a publisher that fails a whole call at once.
+    /// - `false` (the default) when events can fail one by one, a later one acknowledged after an
+    ///   earlier one was refused (a RabbitMQ queue in `reject-publish` overflow nacks one message and
+    ///   acks the next; an SQS batch fails per entry; two Kafka topics). The relay then sends `later`
+    ///   only in a later call, once `earlier` is acknowledged, so the broker never holds an
+    ///   aggregate's later event ahead of an earlier one that may still fail.
+    fn keeps_order(&self, earlier: &Event, later: &Event) -> bool {
+        let _ = (earlier, later);
+        false
+    }
+
+    /// The longest one call can take by the publisher's own limits, with the settings that set it,
+    /// after which the publisher reports its failures (and recovers its connection) itself.
+    ///
+    /// # Behavior
+    /// `None` when the publisher has no limit of its own. The relay refuses a `relay.publish_timeout`
+    /// that would cut a call short before this limit (see `RelayConfig::validate_with`): its own
+    /// timeout would pre-empt the publisher's recovery and count attempts for events the broker may
+    /// still deliver.
+    fn call_limit(&self) -> Option<CallLimit> {
+        None
+    }
+}
+
+/// A publisher's own bound on one publish call (see [`Publisher::call_limit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallLimit {
+    /// The bound.
+    pub limit: Duration,
+    /// The settings that make it, for error messages, such as
+    /// `kafka.enqueue_timeout + kafka.delivery_timeout + 5s`.
+    pub settings: String,
 }

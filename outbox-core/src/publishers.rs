@@ -159,6 +159,11 @@ impl Publisher for JsonLinesPublisher {
     fn name(&self) -> &str {
         "stdout"
     }
+
+    /// A call is written with one `write_all`: it succeeds or fails as a whole.
+    fn keeps_order(&self, _earlier: &Event, _later: &Event) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 //! - **Graceful shutdown**: on cancellation the relay stops claiming, lets in-flight batches finish
 //!   until `shutdown_timeout`, then aborts the rest (their events are released, not lost).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,8 +43,12 @@ pub struct RelayConfig {
     /// Pause after a partial batch, and the first pause once the outbox is empty. Default 10 ms.
     #[serde(with = "crate::duration::serde_str")]
     pub min_poll_interval: Duration,
-    /// Longest time a publish call may take; past it every event of the batch fails with a
-    /// retryable timeout. Default 30 s.
+    /// Longest time one publish call may take; past it every event of the call fails with a
+    /// retryable timeout. It must exceed the publisher's own limit of a call (for Kafka
+    /// `kafka.enqueue_timeout + kafka.delivery_timeout + 5s`), so that the publisher's own timeout
+    /// and recovery act first: [`Relay::new`] refuses a shorter one, naming both settings. A batch
+    /// starts no new call (see [`Publisher::keeps_order`]) once this much time has passed since its
+    /// first, so a batch is held at most twice this long. Default 60 s.
     #[serde(with = "crate::duration::serde_str")]
     pub publish_timeout: Duration,
     /// Time in-flight batches get to finish after shutdown was asked; then they are aborted and
@@ -67,7 +71,7 @@ impl Default for RelayConfig {
             max_in_flight: 2,
             poll_interval: Duration::from_millis(500),
             min_poll_interval: Duration::from_millis(10),
-            publish_timeout: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(30),
             store_retry_max_backoff: Duration::from_secs(5),
             retry: RetryPolicy::default(),
@@ -112,6 +116,47 @@ impl RelayConfig {
             ));
         }
         self.retry.validate()
+    }
+
+    /// Checks the values against the publisher they will drive: `publish_timeout` must exceed the
+    /// publisher's own limit of one call ([`Publisher::call_limit`]).
+    ///
+    /// # Errors
+    /// A config error naming `relay.publish_timeout` and the publisher's settings.
+    pub fn validate_with(&self, publisher: &dyn Publisher) -> Result<(), Error> {
+        self.validate()?;
+        if let Some(limit) = publisher.call_limit() {
+            if self.publish_timeout <= limit.limit {
+                return Err(Error::config(format!(
+                    "relay.publish_timeout = {} does not exceed the {} publisher's own limit of one call, {} ({}): \
+                     the relay would cut calls short before the publisher times out and recovers; \
+                     raise relay.publish_timeout above {} or lower those settings",
+                    crate::duration::format(self.publish_timeout),
+                    publisher.name(),
+                    crate::duration::format(limit.limit),
+                    limit.settings,
+                    crate::duration::format(limit.limit),
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The longest a batch is held before it is settled: every call the batch starts begins within
+    /// `publish_timeout` of its first and lasts at most `publish_timeout`, plus 10 s for the settlement.
+    pub fn hold_for(&self) -> Duration {
+        self.publish_timeout
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(10))
+    }
+
+    /// The claim request this relay sends: `batch_size`, `ordering` and [`RelayConfig::hold_for`].
+    pub fn claim_request(&self) -> ClaimRequest {
+        ClaimRequest {
+            limit: self.batch_size,
+            ordering: self.ordering,
+            hold_for: self.hold_for(),
+        }
     }
 }
 
@@ -299,7 +344,7 @@ impl Relay {
         publisher: Arc<dyn Publisher>,
         config: RelayConfig,
     ) -> Result<Self, Error> {
-        config.validate()?;
+        config.validate_with(publisher.as_ref())?;
         Ok(Relay {
             shared: Arc::new(Shared {
                 store,
@@ -364,10 +409,7 @@ impl Relay {
 
     async fn run_inner(&self, shutdown: CancellationToken, until_idle: bool) -> RelaySummary {
         let cfg = &self.shared.config;
-        let request = ClaimRequest {
-            limit: cfg.batch_size,
-            ordering: cfg.ordering,
-        };
+        let request = cfg.claim_request();
         let permits = Arc::new(Semaphore::new(cfg.max_in_flight));
         let mut tasks: JoinSet<()> = JoinSet::new();
         let mut idle_pause = cfg.min_poll_interval;
@@ -497,34 +539,9 @@ async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphore
     );
     #[cfg(feature = "opentelemetry")]
     crate::trace::link_events(&publish_span, &events);
-    let publishing = shared.publisher.publish(&events).instrument(publish_span);
-    let outcomes = match tokio::time::timeout(cfg.publish_timeout, publishing).await {
-        Ok(outcomes) if outcomes.len() == events.len() => outcomes,
-        Ok(outcomes) => {
-            let e = Error::new(
-                ErrorKind::Unexpected,
-                format!(
-                    "publisher `{}` returned {} outcomes for {} events; every event of the batch is retried",
-                    shared.publisher.name(),
-                    outcomes.len(),
-                    events.len()
-                ),
-            )
-            .temporary();
-            vec![Err(e); events.len()]
-        }
-        Err(_) => {
-            let e = Error::new(
-                ErrorKind::Timeout,
-                format!(
-                    "publishing the batch took longer than relay.publish_timeout = {}",
-                    crate::duration::format(cfg.publish_timeout)
-                ),
-            )
-            .with_context("publisher", shared.publisher.name());
-            vec![Err(e); events.len()]
-        }
-    };
+    let (events, outcomes) = publish_in_calls(&shared, events)
+        .instrument(publish_span)
+        .await;
     let publish_duration = started.elapsed();
     let mut report = BatchReport {
         claimed: events.len(),
@@ -566,6 +583,119 @@ async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphore
     }
     shared.totals.add(&report);
     shared.observer.batch_settled(&report);
+}
+
+/// The call each event travels in: the first event of each aggregate in call 0; a later one in the
+/// call of the aggregate's previous event when the publisher keeps the two in order, else in the next.
+/// Under [`OrderingPolicy::Unordered`] every event is in call 0.
+fn calls_of(publisher: &dyn Publisher, events: &[Event], ordering: OrderingPolicy) -> Vec<usize> {
+    let mut call = vec![0usize; events.len()];
+    if ordering == OrderingPolicy::Unordered {
+        return call;
+    }
+    let mut last: HashMap<(&str, &str), usize> = HashMap::new();
+    for (i, event) in events.iter().enumerate() {
+        let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+        if let Some(&j) = last.get(&key) {
+            call[i] = if publisher.keeps_order(&events[j], event) {
+                call[j]
+            } else {
+                call[j] + 1
+            };
+        }
+        last.insert(key, i);
+    }
+    call
+}
+
+/// One publish call, bounded by `relay.publish_timeout`; checks the publisher returned one outcome
+/// per event.
+async fn call_publisher(shared: &Shared, events: &[Event]) -> Vec<PublishOutcome> {
+    let cfg = &shared.config;
+    match tokio::time::timeout(cfg.publish_timeout, shared.publisher.publish(events)).await {
+        Ok(outcomes) if outcomes.len() == events.len() => outcomes,
+        Ok(outcomes) => {
+            let e = Error::new(
+                ErrorKind::Unexpected,
+                format!(
+                    "publisher `{}` returned {} outcomes for {} events; every event of the call is retried",
+                    shared.publisher.name(),
+                    outcomes.len(),
+                    events.len()
+                ),
+            )
+            .temporary();
+            vec![Err(e); events.len()]
+        }
+        Err(_) => {
+            let e = Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "a publish call took longer than relay.publish_timeout = {}",
+                    crate::duration::format(cfg.publish_timeout)
+                ),
+            )
+            .with_context("publisher", shared.publisher.name());
+            vec![Err(e); events.len()]
+        }
+    }
+}
+
+/// Publishes a batch and returns its events (in their order) with one outcome each.
+///
+/// Usually one call. When the batch holds two events of one aggregate that the publisher cannot keep
+/// in order within a call ([`Publisher::keeps_order`]), the later one goes in a later call, and only
+/// if every earlier event of its aggregate was acknowledged; otherwise it is not sent (and released
+/// by [`decide`]). No call starts once `publish_timeout` has passed since the first: the events left
+/// are given back as back-pressure (no attempt counted).
+async fn publish_in_calls(shared: &Shared, events: Vec<Event>) -> (Vec<Event>, Vec<PublishOutcome>) {
+    let cfg = &shared.config;
+    let call = calls_of(shared.publisher.as_ref(), &events, cfg.ordering);
+    let calls = call.iter().max().map_or(0, |m| m + 1);
+    if calls <= 1 {
+        let outcomes = call_publisher(shared, &events).await;
+        return (events, outcomes);
+    }
+    let started = Instant::now();
+    let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
+    let mut failed: HashSet<(String, String)> = HashSet::new();
+    let mut slots: Vec<Option<Event>> = events.into_iter().map(Some).collect();
+    for c in 0..calls {
+        let mut sending: Vec<usize> = Vec::new();
+        for i in (0..slots.len()).filter(|&i| call[i] == c) {
+            let Some(event) = slots[i].as_ref() else {
+                continue;
+            };
+            let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
+            if failed.contains(&key) {
+                outcomes[i] = Some(Err(crate::publishers::Fence::not_sent(
+                    "relay",
+                )));
+            } else if c > 0 && started.elapsed() >= cfg.publish_timeout {
+                outcomes[i] = Some(Err(Error::new(
+                    ErrorKind::Backpressure,
+                    "not sent: the batch used up relay.publish_timeout before this event's turn",
+                )));
+                failed.insert(key);
+            } else {
+                sending.push(i);
+            }
+        }
+        if sending.is_empty() {
+            continue;
+        }
+        let batch: Vec<Event> = sending.iter().filter_map(|&i| slots[i].take()).collect();
+        let results = call_publisher(shared, &batch).await;
+        for ((i, event), result) in sending.iter().zip(batch).zip(results) {
+            if result.is_err() {
+                failed.insert((event.aggregate_type.clone(), event.aggregate_id.clone()));
+            }
+            outcomes[*i] = Some(result);
+            slots[*i] = Some(event);
+        }
+    }
+    let events = slots.into_iter().flatten().collect();
+    (events, crate::publishers::finish(outcomes))
 }
 
 /// Turns the publisher's outcomes into settlements, applying the retry and ordering policies.

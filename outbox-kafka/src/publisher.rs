@@ -20,6 +20,9 @@ use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 use crate::config::KafkaConfig;
 use crate::error::map_kafka;
 
+/// Time a delivery report gets past `message.timeout.ms` to reach the publisher.
+const REPORT_MARGIN: Duration = Duration::from_secs(5);
+
 /// Longest legal Kafka topic name.
 const MAX_TOPIC_LEN: usize = 249;
 
@@ -38,6 +41,8 @@ pub struct KafkaPublisher {
     config: KafkaConfig,
     /// Publish calls in a row whose every delivery timed out.
     stalled_batches: AtomicU32,
+    /// [`KafkaConfig::keeps_order_within_topic`].
+    keeps_order: bool,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -121,6 +126,7 @@ impl KafkaPublisher {
         Ok(KafkaPublisher {
             producer: std::sync::Mutex::new(producer),
             topic,
+            keeps_order: config.keeps_order_within_topic(),
             config,
             stalled_batches: AtomicU32::new(0),
         })
@@ -190,6 +196,26 @@ impl KafkaPublisher {
 
 #[async_trait]
 impl Publisher for KafkaPublisher {
+    /// Two events of one aggregate bound for one topic share a partition (key = aggregate id), where
+    /// the idempotent producer with the gapless guarantee never acknowledges a later message after
+    /// refusing an earlier one. Events bound for different topics are sent one call apart.
+    fn keeps_order(&self, earlier: &Event, later: &Event) -> bool {
+        self.keeps_order
+            && self.topic.destination(earlier) == self.topic.destination(later)
+    }
+
+    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+        Some(outbox_core::CallLimit {
+            limit: self.config.enqueue_timeout + self.config.delivery_timeout + REPORT_MARGIN,
+            settings: format!(
+                "kafka.enqueue_timeout {} + kafka.delivery_timeout {} + {}",
+                outbox_core::duration::format(self.config.enqueue_timeout),
+                outbox_core::duration::format(self.config.delivery_timeout),
+                outbox_core::duration::format(REPORT_MARGIN)
+            ),
+        })
+    }
+
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
         let producer = self.producer();
         let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
@@ -238,7 +264,7 @@ impl Publisher for KafkaPublisher {
         let indexes: Vec<usize> = pending.iter().map(|(i, _)| *i).collect();
         let reports = join_all(pending.into_iter().map(|(_, d)| d));
         // librdkafka bounds every message by message.timeout.ms; the margin covers the report's trip.
-        let limit = self.config.delivery_timeout + Duration::from_secs(5);
+        let limit = self.config.delivery_timeout + REPORT_MARGIN;
         match tokio::time::timeout(limit, reports).await {
             Ok(results) => {
                 for (i, r) in indexes.into_iter().zip(results) {

@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use outbox_core::{
-    BatchReport, ClaimRequest, Error, ErrorKind, Event, NewEvent, OrderingPolicy, PublishOutcome,
+    BatchReport, Error, ErrorKind, Event, NewEvent, OrderingPolicy, PublishOutcome,
     Publisher, Relay, RelayConfig, RelayObserver, Store,
 };
 
@@ -78,6 +78,10 @@ impl Publisher for DiscardPublisher {
 
     fn name(&self) -> &str {
         "discard"
+    }
+
+    fn keeps_order(&self, _earlier: &Event, _later: &Event) -> bool {
+        true
     }
 }
 
@@ -1581,10 +1585,7 @@ async fn claim_phase(
 /// Times `claim_samples` claims of a batch (each released again), after a few for warm-up; returns
 /// the median and the 95th percentile in milliseconds.
 async fn time_claims(store: &PostgresStore, o: &BenchOptions) -> Result<(f64, f64), Error> {
-    let request = ClaimRequest {
-        limit: o.relay.batch_size,
-        ordering: o.relay.ordering,
-    };
+    let request = o.relay.claim_request();
     let mut ms = Vec::with_capacity(o.claim_samples);
     for i in 0..o.claim_samples + 5 {
         let started = Instant::now();

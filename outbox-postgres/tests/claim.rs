@@ -11,10 +11,7 @@ use outbox_postgres::{OutboxTable, PostgresStore};
 use sqlx::PgPool;
 
 fn strict(limit: usize) -> ClaimRequest {
-    ClaimRequest {
-        limit,
-        ordering: OrderingPolicy::PerAggregate,
-    }
+    ClaimRequest::new(limit, OrderingPolicy::PerAggregate)
 }
 
 /// Inserts `per` rows for each aggregate named `prefix{i}`, i in `range`, interleaved (row 1 of

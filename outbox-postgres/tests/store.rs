@@ -10,10 +10,7 @@ use outbox_postgres::{migrate, DeadLetterFilter, OutboxTable, PostgresStore, Ret
 use sqlx::Row;
 
 fn strict(limit: usize) -> ClaimRequest {
-    ClaimRequest {
-        limit,
-        ordering: OrderingPolicy::PerAggregate,
-    }
+    ClaimRequest::new(limit, OrderingPolicy::PerAggregate)
 }
 
 #[tokio::test]

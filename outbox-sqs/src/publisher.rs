@@ -361,12 +361,28 @@ impl SqsPublisher {
         &self,
         lane: Vec<Prepared>,
         events: &[Event],
+        started: tokio::time::Instant,
     ) -> Vec<(usize, PublishOutcome)> {
         let mut results = Vec::with_capacity(lane.len());
         let mut fenced: HashSet<(String, String)> = HashSet::new();
         let mut broken: Option<Error> = None;
         let mut rest = lane.into_iter().peekable();
+        // Requests start only within half of sqs.operation_timeout from the start of the call
+        // (`started`: queue resolution included), each bounded by all of it: a call lasts at most
+        // 1.5 x sqs.operation_timeout (`call_limit`).
         while rest.peek().is_some() {
+            if started.elapsed() >= self.config.operation_timeout / 2 {
+                let late = Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "not sent: half of sqs.operation_timeout = {} passed before this request's turn",
+                        outbox_core::duration::format(self.config.operation_timeout)
+                    ),
+                )
+                .with_context("adapter", "sqs");
+                results.extend(rest.map(|p| (p.index, Err(late.clone()))));
+                break;
+            }
             // Next request: consecutive events for one queue.
             let mut chunk: Vec<Prepared> = Vec::new();
             let mut bytes = 0;
@@ -470,7 +486,18 @@ impl SqsPublisher {
 
 #[async_trait]
 impl Publisher for SqsPublisher {
+    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+        Some(outbox_core::CallLimit {
+            limit: self.config.operation_timeout.mul_f64(1.5),
+            settings: format!(
+                "1.5 x sqs.operation_timeout {}",
+                outbox_core::duration::format(self.config.operation_timeout)
+            ),
+        })
+    }
+
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        let started = tokio::time::Instant::now();
         let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
         // Resolve every queue once.
         let queues: HashSet<String> = events.iter().map(|e| self.queue.destination(e)).collect();
@@ -512,7 +539,7 @@ impl Publisher for SqsPublisher {
         let sends = lane_items
             .into_iter()
             .filter(|l| !l.is_empty())
-            .map(|lane| self.send_lane(lane, events));
+            .map(|lane| self.send_lane(lane, events, started));
         for (i, outcome) in join_all(sends).await.into_iter().flatten() {
             outcomes[i] = Some(outcome);
         }

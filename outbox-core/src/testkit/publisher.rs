@@ -188,6 +188,12 @@ impl Publisher for ScriptedPublisher {
     fn name(&self) -> &str {
         "scripted"
     }
+
+    /// With fencing (the default), a failure stops the later events of its aggregate in the call, as
+    /// an order-keeping broker would; without it, each event has its own outcome.
+    fn keeps_order(&self, _earlier: &Event, _later: &Event) -> bool {
+        !self.unfenced.load(Ordering::Relaxed)
+    }
 }
 
 #[async_trait]

@@ -12,17 +12,11 @@ use crate::policy::OrderingPolicy;
 use crate::ports::{Action, Batch, ClaimRequest, Settlement};
 
 fn strict(limit: usize) -> ClaimRequest {
-    ClaimRequest {
-        limit,
-        ordering: OrderingPolicy::PerAggregate,
-    }
+    ClaimRequest::new(limit, OrderingPolicy::PerAggregate)
 }
 
 fn unordered(limit: usize) -> ClaimRequest {
-    ClaimRequest {
-        limit,
-        ordering: OrderingPolicy::Unordered,
-    }
+    ClaimRequest::new(limit, OrderingPolicy::Unordered)
 }
 
 fn ids(batch: &Batch) -> Vec<Uuid> {
