@@ -58,6 +58,14 @@ async fn connect_with(
         options.get_port(),
         options.get_database().unwrap_or("")
     );
+    // Server-side TCP keepalives: when the relay's host or network vanishes, the server notices
+    // within about 25 s and ends the session, so the heads it locked are claimable again (without
+    // them the kernel default keeps a dead peer's session, and its locks, for about two hours).
+    let options = options.options([
+        ("tcp_keepalives_idle", "10"),
+        ("tcp_keepalives_interval", "5"),
+        ("tcp_keepalives_count", "3"),
+    ]);
     PgPoolOptions::new()
         .max_connections(max_connections.max(1))
         .acquire_timeout(acquire_timeout)

@@ -34,6 +34,8 @@ struct Sql {
     claim_runs: String,
     claim_unordered: String,
     settle: String,
+    /// Locks the rows of a lost lease that no other lease holds (see `PgLease::settle`).
+    lock_free: String,
 }
 
 pub(crate) const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
@@ -45,7 +47,15 @@ pub(crate) const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, 
 /// grows with the table. (A plan cached while the outbox was nearly empty, which is its usual state,
 /// would otherwise scan the whole backlog once per candidate head when a backlog builds up: seconds
 /// per claim, until the next ANALYZE of the table. Measured by `outbox bench`, latency phase.)
-const CLAIM_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off";
+///
+/// The claim transaction is the lease: it stays open, idle, while the batch is published. Its own
+/// `idle_in_transaction_session_timeout` is the relay's hold time (`ClaimRequest::hold_for`), so a
+/// shorter timeout of the role or database (which the operations guide recommends against forgotten
+/// transactions) cannot end a lease in the middle of a publish.
+fn claim_begin(hold_for: std::time::Duration) -> String {
+    let ms = hold_for.as_millis().clamp(1_000, i32::MAX as u128);
+    format!("BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL idle_in_transaction_session_timeout = {ms}")
+}
 
 const READY: &str = "e.processed_at IS NULL AND e.dead_lettered_at IS NULL
       AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())";
@@ -199,7 +209,11 @@ impl Sql {
             )
             SELECT 1"
         );
+        let lock_free = format!(
+            "SELECT id FROM {t} WHERE id = ANY($1::uuid[]) AND processed_at IS NULL FOR UPDATE SKIP LOCKED"
+        );
         Sql {
+            lock_free,
             claim_heads,
             claim_skip_first,
             claim_skip_after,
@@ -504,7 +518,7 @@ impl Store for PostgresStore {
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
         let mut tx = self
             .pool
-            .begin_with(CLAIM_BEGIN)
+            .begin_with(claim_begin(request.hold_for))
             .await
             .map_err(|e| map_sqlx("claim", e))?;
         let events = match request.ordering {
@@ -556,6 +570,7 @@ impl Store for PostgresStore {
                 tx,
                 ids,
                 sql: self.sql.clone(),
+                pool: self.pool.clone(),
             }),
         })
     }
@@ -624,57 +639,165 @@ struct PgLease {
     tx: Transaction<'static, Postgres>,
     ids: Vec<Uuid>,
     sql: Arc<Sql>,
+    pool: PgPool,
 }
 
-#[async_trait]
-impl Lease for PgLease {
-    async fn settle(self: Box<Self>, settlements: Vec<Settlement>) -> Result<(), Error> {
-        let PgLease { mut tx, ids, sql } = *self;
-        let mine: HashSet<Uuid> = ids.into_iter().collect();
-        let mut published = Vec::new();
-        let (mut r_ids, mut r_attempts, mut r_delay, mut r_err) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut d_ids, mut d_attempts, mut d_err) = (Vec::new(), Vec::new(), Vec::new());
+/// The settlement statement's arguments.
+#[derive(Default)]
+struct SettleArgs {
+    published: Vec<Uuid>,
+    r_ids: Vec<Uuid>,
+    r_attempts: Vec<i32>,
+    r_delay: Vec<i64>,
+    r_err: Vec<String>,
+    d_ids: Vec<Uuid>,
+    d_attempts: Vec<i32>,
+    d_err: Vec<String>,
+}
+
+impl SettleArgs {
+    fn new(settlements: Vec<Settlement>, mine: &HashSet<Uuid>) -> Self {
+        let mut a = SettleArgs::default();
         for s in settlements {
             if !mine.contains(&s.id) {
                 continue;
             }
             match s.action {
-                Action::Published => published.push(s.id),
+                Action::Published => a.published.push(s.id),
                 Action::Retry {
                     attempts,
                     delay,
                     error,
                 } => {
-                    r_ids.push(s.id);
-                    r_attempts.push(i32::try_from(attempts).unwrap_or(i32::MAX));
-                    r_delay.push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
-                    r_err.push(error);
+                    a.r_ids.push(s.id);
+                    a.r_attempts.push(i32::try_from(attempts).unwrap_or(i32::MAX));
+                    a.r_delay.push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+                    a.r_err.push(error);
                 }
                 Action::DeadLetter { attempts, error } => {
-                    d_ids.push(s.id);
-                    d_attempts.push(i32::try_from(attempts).unwrap_or(i32::MAX));
-                    d_err.push(error);
+                    a.d_ids.push(s.id);
+                    a.d_attempts.push(i32::try_from(attempts).unwrap_or(i32::MAX));
+                    a.d_err.push(error);
                 }
                 Action::Release => {}
             }
         }
-        if published.is_empty() && r_ids.is_empty() && d_ids.is_empty() {
+        a
+    }
+
+    fn is_empty(&self) -> bool {
+        self.published.is_empty() && self.r_ids.is_empty() && self.d_ids.is_empty()
+    }
+
+    fn ids(&self) -> Vec<Uuid> {
+        let mut all = self.published.clone();
+        all.extend(&self.r_ids);
+        all.extend(&self.d_ids);
+        all
+    }
+
+    /// Keeps only the rows in `free`.
+    fn retain(&mut self, free: &HashSet<Uuid>) {
+        let all = std::mem::take(self);
+        self.published = all.published.into_iter().filter(|id| free.contains(id)).collect();
+        let retried = all.r_ids.into_iter().zip(all.r_attempts).zip(all.r_delay).zip(all.r_err);
+        for (((id, attempts), delay), error) in retried.filter(|(((id, _), _), _)| free.contains(id)) {
+            self.r_ids.push(id);
+            self.r_attempts.push(attempts);
+            self.r_delay.push(delay);
+            self.r_err.push(error);
+        }
+        let dead = all.d_ids.into_iter().zip(all.d_attempts).zip(all.d_err);
+        for ((id, attempts), error) in dead.filter(|((id, _), _)| free.contains(id)) {
+            self.d_ids.push(id);
+            self.d_attempts.push(attempts);
+            self.d_err.push(error);
+        }
+    }
+
+    async fn apply(
+        &self,
+        sql: &Sql,
+        conn: &mut sqlx::PgConnection,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(&sql.settle)
+            .bind(&self.published)
+            .bind(&self.r_ids)
+            .bind(&self.r_attempts)
+            .bind(&self.r_delay)
+            .bind(&self.r_err)
+            .bind(&self.d_ids)
+            .bind(&self.d_attempts)
+            .bind(&self.d_err)
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
+}
+
+/// Settles a lost lease's outcomes outside it (the claiming session died: killed, timed out, or its
+/// connection dropped, so its locks are gone): the rows that no other lease holds now and that are
+/// still unprocessed are locked and settled in a transaction of their own; the rest belong to
+/// whichever lease took them since. Without this, an event whose every publish outlived its lease
+/// would be retried for ever with its attempts never counted, and published events would all be sent
+/// again. Returns how many rows were settled.
+async fn settle_lost_lease(pool: &PgPool, sql: &Sql, mut args: SettleArgs) -> Result<usize, Error> {
+    let map = |e| map_sqlx("settle", e);
+    let mut tx = pool.begin().await.map_err(map)?;
+    let free: HashSet<Uuid> = sqlx::query_scalar::<_, Uuid>(&sql.lock_free)
+        .bind(args.ids())
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(map)?
+        .into_iter()
+        .collect();
+    args.retain(&free);
+    if args.is_empty() {
+        tx.rollback().await.map_err(map)?;
+        return Ok(0);
+    }
+    args.apply(sql, &mut tx).await.map_err(map)?;
+    tx.commit().await.map_err(map)?;
+    Ok(free.len())
+}
+
+#[async_trait]
+impl Lease for PgLease {
+    async fn settle(self: Box<Self>, settlements: Vec<Settlement>) -> Result<(), Error> {
+        let PgLease {
+            mut tx,
+            ids,
+            sql,
+            pool,
+        } = *self;
+        let mine: HashSet<Uuid> = ids.into_iter().collect();
+        let args = SettleArgs::new(settlements, &mine);
+        if args.is_empty() {
             return tx.rollback().await.map_err(|e| map_sqlx("settle", e));
         }
-        sqlx::query(&sql.settle)
-            .bind(&published)
-            .bind(&r_ids)
-            .bind(&r_attempts)
-            .bind(&r_delay)
-            .bind(&r_err)
-            .bind(&d_ids)
-            .bind(&d_attempts)
-            .bind(&d_err)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| map_sqlx("settle", e))?;
-        tx.commit().await.map_err(|e| map_sqlx("settle", e))
+        let settled = match args.apply(&sql, &mut tx).await {
+            Ok(()) => tx.commit().await,
+            Err(e) => Err(e),
+        };
+        match settled.map_err(|e| map_sqlx("settle", e)) {
+            Ok(()) => Ok(()),
+            Err(lost) if lost.kind() == ErrorKind::Connection => {
+                let total = args.ids().len();
+                match settle_lost_lease(&pool, &sql, args).await {
+                    Ok(n) => {
+                        tracing::warn!(
+                            error = %lost,
+                            settled = n,
+                            of = total,
+                            "the batch's lease was lost (its database session ended); settled the rows no other lease holds"
+                        );
+                        Ok(())
+                    }
+                    Err(e) => Err(lost.with_context("settle_outside_lease", e.to_string())),
+                }
+            }
+            Err(e) => Err(e),
+        }
     }
 
     async fn release(self: Box<Self>) -> Result<(), Error> {

@@ -1,0 +1,172 @@
+//! The claim transaction is the lease on a batch: it must survive a role's short
+//! `idle_in_transaction_session_timeout`, and when it is lost anyway (the session killed, the
+//! connection dropped), the outcomes of the publish still count.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::testkit::{sample_event, Behavior, ScriptedPublisher};
+use outbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy};
+use outbox_postgres::testing::{database_url, fresh_table, pool};
+use outbox_postgres::{OutboxTable, PostgresStore, Writer};
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+async fn write(pg: &PgPool, table: &OutboxTable, aggregates: &[&str]) -> Vec<Uuid> {
+    let writer = Writer::new(table.clone());
+    let mut tx = pg.begin().await.unwrap();
+    let events = aggregates
+        .iter()
+        .enumerate()
+        .map(|(n, a)| sample_event(a, n))
+        .collect();
+    let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
+    tx.commit().await.unwrap();
+    ids
+}
+
+fn config(max_attempts: u32) -> RelayConfig {
+    RelayConfig {
+        batch_size: 10,
+        max_in_flight: 1,
+        poll_interval: Duration::from_millis(50),
+        retry: RetryPolicy {
+            max_attempts,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(500),
+            ..RetryPolicy::default()
+        },
+        ..RelayConfig::default()
+    }
+}
+
+async fn row(pg: &PgPool, table: &OutboxTable, id: Uuid) -> Option<(i32, Option<String>, bool, bool)> {
+    sqlx::query(&format!(
+        "SELECT attempts, last_error, processed_at IS NOT NULL AS done, dead_lettered_at IS NOT NULL AS dead FROM {} WHERE id = $1",
+        table.qualified()
+    ))
+    .bind(id)
+    .fetch_optional(pg)
+    .await
+    .unwrap()
+    .map(|r| (r.get("attempts"), r.get("last_error"), r.get("done"), r.get("dead")))
+}
+
+/// A role whose sessions end after 1 s idle in a transaction (as the operations guide recommends
+/// against forgotten transactions), and a broker that takes 2 s to acknowledge: the lease must outlive
+/// the publish, so the event is published once and settled, not sent again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_roles_short_idle_timeout_does_not_end_a_lease_during_a_publish() {
+    let admin = pool(2).await;
+    let table = fresh_table(&admin).await;
+    let role = format!("outbox_idle_{}", &Uuid::new_v4().simple().to_string()[..8]);
+    sqlx::query(&format!("CREATE ROLE {role} LOGIN SUPERUSER"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "ALTER ROLE {role} SET idle_in_transaction_session_timeout = '1s'"
+    ))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let options: sqlx::postgres::PgConnectOptions = database_url().parse().unwrap();
+    let relay_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.username(&role))
+        .await
+        .unwrap();
+    let timeout: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+        .fetch_one(&relay_pool)
+        .await
+        .unwrap();
+    assert_eq!(timeout, "1s", "the role's setting is in force for the relay's sessions");
+
+    let ids = write(&admin, &table, &["a"]).await;
+    let publisher = ScriptedPublisher::new();
+    publisher.set_latency(Duration::from_secs(2));
+    let store = PostgresStore::new(relay_pool.clone(), table.clone());
+    let relay = Relay::new(Arc::new(store), publisher.clone(), config(10)).unwrap();
+    let shutdown = CancellationToken::new();
+    let s = shutdown.clone();
+    let task = tokio::spawn(async move { relay.run(s).await });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while row(&admin, &table, ids[0]).await.is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the event was not settled: published {} times, row {:?}",
+            publisher.tries(ids[0]),
+            row(&admin, &table, ids[0]).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    let summary = task.await.unwrap();
+    assert_eq!(publisher.tries(ids[0]), 1, "published more than once");
+    assert_eq!(summary.settle_failures, 0);
+    relay_pool.close().await;
+    sqlx::query(&format!("DROP ROLE {role}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+/// The claiming session is terminated (`pg_terminate_backend`) while the batch is being published:
+/// one event fails for good, one is acknowledged. The lost lease's outcomes still count: the failed
+/// event is dead-lettered with its error after its one attempt, the published one is settled and not
+/// sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
+    let admin = pool(2).await;
+    let table = fresh_table(&admin).await;
+    let ids = write(&admin, &table, &["bad", "good"]).await;
+    let publisher = ScriptedPublisher::new();
+    publisher.on_event(ids[0], Behavior::FailPermanent);
+    publisher.set_latency(Duration::from_secs(2));
+    let store = PostgresStore::new(pool(4).await, table.clone());
+    let relay = Relay::new(Arc::new(store), publisher.clone(), config(1)).unwrap();
+    let shutdown = CancellationToken::new();
+    let s = shutdown.clone();
+    let task = tokio::spawn(async move { relay.run(s).await });
+
+    // Once the batch is in the publisher, end the session that holds its lease.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while publisher.calls() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "nothing was published");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE state = 'idle in transaction' AND query LIKE '%' || $1 || '%' AND pid <> pg_backend_pid()",
+    )
+    .bind(table.schema())
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(killed, vec![true], "exactly the claiming session was terminated");
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let bad = row(&admin, &table, ids[0]).await;
+        let good = row(&admin, &table, ids[1]).await;
+        if good.is_none() && bad.as_ref().is_some_and(|b| b.3) {
+            let (attempts, error, _, _) = bad.unwrap();
+            assert_eq!(attempts, 1);
+            assert!(
+                error.as_deref().unwrap_or("").contains("scripted permanent failure"),
+                "{error:?}"
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not settled: bad {bad:?}, good {good:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+    assert_eq!(publisher.tries(ids[0]), 1, "the failed event was attempted again");
+    assert_eq!(publisher.tries(ids[1]), 1, "the published event was sent again");
+}
