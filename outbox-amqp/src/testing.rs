@@ -68,6 +68,29 @@ impl Fixture {
     /// Declares the durable topic exchange `exchange` (if missing) and consumes it through a new
     /// exclusive queue: after a broker restart, say, which dropped the earlier queue.
     pub async fn on_exchange(exchange: &str) -> Fixture {
+        Fixture::declare(exchange, FieldTable::default(), None).await
+    }
+
+    /// A new exchange whose queue holds at most `max_length` ready messages and refuses more
+    /// (`x-overflow = reject-publish`: the broker nacks a message while the queue is full and acks the
+    /// next once there is room), read by a consumer that takes one message at a time and acks it
+    /// after `ack_delay`: a broker that rejects some messages after accepting others.
+    pub async fn bounded(max_length: i64, ack_delay: Duration) -> Fixture {
+        let mut args = FieldTable::default();
+        args.insert("x-max-length".into(), AMQPValue::LongLongInt(max_length));
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+        let exchange = format!("outbox.test.{}", uuid::Uuid::new_v4().simple());
+        Fixture::declare(&exchange, args, Some(ack_delay)).await
+    }
+
+    async fn declare(
+        exchange: &str,
+        queue_args: FieldTable,
+        ack_delay: Option<Duration>,
+    ) -> Fixture {
         let exchange = exchange.to_string();
         let connection = connect().await;
         let ch = connection.create_channel().await.unwrap();
@@ -90,10 +113,15 @@ impl Fixture {
                     auto_delete: true,
                     ..QueueDeclareOptions::default()
                 },
-                FieldTable::default(),
+                queue_args,
             )
             .await
             .unwrap();
+        if ack_delay.is_some() {
+            ch.basic_qos(1, lapin::options::BasicQosOptions::default())
+                .await
+                .unwrap();
+        }
         ch.queue_bind(
             q.name().clone(),
             exchange.clone().into(),
@@ -108,7 +136,7 @@ impl Fixture {
                 q.name().clone(),
                 "outbox-test".into(),
                 BasicConsumeOptions {
-                    no_ack: true,
+                    no_ack: ack_delay.is_none(),
                     ..BasicConsumeOptions::default()
                 },
                 FieldTable::default(),
@@ -142,6 +170,17 @@ impl Fixture {
                     properties: props,
                     routing_key: d.routing_key.to_string(),
                 });
+                if let Some(delay) = ack_delay {
+                    if !delay.is_zero() {
+                        tokio::time::sleep(delay).await;
+                    }
+                    if d.ack(lapin::options::BasicAckOptions::default())
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
             }
         });
         Fixture {

@@ -21,8 +21,8 @@ pub use error::{Error, ErrorKind, ErrorStatus, Result};
 pub use event::{header, Event, NewEvent, Payload, JSON_CONTENT_TYPE};
 pub use policy::{OrderingPolicy, RetryPolicy};
 pub use ports::{
-    Action, Batch, CallLimit, ClaimRequest, EventTypeStats, Lease, PublishOutcome, Publisher, Settlement,
-    Store, StoreStats,
+    Action, Batch, CallLimit, ClaimRequest, EventTypeStats, Lease, PublishOutcome, Publisher,
+    Settlement, Store, StoreStats,
 };
 pub use redact::redact_url;
 pub use relay::{

@@ -648,7 +648,10 @@ async fn call_publisher(shared: &Shared, events: &[Event]) -> Vec<PublishOutcome
 /// if every earlier event of its aggregate was acknowledged; otherwise it is not sent (and released
 /// by [`decide`]). No call starts once `publish_timeout` has passed since the first: the events left
 /// are given back as back-pressure (no attempt counted).
-async fn publish_in_calls(shared: &Shared, events: Vec<Event>) -> (Vec<Event>, Vec<PublishOutcome>) {
+async fn publish_in_calls(
+    shared: &Shared,
+    events: Vec<Event>,
+) -> (Vec<Event>, Vec<PublishOutcome>) {
     let cfg = &shared.config;
     let call = calls_of(shared.publisher.as_ref(), &events, cfg.ordering);
     let calls = call.iter().max().map_or(0, |m| m + 1);
@@ -668,9 +671,7 @@ async fn publish_in_calls(shared: &Shared, events: Vec<Event>) -> (Vec<Event>, V
             };
             let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
             if failed.contains(&key) {
-                outcomes[i] = Some(Err(crate::publishers::Fence::not_sent(
-                    "relay",
-                )));
+                outcomes[i] = Some(Err(crate::publishers::Fence::not_sent("relay")));
             } else if c > 0 && started.elapsed() >= cfg.publish_timeout {
                 outcomes[i] = Some(Err(Error::new(
                     ErrorKind::Backpressure,

@@ -493,10 +493,17 @@ async fn a_publisher_that_fails_events_one_by_one_gets_each_aggregate_one_event_
     shutdown.cancel();
     task.await.unwrap();
     // a0#2 was never handed to the broker while a0#1 was failing; a1 went through in three calls.
-    assert_eq!(publisher.tries(written[4]), 0, "a later event was sent with a failing one");
+    assert_eq!(
+        publisher.tries(written[4]),
+        0,
+        "a later event was sent with a failing one"
+    );
     assert_eq!(publisher.tries(written[2]), 1);
     let delivered: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
-    assert_eq!(delivered, vec![written[0], written[1], written[3], written[5]]);
+    assert_eq!(
+        delivered,
+        vec![written[0], written[1], written[3], written[5]]
+    );
     assert_eq!(store.get(written[4]).unwrap().attempts, 0);
     assert_eq!(publisher.calls(), 3);
 }
@@ -573,7 +580,10 @@ fn a_publish_timeout_below_the_publishers_own_limit_is_refused() {
     };
     let err = Relay::new(Arc::new(MemoryStore::new()), Arc::new(Limited), short).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config);
-    assert!(err.message().contains("relay.publish_timeout = 30s"), "{err}");
+    assert!(
+        err.message().contains("relay.publish_timeout = 30s"),
+        "{err}"
+    );
     assert!(err.message().contains("limited.delivery_timeout"), "{err}");
     Relay::new(
         Arc::new(MemoryStore::new()),

@@ -200,8 +200,7 @@ impl Publisher for KafkaPublisher {
     /// the idempotent producer with the gapless guarantee never acknowledges a later message after
     /// refusing an earlier one. Events bound for different topics are sent one call apart.
     fn keeps_order(&self, earlier: &Event, later: &Event) -> bool {
-        self.keeps_order
-            && self.topic.destination(earlier) == self.topic.destination(later)
+        self.keeps_order && self.topic.destination(earlier) == self.topic.destination(later)
     }
 
     fn call_limit(&self) -> Option<outbox_core::CallLimit> {

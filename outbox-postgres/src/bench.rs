@@ -28,8 +28,8 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use outbox_core::{
-    BatchReport, Error, ErrorKind, Event, NewEvent, OrderingPolicy, PublishOutcome,
-    Publisher, Relay, RelayConfig, RelayObserver, Store,
+    BatchReport, Error, ErrorKind, Event, NewEvent, OrderingPolicy, PublishOutcome, Publisher,
+    Relay, RelayConfig, RelayObserver, Store,
 };
 
 use crate::config::OutboxTable;

@@ -670,13 +670,16 @@ impl SettleArgs {
                     error,
                 } => {
                     a.r_ids.push(s.id);
-                    a.r_attempts.push(i32::try_from(attempts).unwrap_or(i32::MAX));
-                    a.r_delay.push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+                    a.r_attempts
+                        .push(i32::try_from(attempts).unwrap_or(i32::MAX));
+                    a.r_delay
+                        .push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
                     a.r_err.push(error);
                 }
                 Action::DeadLetter { attempts, error } => {
                     a.d_ids.push(s.id);
-                    a.d_attempts.push(i32::try_from(attempts).unwrap_or(i32::MAX));
+                    a.d_attempts
+                        .push(i32::try_from(attempts).unwrap_or(i32::MAX));
                     a.d_err.push(error);
                 }
                 Action::Release => {}
@@ -699,9 +702,20 @@ impl SettleArgs {
     /// Keeps only the rows in `free`.
     fn retain(&mut self, free: &HashSet<Uuid>) {
         let all = std::mem::take(self);
-        self.published = all.published.into_iter().filter(|id| free.contains(id)).collect();
-        let retried = all.r_ids.into_iter().zip(all.r_attempts).zip(all.r_delay).zip(all.r_err);
-        for (((id, attempts), delay), error) in retried.filter(|(((id, _), _), _)| free.contains(id)) {
+        self.published = all
+            .published
+            .into_iter()
+            .filter(|id| free.contains(id))
+            .collect();
+        let retried = all
+            .r_ids
+            .into_iter()
+            .zip(all.r_attempts)
+            .zip(all.r_delay)
+            .zip(all.r_err);
+        for (((id, attempts), delay), error) in
+            retried.filter(|(((id, _), _), _)| free.contains(id))
+        {
             self.r_ids.push(id);
             self.r_attempts.push(attempts);
             self.r_delay.push(delay);
@@ -715,11 +729,7 @@ impl SettleArgs {
         }
     }
 
-    async fn apply(
-        &self,
-        sql: &Sql,
-        conn: &mut sqlx::PgConnection,
-    ) -> Result<(), sqlx::Error> {
+    async fn apply(&self, sql: &Sql, conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
         sqlx::query(&sql.settle)
             .bind(&self.published)
             .bind(&self.r_ids)

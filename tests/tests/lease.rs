@@ -41,7 +41,11 @@ fn config(max_attempts: u32) -> RelayConfig {
     }
 }
 
-async fn row(pg: &PgPool, table: &OutboxTable, id: Uuid) -> Option<(i32, Option<String>, bool, bool)> {
+async fn row(
+    pg: &PgPool,
+    table: &OutboxTable,
+    id: Uuid,
+) -> Option<(i32, Option<String>, bool, bool)> {
     sqlx::query(&format!(
         "SELECT attempts, last_error, processed_at IS NOT NULL AS done, dead_lettered_at IS NOT NULL AS dead FROM {} WHERE id = $1",
         table.qualified()
@@ -81,7 +85,10 @@ async fn a_roles_short_idle_timeout_does_not_end_a_lease_during_a_publish() {
         .fetch_one(&relay_pool)
         .await
         .unwrap();
-    assert_eq!(timeout, "1s", "the role's setting is in force for the relay's sessions");
+    assert_eq!(
+        timeout, "1s",
+        "the role's setting is in force for the relay's sessions"
+    );
 
     let ids = write(&admin, &table, &["a"]).await;
     let publisher = ScriptedPublisher::new();
@@ -133,7 +140,10 @@ async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
     // Once the batch is in the publisher, end the session that holds its lease.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while publisher.calls() == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "nothing was published");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nothing was published"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let killed: Vec<bool> = sqlx::query_scalar(
@@ -144,7 +154,11 @@ async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
     .fetch_all(&admin)
     .await
     .unwrap();
-    assert_eq!(killed, vec![true], "exactly the claiming session was terminated");
+    assert_eq!(
+        killed,
+        vec![true],
+        "exactly the claiming session was terminated"
+    );
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -154,7 +168,10 @@ async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
             let (attempts, error, _, _) = bad.unwrap();
             assert_eq!(attempts, 1);
             assert!(
-                error.as_deref().unwrap_or("").contains("scripted permanent failure"),
+                error
+                    .as_deref()
+                    .unwrap_or("")
+                    .contains("scripted permanent failure"),
                 "{error:?}"
             );
             break;
@@ -167,6 +184,14 @@ async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
     }
     shutdown.cancel();
     task.await.unwrap();
-    assert_eq!(publisher.tries(ids[0]), 1, "the failed event was attempted again");
-    assert_eq!(publisher.tries(ids[1]), 1, "the published event was sent again");
+    assert_eq!(
+        publisher.tries(ids[0]),
+        1,
+        "the failed event was attempted again"
+    );
+    assert_eq!(
+        publisher.tries(ids[1]),
+        1,
+        "the published event was sent again"
+    );
 }

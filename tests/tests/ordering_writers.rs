@@ -31,7 +31,10 @@ fn spawn_relays(
     table: &OutboxTable,
     publisher: Arc<ScriptedPublisher>,
     batch_size: usize,
-) -> (Vec<tokio::task::JoinHandle<outbox_core::RelaySummary>>, CancellationToken) {
+) -> (
+    Vec<tokio::task::JoinHandle<outbox_core::RelaySummary>>,
+    CancellationToken,
+) {
     let shutdown = CancellationToken::new();
     let tasks = pools
         .into_iter()
@@ -144,7 +147,10 @@ async fn an_event_committed_later_never_overtakes_an_earlier_insert_of_its_aggre
     .await
     .unwrap();
     assert!(seqs[0] < seqs[1], "seq order is not commit order: {seqs:?}");
-    assert!(b_waits, "the second writer of the aggregate did not wait for the first");
+    assert!(
+        b_waits,
+        "the second writer of the aggregate did not wait for the first"
+    );
 }
 
 /// Sixteen connections write five aggregates, from plain SQL and from the writer API, each holding its
@@ -269,9 +275,17 @@ async fn racing_writers_on_few_aggregates_keep_commit_order_without_duplicates()
         .filter(|id| rolled_back.contains(id))
         .count();
     println!("{verdict} unexpected={unexpected} commit_order_breaks={commit_order_breaks}");
-    assert_eq!(commit_order_breaks, 0, "seq order differs from commit order");
     assert_eq!(
-        (verdict.lost, verdict.order_violations, verdict.duplicates, unexpected),
+        commit_order_breaks, 0,
+        "seq order differs from commit order"
+    );
+    assert_eq!(
+        (
+            verdict.lost,
+            verdict.order_violations,
+            verdict.duplicates,
+            unexpected
+        ),
         (0, 0, 0, 0),
         "{verdict} unexpected={unexpected}"
     );
