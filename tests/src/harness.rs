@@ -725,3 +725,95 @@ pub fn restart_postgres() {
         .expect("pg_ctlcluster is required to restart PostgreSQL");
     assert!(status.success(), "pg_ctlcluster restart failed");
 }
+
+/// Writers racing on a few shared aggregates, as production services do: each transaction writes one
+/// aggregate, from plain SQL or the writer API, and holds the transaction open a few milliseconds
+/// before committing (one in ten rolls back). The committed events are read back from the database
+/// (their `seq` order), not from the writers.
+pub struct RacingLoad {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<JoinHandle<Vec<Uuid>>>,
+    pub seed: u64,
+}
+
+impl RacingLoad {
+    /// `writers` connections over `aggregates` shared aggregates (`r-a<n>`), each transaction held
+    /// open up to `hold`. The seed (printed; `OUTBOX_TEST_SEED` sets it) fixes the writers' choices.
+    pub fn start(table: &OutboxTable, writers: usize, aggregates: usize, hold: Duration) -> RacingLoad {
+        let seed = std::env::var("OUTBOX_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| fastrand::u64(..));
+        println!("racing writers: seed={seed} (OUTBOX_TEST_SEED reproduces the writers' choices)");
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for w in 0..writers {
+            let (table, stop) = (table.clone(), stop.clone());
+            let mut rng = fastrand::Rng::with_seed(seed.wrapping_add(w as u64));
+            tasks.push(tokio::spawn(async move {
+                let pg = pool(1).await;
+                let writer = Writer::new(table.clone());
+                let plain = format!(
+                    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', $1, 'order.updated', '{{}}') RETURNING id",
+                    table.qualified()
+                );
+                let mut rolled_back = Vec::new();
+                let mut n = 0usize;
+                while !stop.load(Ordering::SeqCst) {
+                    let aggregate = format!("r-a{}", rng.usize(0..aggregates));
+                    let Ok(mut tx) = pg.begin().await else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    let id = if rng.bool() {
+                        sqlx::query_scalar::<_, Uuid>(&plain)
+                            .bind(&aggregate)
+                            .fetch_one(&mut *tx)
+                            .await
+                            .unwrap()
+                    } else {
+                        writer
+                            .enqueue(&mut tx, sample_event(&aggregate, n))
+                            .await
+                            .unwrap()
+                    };
+                    tokio::time::sleep(Duration::from_micros(
+                        rng.u64(0..hold.as_micros() as u64 + 1),
+                    ))
+                    .await;
+                    if rng.u8(0..10) == 0 {
+                        tx.rollback().await.unwrap();
+                        rolled_back.push(id);
+                    } else {
+                        tx.commit().await.unwrap();
+                    }
+                    n += 1;
+                }
+                rolled_back
+            }));
+        }
+        RacingLoad { stop, tasks, seed }
+    }
+
+    /// Stops the writers; returns the ids of the events they rolled back.
+    pub async fn stop(self) -> Vec<Uuid> {
+        self.stop.store(true, Ordering::SeqCst);
+        let mut rolled_back = Vec::new();
+        for t in self.tasks {
+            rolled_back.extend(t.await.unwrap());
+        }
+        rolled_back
+    }
+}
+
+/// Every event the outbox holds (published rows kept), as `(aggregate, id)` in `seq` order: the
+/// database's own record of what was committed and in which order.
+pub async fn committed_by_seq(pg: &sqlx::PgPool, table: &OutboxTable) -> Vec<(String, Uuid)> {
+    sqlx::query_as(&format!(
+        "SELECT aggregate_id, id FROM {} ORDER BY seq",
+        table.qualified()
+    ))
+    .fetch_all(pg)
+    .await
+    .unwrap()
+}
