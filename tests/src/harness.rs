@@ -739,7 +739,12 @@ pub struct RacingLoad {
 impl RacingLoad {
     /// `writers` connections over `aggregates` shared aggregates (`r-a<n>`), each transaction held
     /// open up to `hold`. The seed (printed; `OUTBOX_TEST_SEED` sets it) fixes the writers' choices.
-    pub fn start(table: &OutboxTable, writers: usize, aggregates: usize, hold: Duration) -> RacingLoad {
+    pub fn start(
+        table: &OutboxTable,
+        writers: usize,
+        aggregates: usize,
+        hold: Duration,
+    ) -> RacingLoad {
         let seed = std::env::var("OUTBOX_TEST_SEED")
             .ok()
             .and_then(|s| s.parse().ok())

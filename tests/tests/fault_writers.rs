@@ -51,11 +51,18 @@ async fn racing_writers_two_relays_killed(broker: Broker) {
         assert_eq!(r.terminate(Duration::from_secs(60)), Some(0));
     }
     let verdict = outbox_tests::check(&committed, &received);
-    let unexpected = received.iter().filter(|id| rolled_back.contains(id)).count();
+    let unexpected = received
+        .iter()
+        .filter(|id| rolled_back.contains(id))
+        .count();
     report("racing-writers-2-relays-kill9", broker, &verdict);
     println!("unexpected={unexpected} kills={kills}");
     assert!(!committed.is_empty());
-    assert_eq!((verdict.lost, verdict.order_violations), (0, 0), "{verdict}");
+    assert_eq!(
+        (verdict.lost, verdict.order_violations),
+        (0, 0),
+        "{verdict}"
+    );
     assert_eq!(unexpected, 0, "rolled-back events were published");
     let bound = kills * BATCH * IN_FLIGHT;
     assert!(
