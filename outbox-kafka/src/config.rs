@@ -193,25 +193,21 @@ impl KafkaConfig {
             "message.timeout.ms".into(),
             self.delivery_timeout.as_millis().to_string(),
         );
-        if self.idempotence {
-            // A batch the broker refuses stops the producer (a fatal error, after which the
-            // publisher creates a new one) instead of letting later messages of the partition
-            // through: what makes one partition keep an aggregate's order within a call.
-            p.entry("enable.gapless.guarantee".into())
-                .or_insert_with(|| "true".into());
-        }
         p
     }
 
     /// Whether the broker keeps two events of one aggregate in order within a call: with the
-    /// idempotent producer and the gapless guarantee, for events bound for the same topic (the same
-    /// key, so the same partition).
+    /// idempotent producer, the gapless guarantee (`kafka.properties."enable.gapless.guarantee"`) and
+    /// no message timeout, for events bound for the same topic (the same key, so the same partition).
+    ///
+    /// Always false while messages can time out in the producer's queue (`message.timeout.ms` > 0,
+    /// which validation requires): the gapless guarantee does not cover such messages.
     pub fn keeps_order_within_topic(&self) -> bool {
+        let p = self.producer_properties();
         self.idempotence
-            && self
-                .producer_properties()
-                .get("enable.gapless.guarantee")
+            && p.get("enable.gapless.guarantee")
                 .is_some_and(|v| v == "true")
+            && p.get("message.timeout.ms").is_some_and(|v| v == "0")
     }
 }
 

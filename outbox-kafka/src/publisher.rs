@@ -198,7 +198,12 @@ impl KafkaPublisher {
 impl Publisher for KafkaPublisher {
     /// Two events of one aggregate bound for one topic share a partition (key = aggregate id), where
     /// the idempotent producer with the gapless guarantee never acknowledges a later message after
-    /// refusing an earlier one. Events bound for different topics are sent one call apart.
+    /// the broker refused an earlier one. That guarantee does not cover messages that time out in the
+    /// producer's queue (`message.timeout.ms`, librdkafka's documentation): an earlier message can
+    /// expire unsent while a later one goes out once the broker is back. So the relay sends a later
+    /// event of an aggregate only after the earlier one was acknowledged, unless the user turned
+    /// message timeouts off (`kafka.properties."message.timeout.ms" = "0"` is not accepted: the
+    /// delivery timeout is required), which today means never.
     fn keeps_order(&self, earlier: &Event, later: &Event) -> bool {
         self.keeps_order && self.topic.destination(earlier) == self.topic.destination(later)
     }

@@ -209,8 +209,20 @@ impl Sql {
             )
             SELECT 1"
         );
+        // A lost lease's rows may be settled only where this transaction owns the aggregate as a
+        // claim would: by locking its head (its oldest unprocessed row), which must be one of the
+        // lease's rows. Rows behind another lease's head are left to that lease.
         let lock_free = format!(
-            "SELECT id FROM {t} WHERE id = ANY($1::uuid[]) AND processed_at IS NULL FOR UPDATE SKIP LOCKED"
+            "WITH heads AS (
+                SELECT h.aggregate_type, h.aggregate_id FROM {t} h
+                WHERE h.id = ANY($1::uuid[]) AND h.processed_at IS NULL
+                  AND (SELECT 1 FROM {t} p
+                       WHERE p.aggregate_type = h.aggregate_type AND p.aggregate_id = h.aggregate_id
+                         AND p.processed_at IS NULL AND p.seq < h.seq
+                       LIMIT 1) IS NULL
+                FOR UPDATE OF h SKIP LOCKED)
+            SELECT e.id FROM {t} e JOIN heads USING (aggregate_type, aggregate_id)
+            WHERE e.id = ANY($1::uuid[]) AND e.processed_at IS NULL"
         );
         Sql {
             lock_free,
@@ -746,9 +758,10 @@ impl SettleArgs {
 }
 
 /// Settles a lost lease's outcomes outside it (the claiming session died: killed, timed out, or its
-/// connection dropped, so its locks are gone): the rows that no other lease holds now and that are
-/// still unprocessed are locked and settled in a transaction of their own; the rest belong to
-/// whichever lease took them since. Without this, an event whose every publish outlived its lease
+/// connection dropped, so its locks are gone): for each of its aggregates whose head (oldest
+/// unprocessed row) is one of its rows and no other lease holds, that head is locked and the lease's
+/// rows of the aggregate are settled, in a transaction of their own; aggregates another lease took
+/// since are left to it. Without this, an event whose every publish outlived its lease
 /// would be retried for ever with its attempts never counted, and published events would all be sent
 /// again. Returns how many rows were settled.
 async fn settle_lost_lease(pool: &PgPool, sql: &Sql, mut args: SettleArgs) -> Result<usize, Error> {

@@ -372,8 +372,9 @@ impl SqsPublisher {
         // 1.5 x sqs.operation_timeout (`call_limit`).
         while rest.peek().is_some() {
             if started.elapsed() >= self.config.operation_timeout / 2 {
+                // Never sent: back-pressure, so no attempt is counted for it.
                 let late = Error::new(
-                    ErrorKind::Timeout,
+                    ErrorKind::Backpressure,
                     format!(
                         "not sent: half of sqs.operation_timeout = {} passed before this request's turn",
                         outbox_core::duration::format(self.config.operation_timeout)
