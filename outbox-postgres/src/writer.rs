@@ -40,12 +40,9 @@ impl Writer {
              SELECT u.id, u.aggregate_type, u.aggregate_id, u.event_type, u.payload::jsonb, u.payload_bytes, u.content_type, u.headers::jsonb, u.destination
              FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[], $7::text[], $8::text[], $9::text[])
                   WITH ORDINALITY AS u(id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type, headers, destination, ord)
-             ORDER BY u.aggregate_type, u.aggregate_id, u.ord",
+             ORDER BY u.ord",
             table.qualified()
         );
-        // Rows are inserted aggregate by aggregate (each aggregate's events in the given order), so
-        // two calls writing overlapping aggregates take the aggregates' writer locks (see the
-        // migration `writers_in_commit_order`) in the same order and cannot deadlock each other.
         // One event (the common case): plain VALUES, cheaper for the server than building and
         // unnesting nine one-element arrays.
         let insert_one_sql = format!(
@@ -81,9 +78,10 @@ impl Writer {
         Ok(id)
     }
 
-    /// Enqueues many events in `tx` with one statement and returns their ids (in the given order).
+    /// Enqueues many events in `tx` with one statement, in order, and returns their ids.
     ///
-    /// Events of one aggregate keep the given order. Each aggregate written waits for any other
+    /// Two transactions that write overlapping aggregates should list them in the same order (a
+    /// deadlock between them fails one with SQLSTATE 40P01, to be retried). Each aggregate written waits for any other
     /// transaction still writing it (the outbox table's writer lock, held to commit), so that the
     /// events of an aggregate are published in the order their transactions committed.
     ///
