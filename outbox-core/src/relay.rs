@@ -1,6 +1,8 @@
 //! The relay engine: claim a batch, publish it, settle every outcome in one call; repeat.
 //!
-//! - **Batched**: one claim, one publish call and one settle call per batch, never one round trip per event.
+//! - **Batched**: one claim and one settle call per batch, never one round trip per event; one publish
+//!   call per batch, or a few when the batch holds several events of one aggregate that the broker
+//!   cannot keep in order within a call (see [`Publisher::keeps_order`]).
 //! - **Pipelined**: up to `max_in_flight` batches are in flight at once, so the next claim overlaps the
 //!   current publish. Under per-aggregate ordering the store never hands two live batches events of one
 //!   aggregate, so pipelining keeps the order.

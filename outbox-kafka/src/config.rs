@@ -38,7 +38,7 @@ pub struct KafkaConfig {
     /// fails (retryably). Default 30 s.
     #[serde(with = "duration::serde_str")]
     pub delivery_timeout: Duration,
-    /// How long to wait for room in the producer's local queue before reporting back-pressure
+    /// How long one publish call waits, in all, for room in the producer's local queue before reporting back-pressure
     /// (the relay then retries the event shortly, without counting an attempt). Default 5 s.
     #[serde(with = "duration::serde_str")]
     pub enqueue_timeout: Duration,
@@ -194,20 +194,6 @@ impl KafkaConfig {
             self.delivery_timeout.as_millis().to_string(),
         );
         p
-    }
-
-    /// Whether the broker keeps two events of one aggregate in order within a call: with the
-    /// idempotent producer, the gapless guarantee (`kafka.properties."enable.gapless.guarantee"`) and
-    /// no message timeout, for events bound for the same topic (the same key, so the same partition).
-    ///
-    /// Always false while messages can time out in the producer's queue (`message.timeout.ms` > 0,
-    /// which validation requires): the gapless guarantee does not cover such messages.
-    pub fn keeps_order_within_topic(&self) -> bool {
-        let p = self.producer_properties();
-        self.idempotence
-            && p.get("enable.gapless.guarantee")
-                .is_some_and(|v| v == "true")
-            && p.get("message.timeout.ms").is_some_and(|v| v == "0")
     }
 }
 

@@ -28,6 +28,11 @@ const MAX_TOPIC_LEN: usize = 249;
 
 /// Publishes events to Kafka.
 ///
+/// Events of one aggregate go to one partition, but the relay still sends a later event of an
+/// aggregate only once the earlier one is acknowledged ([`Publisher::keeps_order`] is false): even
+/// the idempotent producer's gapless guarantee does not cover a message that times out in the
+/// producer's queue (`message.timeout.ms`) while a later one goes out once the broker is back.
+///
 /// - Key = aggregate id, so one aggregate stays on one partition, in order; value = payload.
 /// - Headers: `outbox-event-id`, `outbox-event-type`, `outbox-aggregate-type`, `content-type` and
 ///   every event header (`traceparent` included). Record timestamp = event creation time.
@@ -41,8 +46,6 @@ pub struct KafkaPublisher {
     config: KafkaConfig,
     /// Publish calls in a row whose every delivery timed out.
     stalled_batches: AtomicU32,
-    /// [`KafkaConfig::keeps_order_within_topic`].
-    keeps_order: bool,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -126,7 +129,6 @@ impl KafkaPublisher {
         Ok(KafkaPublisher {
             producer: std::sync::Mutex::new(producer),
             topic,
-            keeps_order: config.keeps_order_within_topic(),
             config,
             stalled_batches: AtomicU32::new(0),
         })
@@ -196,18 +198,6 @@ impl KafkaPublisher {
 
 #[async_trait]
 impl Publisher for KafkaPublisher {
-    /// Two events of one aggregate bound for one topic share a partition (key = aggregate id), where
-    /// the idempotent producer with the gapless guarantee never acknowledges a later message after
-    /// the broker refused an earlier one. That guarantee does not cover messages that time out in the
-    /// producer's queue (`message.timeout.ms`, librdkafka's documentation): an earlier message can
-    /// expire unsent while a later one goes out once the broker is back. So the relay sends a later
-    /// event of an aggregate only after the earlier one was acknowledged, unless the user turned
-    /// message timeouts off (`kafka.properties."message.timeout.ms" = "0"` is not accepted: the
-    /// delivery timeout is required), which today means never.
-    fn keeps_order(&self, earlier: &Event, later: &Event) -> bool {
-        self.keeps_order && self.topic.destination(earlier) == self.topic.destination(later)
-    }
-
     fn call_limit(&self) -> Option<outbox_core::CallLimit> {
         Some(outbox_core::CallLimit {
             limit: self.config.enqueue_timeout + self.config.delivery_timeout + REPORT_MARGIN,
@@ -225,6 +215,9 @@ impl Publisher for KafkaPublisher {
         let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
         let mut fence = Fence::new();
         let mut pending = Vec::with_capacity(events.len());
+        // One enqueue deadline for the whole call (not per event), so that a call lasts at most
+        // `call_limit`: a full local queue is waited out that long, in all.
+        let enqueue_deadline = Instant::now() + self.config.enqueue_timeout;
         for (i, event) in events.iter().enumerate() {
             if fence.holds(event) {
                 outcomes[i] = Some(Err(Fence::not_sent("kafka")));
@@ -241,7 +234,6 @@ impl Publisher for KafkaPublisher {
                 .payload(event.payload.as_slice())
                 .headers(headers(event))
                 .timestamp(event.created_at.timestamp_millis());
-            let started = Instant::now();
             loop {
                 match producer.send_result(record) {
                     Ok(delivery) => {
@@ -249,7 +241,7 @@ impl Publisher for KafkaPublisher {
                         break;
                     }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
-                        if started.elapsed() < self.config.enqueue_timeout =>
+                        if Instant::now() < enqueue_deadline =>
                     {
                         // Back-pressure: librdkafka's background thread drains the queue.
                         record = back;

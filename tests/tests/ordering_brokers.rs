@@ -14,6 +14,15 @@ use outbox_postgres::{PostgresStore, Writer};
 use outbox_tests::{check, write_rounds};
 use uuid::Uuid;
 
+/// The event ids the SQS consumer received, waiting up to `timeout` for `count`.
+async fn sqs_ids(fx: &outbox_sqs::testing::Fixture, count: usize, timeout: Duration) -> Vec<Uuid> {
+    fx.wait_for(count, timeout)
+        .await
+        .iter()
+        .filter_map(|d| d.received.event_id)
+        .collect()
+}
+
 fn config() -> RelayConfig {
     RelayConfig {
         batch_size: 100,
@@ -104,12 +113,7 @@ async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() 
             .dead_letters(&outbox_postgres::DeadLetterFilter::All, 10)
             .await
             .unwrap();
-        let got: Vec<Uuid> = fx
-            .wait_for(1, Duration::from_millis(100))
-            .await
-            .iter()
-            .filter_map(|d| d.received.event_id)
-            .collect();
+        let got = sqs_ids(&fx, 1, Duration::from_millis(100)).await;
         if dead.iter().any(|d| d.id == x1) && got.contains(&y1) {
             let error = dead[0].last_error.clone().unwrap_or_default();
             assert!(error.contains("DelaySeconds"), "{error}");
@@ -121,12 +125,7 @@ async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() 
         );
     }
     // Give a wrongly sent x2 time to show up at the consumer.
-    let got: Vec<Uuid> = fx
-        .wait_for(2, Duration::from_secs(2))
-        .await
-        .iter()
-        .filter_map(|d| d.received.event_id)
-        .collect();
+    let got = sqs_ids(&fx, 2, Duration::from_secs(2)).await;
     assert!(
         !got.contains(&x2),
         "x2 reached the queue while x1 was refused"
@@ -138,12 +137,7 @@ async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() 
         .discard_dead_letters(&outbox_postgres::DeadLetterFilter::Ids(vec![x1]))
         .await
         .unwrap();
-    let got: Vec<Uuid> = fx
-        .wait_for(2, Duration::from_secs(30))
-        .await
-        .iter()
-        .filter_map(|d| d.received.event_id)
-        .collect();
+    let got = sqs_ids(&fx, 2, Duration::from_secs(30)).await;
     shutdown.cancel();
     task.await.unwrap();
     assert_eq!(got.len(), 2, "{got:?}");
