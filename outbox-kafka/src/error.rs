@@ -9,6 +9,9 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
 /// Transport, timeout and leadership errors are temporary. Problems of the message or its topic
 /// (too large, invalid topic, not authorised, rejected by policy) are permanent.
 pub fn classify_code(code: Code) -> (ErrorKind, bool) {
+    if ends_session(code) {
+        return (ErrorKind::Connection, true);
+    }
     match code {
         Code::QueueFull => (ErrorKind::Backpressure, true),
         Code::BrokerTransportFailure
@@ -27,7 +30,6 @@ pub fn classify_code(code: Code) -> (ErrorKind, bool) {
         | Code::UnknownTopicOrPartition
         | Code::UnknownTopic
         | Code::UnknownPartition
-        | Code::OutOfOrderSequenceNumber
         | Code::ISRInsufficient
         | Code::Retry
         | Code::PurgeQueue
@@ -49,6 +51,22 @@ pub fn classify_code(code: Code) -> (ErrorKind, bool) {
         | Code::InvalidArgument => (ErrorKind::InvalidInput, false),
         _ => (ErrorKind::Unexpected, true),
     }
+}
+
+/// Whether the broker refused the producer's idempotence session itself (its producer id, epoch or
+/// sequence): every later message of that producer would be refused too, so the publisher replaces
+/// the producer, which starts a new session. (Seen with Tansu after it refused one record: every later
+/// send failed with `ProducerFenced` until the producer was replaced.)
+pub fn ends_session(code: Code) -> bool {
+    matches!(
+        code,
+        Code::ProducerFenced
+            | Code::Fenced
+            | Code::InvalidProducerEpoch
+            | Code::InvalidProducerIdMapping
+            | Code::UnknownProducerId
+            | Code::OutOfOrderSequenceNumber
+    )
 }
 
 /// Maps a Kafka error to the toolkit's error.
@@ -77,6 +95,9 @@ mod tests {
     fn code_table() {
         let cases = [
             (Code::QueueFull, ErrorKind::Backpressure, true),
+            (Code::ProducerFenced, ErrorKind::Connection, true),
+            (Code::OutOfOrderSequenceNumber, ErrorKind::Connection, true),
+            (Code::UnknownProducerId, ErrorKind::Connection, true),
             (Code::BrokerTransportFailure, ErrorKind::Connection, true),
             (Code::AllBrokersDown, ErrorKind::Connection, true),
             (Code::MessageTimedOut, ErrorKind::Timeout, true),

@@ -18,7 +18,7 @@ use outbox_core::routing::Template;
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 
 use crate::config::KafkaConfig;
-use crate::error::map_kafka;
+use crate::error::{ends_session, map_kafka};
 
 /// Time a delivery report gets past `message.timeout.ms` to reach the publisher.
 const REPORT_MARGIN: Duration = Duration::from_secs(5);
@@ -142,12 +142,18 @@ impl KafkaPublisher {
     }
 
     /// Replaces the producer when it cannot make progress: librdkafka declared it failed for good, or
+    /// the broker refused its idempotence session (fenced, unknown producer id, out-of-order sequence), or
     /// two batches in a row timed out entirely while the brokers answer metadata requests (an
     /// idempotent producer whose broker lost its producer state waits forever). Unacknowledged events
     /// were reported as failures, so nothing is lost; a new producer starts a new idempotence session.
-    async fn recover(&self, producer: &FutureProducer, all_timed_out: bool) {
+    async fn recover(&self, producer: &FutureProducer, all_timed_out: bool, session_lost: bool) {
         if let Some((code, reason)) = producer.client().fatal_error() {
             error!(code = ?code, reason = %reason, "the Kafka producer failed fatally; creating a new one");
+            self.replace_producer();
+            return;
+        }
+        if session_lost {
+            warn!("the Kafka broker refused the producer's idempotence session (fenced, unknown producer id or sequence); creating a new producer");
             self.replace_producer();
             return;
         }
@@ -261,12 +267,14 @@ impl Publisher for KafkaPublisher {
         let reports = join_all(pending.into_iter().map(|(_, d)| d));
         // librdkafka bounds every message by message.timeout.ms; the margin covers the report's trip.
         let limit = self.config.delivery_timeout + REPORT_MARGIN;
+        let mut session_lost = false;
         match tokio::time::timeout(limit, reports).await {
             Ok(results) => {
                 for (i, r) in indexes.into_iter().zip(results) {
                     outcomes[i] = Some(match r {
                         Ok(Ok(_delivery)) => Ok(()),
                         Ok(Err((e, _message))) => {
+                            session_lost |= e.rdkafka_error_code().is_some_and(ends_session);
                             Err(map_kafka("delivery", e).with_context("event_id", events[i].id))
                         }
                         Err(_canceled) => Err(Error::new(
@@ -293,7 +301,7 @@ impl Publisher for KafkaPublisher {
             && outcomes
                 .iter()
                 .all(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout));
-        self.recover(&producer, all_timed_out).await;
+        self.recover(&producer, all_timed_out, session_lost).await;
         finish(outcomes)
     }
 

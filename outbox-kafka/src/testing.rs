@@ -37,22 +37,43 @@ fn unreachable(at: &str, e: impl std::fmt::Display) -> ! {
 /// Starts a Tansu broker of the test's own on `127.0.0.1:<port>` (in-memory storage), its log going
 /// to `stderr`: `$TANSU_BIN`, else the one `scripts/test-env.sh` installed in `.tools/bin`.
 pub fn spawn_tansu(port: u16, stderr: std::process::Stdio) -> std::process::Child {
+    start_tansu(port, None, stderr)
+}
+
+/// As [`spawn_tansu`], validating records against the JSON schemas in `schemas` (a directory of
+/// `<topic>.json` files): Tansu refuses a record that does not match (`InvalidRecord`), a broker-side
+/// rejection of one message next to accepted ones.
+pub fn spawn_tansu_with_schemas(
+    port: u16,
+    schemas: &std::path::Path,
+    stderr: std::process::Stdio,
+) -> std::process::Child {
+    start_tansu(port, Some(schemas), stderr)
+}
+
+fn start_tansu(
+    port: u16,
+    schemas: Option<&std::path::Path>,
+    stderr: std::process::Stdio,
+) -> std::process::Child {
     let url = format!("tcp://127.0.0.1:{port}");
-    outbox_core::testkit::spawn_tool(
-        "TANSU_BIN",
-        "tansu",
-        "a Tansu broker",
-        &[
-            "broker",
-            "--listener-url",
-            &url,
-            "--advertised-listener-url",
-            &url,
-            "--storage-engine",
-            "memory://tansu/",
-        ],
-        stderr,
-    )
+    let mut args = vec![
+        "broker".to_string(),
+        "--listener-url".into(),
+        url.clone(),
+        "--advertised-listener-url".into(),
+        url,
+        "--storage-engine".into(),
+        "memory://tansu/".into(),
+    ];
+    // Tansu reads a file:// registry relative to its working directory.
+    let cwd = schemas.and_then(|dir| {
+        let name = dir.file_name()?.to_string_lossy().into_owned();
+        args.extend(["--schema-registry".into(), format!("file://./{name}")]);
+        dir.parent()
+    });
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    outbox_core::testkit::spawn_tool_in(cwd, "TANSU_BIN", "tansu", "a Tansu broker", &args, stderr)
 }
 
 /// A message as the consumer saw it.

@@ -1,6 +1,8 @@
 //! Per-aggregate order when the broker rejects an event after accepting a later one: a RabbitMQ queue
-//! in `reject-publish` overflow (nacks while full, acks once the consumer made room) and an SQS batch
-//! that fails one entry and accepts the next (the emulator's own per-entry validation).
+//! in `reject-publish` overflow (nacks while full, acks once the consumer made room), an SQS batch that
+//! fails one entry and accepts the next (the emulator's own per-entry validation), and a Kafka broker
+//! that refuses a record failing its topic's schema while another topic takes the aggregate's next
+//! event.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::collections::BTreeMap;
@@ -8,20 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::testkit::sample_event;
+use outbox_core::NewEvent;
 use outbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RetryPolicy};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{PostgresStore, Writer};
+use outbox_tests::harness::{free_port, Sink};
 use outbox_tests::{check, write_rounds};
 use uuid::Uuid;
-
-/// The event ids the SQS consumer received, waiting up to `timeout` for `count`.
-async fn sqs_ids(fx: &outbox_sqs::testing::Fixture, count: usize, timeout: Duration) -> Vec<Uuid> {
-    fx.wait_for(count, timeout)
-        .await
-        .iter()
-        .filter_map(|d| d.received.event_id)
-        .collect()
-}
 
 fn config() -> RelayConfig {
     RelayConfig {
@@ -76,18 +71,14 @@ async fn rabbitmq_reject_publish_overflow_keeps_each_aggregate_in_order() {
     fx.cleanup().await;
 }
 
-/// One SQS `SendMessageBatch` in which the first event of an aggregate is refused by the endpoint (a
-/// delay of 1,000 s: moto fails that entry with InvalidParameterValue and accepts the others) and the
-/// second is fine. The second must not reach the queue while the first is refused: it waits behind
-/// the dead letter, and flows once the dead letter is discarded.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() {
+/// Writes `bad` (aggregate `x`, refused by the broker for good), then `x`'s next event and one of
+/// aggregate `y`, and relays them to `sink`. `y` flows; `bad` is dead-lettered with an error containing
+/// `error_names`; `x`'s next event must not reach the broker while `bad` is refused, and flows once the
+/// dead letter is discarded.
+async fn held_back_behind_a_refused_event(sink: &Sink, bad: NewEvent, error_names: &str) {
     let pg = pool(4).await;
     let table = fresh_table(&pg).await;
-    let fx = outbox_sqs::testing::Fixture::new(false).await;
     let writer = Writer::new(table.clone());
-    let mut bad = sample_event("x", 0);
-    bad.headers = BTreeMap::from([(outbox_sqs::DELAY_HEADER.to_string(), "1000".to_string())]);
     let mut tx = pg.begin().await.unwrap();
     let ids = writer
         .enqueue_many(
@@ -100,23 +91,21 @@ async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() 
     let (x1, x2, y1) = (ids[0], ids[1], ids[2]);
 
     let store = PostgresStore::new(pool(4).await, table.clone());
-    let publisher: Arc<dyn Publisher> = fx.publisher();
-    let relay = Relay::new(Arc::new(store.clone()), publisher, config()).unwrap();
+    let relay = Relay::new(Arc::new(store.clone()), sink.publisher(), config()).unwrap();
     let shutdown = CancellationToken::new();
     let s = shutdown.clone();
     let task = tokio::spawn(async move { relay.run(s).await });
 
-    // y flows; x1 is dead-lettered (the endpoint's refusal is permanent); x2 must not arrive.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let dead = store
             .dead_letters(&outbox_postgres::DeadLetterFilter::All, 10)
             .await
             .unwrap();
-        let got = sqs_ids(&fx, 1, Duration::from_millis(100)).await;
+        let got = sink.received(1, Duration::from_millis(100)).await;
         if dead.iter().any(|d| d.id == x1) && got.contains(&y1) {
             let error = dead[0].last_error.clone().unwrap_or_default();
-            assert!(error.contains("DelaySeconds"), "{error}");
+            assert!(error.contains(error_names), "{error}");
             break;
         }
         assert!(
@@ -125,10 +114,10 @@ async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() 
         );
     }
     // Give a wrongly sent x2 time to show up at the consumer.
-    let got = sqs_ids(&fx, 2, Duration::from_secs(2)).await;
+    let got = sink.received(2, Duration::from_secs(2)).await;
     assert!(
         !got.contains(&x2),
-        "x2 reached the queue while x1 was refused"
+        "x2 reached the broker while x1 was refused"
     );
     assert!(!got.contains(&x1));
 
@@ -137,9 +126,69 @@ async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() 
         .discard_dead_letters(&outbox_postgres::DeadLetterFilter::Ids(vec![x1]))
         .await
         .unwrap();
-    let got = sqs_ids(&fx, 2, Duration::from_secs(30)).await;
+    let got = sink.received(2, Duration::from_secs(30)).await;
     shutdown.cancel();
     task.await.unwrap();
-    assert_eq!(got.len(), 2, "{got:?}");
+    let left: Vec<(i32, Option<String>)> = sqlx::query_as(&format!(
+        "SELECT attempts, last_error FROM {} WHERE processed_at IS NULL",
+        table.qualified()
+    ))
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    assert_eq!(
+        got.len(),
+        2,
+        "received {got:?}; left in the outbox: {left:?}"
+    );
     assert!(got.contains(&x2) && got.contains(&y1), "{got:?}");
+}
+
+/// One SQS `SendMessageBatch` in which the endpoint refuses the first event of an aggregate (a delay of
+/// 1,000 s: moto fails that entry with InvalidParameterValue and accepts the others).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() {
+    let sink = Sink::Sqs(outbox_sqs::testing::Fixture::new(false).await);
+    let mut bad = sample_event("x", 0);
+    bad.headers = BTreeMap::from([(outbox_sqs::DELAY_HEADER.to_string(), "1000".to_string())]);
+    held_back_behind_a_refused_event(&sink, bad, "DelaySeconds").await;
+}
+
+/// A Kafka broker (a Tansu of the test's own, validating topic `strict` against a JSON schema) refuses
+/// the first event of an aggregate, bound for `strict`, as `InvalidRecord`, while the aggregate's next
+/// event is bound for another topic the broker accepts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate() {
+    let dir = std::env::temp_dir().join(format!("outbox-schemas-{}", Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("strict.json"),
+        r#"{"type": "object", "properties": {"value": {"type": "object", "required": ["n"]}}}"#,
+    )
+    .unwrap();
+    let port = free_port();
+    let mut tansu =
+        outbox_kafka::testing::spawn_tansu_with_schemas(port, &dir, std::process::Stdio::null());
+    let brokers = format!("127.0.0.1:{port}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(&brokers).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "Tansu did not start on {brokers}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _strict = outbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await;
+    let sink = Sink::Kafka(outbox_kafka::testing::Fixture::create_at(&brokers, "plain", 1).await);
+    let bad = NewEvent::new(
+        "order",
+        "x",
+        "order.created",
+        serde_json::json!({"nope": 1}),
+    )
+    .with_destination("strict");
+    held_back_behind_a_refused_event(&sink, bad, "validate").await;
+    let _ = tansu.kill();
+    let _ = tansu.wait();
+    let _ = std::fs::remove_dir_all(&dir);
 }

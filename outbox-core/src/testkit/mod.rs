@@ -119,6 +119,18 @@ pub fn spawn_tool(
     args: &[&str],
     stderr: std::process::Stdio,
 ) -> std::process::Child {
+    spawn_tool_in(None, env_var, name, what, args, stderr)
+}
+
+/// As [`spawn_tool`], running in `cwd` when given (for programs that take paths relative to it).
+pub fn spawn_tool_in(
+    cwd: Option<&std::path::Path>,
+    env_var: &str,
+    name: &str,
+    what: &str,
+    args: &[&str],
+    stderr: std::process::Stdio,
+) -> std::process::Child {
     let path = std::env::var_os(env_var)
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
@@ -132,7 +144,11 @@ pub fn spawn_tool(
          (it installs it under .tools/bin), or set {env_var} to the program",
         path.display()
     );
-    std::process::Command::new(&path)
+    let mut command = std::process::Command::new(&path);
+    if let Some(dir) = cwd {
+        command.current_dir(dir);
+    }
+    command
         .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(stderr)
