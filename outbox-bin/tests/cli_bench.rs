@@ -82,6 +82,10 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
     assert!(num(w, "with_noop_statement_tps") > 0.0);
     let expected_floor = 1.0 - num(w, "with_noop_statement_tps") / num(w, "without_outbox_tps");
     assert!((num(w, "noop_statement_overhead") - expected_floor).abs() < 1e-9);
+    assert!(num(w, "with_outbox_without_ordering_tps") > 0.0);
+    let expected_rule =
+        1.0 - num(w, "with_outbox_tps") / num(w, "with_outbox_without_ordering_tps");
+    assert!((num(w, "ordering_rule_overhead") - expected_rule).abs() < 1e-9);
 
     let drain = r["drain"].as_array().unwrap();
     let runs: Vec<(String, String, u64, u64)> = drain

@@ -255,6 +255,13 @@ pub struct WriterFigures {
     /// `1 - with_noop_statement / without`: the share of throughput the round trip alone costs, the
     /// floor of any insert made with a statement of its own.
     pub noop_statement_overhead: f64,
+    /// The same transactions with the outbox insert, the table's writer-order trigger disabled (the
+    /// per-aggregate lock and late `seq` of the ordering rule left out).
+    pub with_outbox_without_ordering_tps: f64,
+    /// `1 - with_outbox / with_outbox_without_ordering`: the share of the writer's throughput the
+    /// ordering rule costs when writers do not share aggregates (every transaction here writes its
+    /// own; writers of one aggregate also wait for each other, by design).
+    pub ordering_rule_overhead: f64,
 }
 
 /// One drain of a pre-filled backlog.
@@ -477,6 +484,16 @@ impl BenchReport {
                 s,
                 "  overhead of SELECT 1           {:>11.1}%   (the round trip alone)",
                 w.noop_statement_overhead * 100.0
+            );
+            let _ = writeln!(
+                s,
+                "  business tx/s, no ordering     {:>12.0}   (outbox insert, writer-order trigger off)",
+                w.with_outbox_without_ordering_tps
+            );
+            let _ = writeln!(
+                s,
+                "  overhead of the ordering rule  {:>11.1}%   (of the tx/s with outbox)",
+                w.ordering_rule_overhead * 100.0
             );
         }
         if !self.drain.is_empty() {
@@ -797,12 +814,30 @@ async fn writer_phase(
     )
     .await?;
     let pool = connect(url, o.writers as u32).await?;
-    let (mut without, mut with, mut noop) = (0.0, 0.0, 0.0);
+    let (mut without, mut with, mut noop, mut unordered) = (0.0, 0.0, 0.0, 0.0);
+    let trigger = format!(
+        "ALTER TABLE {} {{}} TRIGGER \"{}_writer_order\"",
+        table.qualified(),
+        table.table()
+    );
     // Alternating runs, so that drift in the machine's state affects every variant alike.
     for round in 1..=2 {
-        for extra in [Extra::None, Extra::Outbox, Extra::Noop] {
+        for extra in [
+            Extra::None,
+            Extra::Outbox,
+            Extra::Noop,
+            Extra::OutboxUnordered,
+        ] {
             exec(admin, &format!("TRUNCATE {orders}, {}", table.qualified())).await?;
-            let tps = writer_run(&pool, &orders, table, o, extra).await?;
+            let unordered_run = matches!(extra, Extra::OutboxUnordered);
+            if unordered_run {
+                exec(admin, &trigger.replace("{}", "DISABLE")).await?;
+            }
+            let run = writer_run(&pool, &orders, table, o, extra).await;
+            if unordered_run {
+                exec(admin, &trigger.replace("{}", "ENABLE")).await?;
+            }
+            let tps = run?;
             progress(&format!(
                 "writer: round {round}, {}: {tps:.0} tx/s",
                 extra.label()
@@ -811,6 +846,7 @@ async fn writer_phase(
                 Extra::None => without += tps / 2.0,
                 Extra::Outbox => with += tps / 2.0,
                 Extra::Noop => noop += tps / 2.0,
+                Extra::OutboxUnordered => unordered += tps / 2.0,
             }
         }
     }
@@ -822,6 +858,8 @@ async fn writer_phase(
         overhead: ratio(with, without).map_or(0.0, |r| 1.0 - r),
         with_noop_statement_tps: noop,
         noop_statement_overhead: ratio(noop, without).map_or(0.0, |r| 1.0 - r),
+        with_outbox_without_ordering_tps: unordered,
+        ordering_rule_overhead: ratio(with, unordered).map_or(0.0, |r| 1.0 - r),
     })
 }
 
@@ -832,6 +870,8 @@ enum Extra {
     Outbox,
     /// `SELECT 1`: the cost of one more statement round trip alone.
     Noop,
+    /// The outbox insert with the writer-order trigger disabled.
+    OutboxUnordered,
 }
 
 impl Extra {
@@ -840,6 +880,7 @@ impl Extra {
             Extra::None => "without outbox",
             Extra::Outbox => "with outbox",
             Extra::Noop => "with SELECT 1",
+            Extra::OutboxUnordered => "with outbox, no ordering trigger",
         }
     }
 }
@@ -880,7 +921,7 @@ async fn writer_run(
                     .map_err(|e| map_sqlx("bench", e))?;
                 match extra {
                     Extra::None => {}
-                    Extra::Outbox => {
+                    Extra::Outbox | Extra::OutboxUnordered => {
                         writer
                             .enqueue(
                                 &mut tx,
@@ -912,7 +953,7 @@ async fn writer_run(
         .await
         .map_err(|e| map_sqlx("bench", e))?;
     let expected = match extra {
-        Extra::Outbox => total,
+        Extra::Outbox | Extra::OutboxUnordered => total,
         Extra::None | Extra::Noop => 0,
     };
     if u64::try_from(events).ok() != Some(expected) {

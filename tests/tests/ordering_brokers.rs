@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox_core::testkit::sample_event;
 use outbox_core::NewEvent;
-use outbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RetryPolicy};
+use outbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{PostgresStore, Writer};
 use outbox_tests::harness::{free_port, Sink};

@@ -1,0 +1,124 @@
+//! One timeout budget: with the default settings, a Kafka broker that stalls longer than every
+//! timeout involved (SIGSTOP for 40 s, beyond `kafka.delivery_timeout` = 30 s) makes the publisher's
+//! own limit fire and its recovery run, never the relay's cut-off; nothing is dead-lettered and
+//! everything arrives, in order, once the broker is back.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_core::{
+    CancellationToken, Error, Event, FailureDecision, Relay, RelayConfig, RelayObserver,
+};
+use outbox_kafka::KafkaPublisher;
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::{DeadLetterFilter, PostgresStore};
+use outbox_tests::harness::free_port;
+use outbox_tests::{check, write_rounds};
+
+#[derive(Default)]
+struct Failures(Mutex<Vec<(String, FailureDecision)>>);
+
+impl RelayObserver for Failures {
+    fn event_failed(&self, _event: &Event, error: &Error, decision: FailureDecision) {
+        self.0.lock().unwrap().push((error.to_string(), decision));
+    }
+}
+
+fn signal(pid: u32, signal: &str) {
+    let ok = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {signal} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_letters() {
+    let port = free_port();
+    let mut tansu = outbox_kafka::testing::spawn_tansu(port, Stdio::null());
+    let brokers = format!("127.0.0.1:{port}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(&brokers).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "Tansu did not start on {brokers}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "stall", 1).await;
+    let pg = pool(4).await;
+    let table = fresh_table(&pg).await;
+
+    // Default settings everywhere but the addresses.
+    let publisher = Arc::new(KafkaPublisher::new(fx.config()).unwrap());
+    let store = PostgresStore::new(pool(4).await, table.clone());
+    let failures = Arc::new(Failures::default());
+    let relay = Relay::new(Arc::new(store.clone()), publisher, RelayConfig::default())
+        .unwrap()
+        .with_observer(failures.clone());
+    let shutdown = CancellationToken::new();
+    let s = shutdown.clone();
+    let task = tokio::spawn(async move { relay.run(s).await });
+
+    let mut committed = write_rounds(&table, 5, 2).await;
+    fx.wait_for(committed.len(), Duration::from_secs(60)).await;
+
+    // The broker stalls (its connections stay open, nothing is answered) for longer than the
+    // delivery timeout, while the service keeps writing.
+    signal(tansu.id(), "-STOP");
+    committed.extend(write_rounds(&table, 5, 2).await);
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    signal(tansu.id(), "-CONT");
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let verdict = loop {
+        let received: Vec<_> = fx
+            .wait_for(committed.len(), Duration::from_millis(500))
+            .await
+            .iter()
+            .filter_map(|d| d.received.event_id)
+            .collect();
+        let v = check(&committed, &received);
+        if v.lost == 0 || tokio::time::Instant::now() >= deadline {
+            break v;
+        }
+    };
+    shutdown.cancel();
+    task.await.unwrap();
+    let _ = tansu.kill();
+    let _ = tansu.wait();
+
+    let failures = failures.0.lock().unwrap().clone();
+    println!("{verdict}; {} failed attempts", failures.len());
+    assert!(
+        !failures.is_empty(),
+        "nothing failed during the stall: the test proved nothing"
+    );
+    let cut_short: Vec<_> = failures
+        .iter()
+        .filter(|(e, _)| e.contains("relay.publish_timeout"))
+        .collect();
+    assert!(
+        cut_short.is_empty(),
+        "the relay's timeout pre-empted the publisher's own: {cut_short:?}"
+    );
+    assert!(
+        failures
+            .iter()
+            .all(|(_, d)| *d != FailureDecision::DeadLetter),
+        "{failures:?}"
+    );
+    let dead = store
+        .dead_letters(&DeadLetterFilter::All, 10)
+        .await
+        .unwrap();
+    assert!(dead.is_empty(), "dead letters after a stall: {dead:?}");
+    assert_eq!(
+        (verdict.lost, verdict.order_violations),
+        (0, 0),
+        "{verdict}"
+    );
+}
