@@ -256,7 +256,10 @@ impl AmqpPublisher {
         let mut st = self.state.lock().await;
         if let Some(link) = st.link.take() {
             warn!(error = %reason, "dropping the RabbitMQ channel; the next batch reconnects");
-            let _ = link.connection.close(320, "outbox reconnect".into()).await;
+            // Bounded: a broker that stopped answering must not hold the publish call (see
+            // `call_limit`); dropping the connection closes its socket anyway.
+            let close = link.connection.close(320, "outbox reconnect".into());
+            let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
         }
     }
 
@@ -418,11 +421,13 @@ impl AmqpPublisher {
 #[async_trait]
 impl Publisher for AmqpPublisher {
     fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+        // Connecting, then checking per-event exchanges, each within amqp.connect_timeout; sends and
+        // confirms within amqp.confirm_timeout; the margin covers a reset's bounded close.
         let margin = Duration::from_secs(5);
         Some(outbox_core::CallLimit {
-            limit: self.config.connect_timeout + self.config.confirm_timeout + margin,
+            limit: self.config.connect_timeout * 2 + self.config.confirm_timeout + margin,
             settings: format!(
-                "amqp.connect_timeout {} + amqp.confirm_timeout {} + {}",
+                "2 x amqp.connect_timeout {} + amqp.confirm_timeout {} + {}",
                 outbox_core::duration::format(self.config.connect_timeout),
                 outbox_core::duration::format(self.config.confirm_timeout),
                 outbox_core::duration::format(margin)
@@ -444,7 +449,14 @@ impl Publisher for AmqpPublisher {
             .filter_map(|e| e.destination.clone())
             .filter(|d| *d != self.config.exchange)
             .collect();
-        let missing = self.check_exchanges(destinations).await;
+        // Bounded by amqp.connect_timeout: on a timeout nothing is reported missing, and a missing
+        // exchange then shows as a channel error of the publish itself.
+        let missing = tokio::time::timeout(
+            self.config.connect_timeout,
+            self.check_exchanges(destinations),
+        )
+        .await
+        .unwrap_or_default();
 
         // Send every message without waiting for its confirm. Each publish is polled once, in event
         // order, which hands its frames to the connection's I/O loop; the writes are then awaited

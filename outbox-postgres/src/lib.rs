@@ -39,6 +39,10 @@ pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, out
     connect_with(&config.url, config.pool_size, config.acquire_timeout).await
 }
 
+/// Run on every new connection of a pool opened here (see `connect_with`).
+const KEEPALIVES: &str =
+    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3";
+
 async fn connect_with(
     url: &str,
     max_connections: u32,
@@ -58,16 +62,18 @@ async fn connect_with(
         options.get_port(),
         options.get_database().unwrap_or("")
     );
-    // Server-side TCP keepalives: when the relay's host or network vanishes, the server notices
-    // within about 25 s and ends the session, so the heads it locked are claimable again (without
-    // them the kernel default keeps a dead peer's session, and its locks, for about two hours).
-    let options = options.options([
-        ("tcp_keepalives_idle", "10"),
-        ("tcp_keepalives_interval", "5"),
-        ("tcp_keepalives_count", "3"),
-    ]);
     PgPoolOptions::new()
         .max_connections(max_connections.max(1))
+        // Server-side TCP keepalives: when the relay's host or network vanishes, the server notices
+        // within about 25 s and ends the session, so the heads it locked are claimable again (with
+        // the kernel's defaults a dead peer's session, and its locks, last about two hours). Set
+        // once per connection rather than as startup options, which poolers such as PgBouncer refuse.
+        .after_connect(|conn, _meta| {
+            Box::pin(async move {
+                use sqlx::Executor;
+                conn.execute(sqlx::raw_sql(KEEPALIVES)).await.map(|_| ())
+            })
+        })
         .acquire_timeout(acquire_timeout)
         .connect_with(options)
         .await

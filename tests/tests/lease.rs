@@ -195,3 +195,21 @@ async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
         "the published event was sent again"
     );
 }
+
+/// The relay's connections ask the server for TCP keepalives, so that a relay whose host vanishes
+/// loses its sessions, and the aggregates they lock, in about 25 s rather than hours.
+#[tokio::test]
+async fn the_relays_connections_carry_server_side_keepalives() {
+    let relay_pool = outbox_postgres::connect(&database_url(), 2).await.unwrap();
+    for (setting, value) in [
+        ("tcp_keepalives_idle", "10"),
+        ("tcp_keepalives_interval", "5"),
+        ("tcp_keepalives_count", "3"),
+    ] {
+        let shown: String = sqlx::query_scalar(&format!("SHOW {setting}"))
+            .fetch_one(&relay_pool)
+            .await
+            .unwrap();
+        assert_eq!(shown, value, "{setting}");
+    }
+}
