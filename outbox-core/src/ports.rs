@@ -24,6 +24,11 @@ pub struct ClaimRequest {
     /// at least this long (PostgreSQL: the claim transaction outlives any shorter
     /// `idle_in_transaction_session_timeout` of the role or database).
     pub hold_for: Duration,
+    /// Spread the batch over as many aggregates as possible (each aggregate's run cut at an even
+    /// share of the batch) rather than taking long runs: the relay asks it when its publisher sends an
+    /// aggregate's later events one call apart ([`Publisher::keeps_order`] is false), so that a batch
+    /// over many aggregates goes in one call. A hint: a store may ignore it.
+    pub prefer_heads: bool,
 }
 
 /// A claimed batch: the events, and the lease that holds them until it is settled or released.
@@ -43,6 +48,7 @@ impl ClaimRequest {
             limit,
             ordering,
             hold_for: Self::DEFAULT_HOLD,
+            prefer_heads: false,
         }
     }
 
@@ -191,7 +197,7 @@ pub trait Publisher: Send + Sync {
     ///   broker where the publisher can prevent it (report them as retryable failures). The relay gives
     ///   them back unattempted in any case, and publishes them again after the failed event.
     /// - The relay hands one call two events of one aggregate only when [`Publisher::keeps_order`]
-    ///   says the broker itself keeps the later one behind the earlier one.
+    ///   says the broker itself keeps them in order.
     /// - Errors are classified: [`Error::is_retryable`] is true only when trying again may succeed.
     ///   An error for one event does not fail the others.
     /// - Must not panic on any event content; content the broker cannot carry is a permanent error
@@ -207,20 +213,20 @@ pub trait Publisher: Send + Sync {
     /// A short name for logs and metrics, such as `kafka`.
     fn name(&self) -> &str;
 
-    /// Whether `later` (an event of the same aggregate as `earlier`, after it) may travel in the same
-    /// call as `earlier`.
+    /// Whether the broker keeps an aggregate's events in order within one call: a later event of an
+    /// aggregate is never acknowledged when an earlier one of the same call was refused.
     ///
     /// # Behavior
-    /// - `true` only when the broker cannot acknowledge `later` unless it accepted `earlier`: for
-    ///   instance one Kafka partition under the idempotent producer with the gapless guarantee, where a
-    ///   rejected batch stops every later one; or a publisher that fails a whole call at once.
+    /// - `true` only when that holds for every event: a publisher that succeeds or fails a whole call
+    ///   at once (standard output, a discarding sink). The relay may then hand one call a whole run.
     /// - `false` (the default) when events can fail one by one, a later one acknowledged after an
-    ///   earlier one was refused (a RabbitMQ queue in `reject-publish` overflow nacks one message and
-    ///   acks the next; an SQS batch fails per entry; two Kafka topics). The relay then sends `later`
-    ///   only in a later call, once `earlier` is acknowledged, so the broker never holds an
-    ///   aggregate's later event ahead of an earlier one that may still fail.
-    fn keeps_order(&self, earlier: &Event, later: &Event) -> bool {
-        let _ = (earlier, later);
+    ///   earlier one was refused: a RabbitMQ queue in `reject-publish` overflow nacks one message and
+    ///   acks the next; an SQS batch fails per entry; Kafka refuses a record of one topic while another
+    ///   takes the next event, and its gapless guarantee does not cover messages timing out in the
+    ///   producer's queue. The relay then sends a later event of an aggregate only in a later call,
+    ///   once the earlier one is acknowledged, and claims batches spread over as many aggregates as it
+    ///   can ([`ClaimRequest::prefer_heads`]).
+    fn keeps_order(&self) -> bool {
         false
     }
 

@@ -161,7 +161,7 @@ impl Publisher for JsonLinesPublisher {
     }
 
     /// A call is written with one `write_all`: it succeeds or fails as a whole.
-    fn keeps_order(&self, _earlier: &Event, _later: &Event) -> bool {
+    fn keeps_order(&self) -> bool {
         true
     }
 }

@@ -152,12 +152,15 @@ impl RelayConfig {
             .saturating_add(Duration::from_secs(10))
     }
 
-    /// The claim request this relay sends: `batch_size`, `ordering` and [`RelayConfig::hold_for`].
-    pub fn claim_request(&self) -> ClaimRequest {
+    /// The claim request a relay with these settings sends to drive `publisher`: `batch_size`,
+    /// `ordering`, [`RelayConfig::hold_for`], and heads preferred when the publisher sends an
+    /// aggregate's later events one call apart.
+    pub fn claim_request(&self, publisher: &dyn Publisher) -> ClaimRequest {
         ClaimRequest {
             limit: self.batch_size,
             ordering: self.ordering,
             hold_for: self.hold_for(),
+            prefer_heads: self.ordering == OrderingPolicy::PerAggregate && !publisher.keeps_order(),
         }
     }
 }
@@ -411,7 +414,7 @@ impl Relay {
 
     async fn run_inner(&self, shutdown: CancellationToken, until_idle: bool) -> RelaySummary {
         let cfg = &self.shared.config;
-        let request = cfg.claim_request();
+        let request = cfg.claim_request(self.shared.publisher.as_ref());
         let permits = Arc::new(Semaphore::new(cfg.max_in_flight));
         let mut tasks: JoinSet<()> = JoinSet::new();
         let mut idle_pause = cfg.min_poll_interval;
@@ -587,27 +590,24 @@ async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphore
     shared.observer.batch_settled(&report);
 }
 
-/// The call each event travels in: the first event of each aggregate in call 0; a later one in the
-/// call of the aggregate's previous event when the publisher keeps the two in order, else in the next.
-/// Under [`OrderingPolicy::Unordered`] every event is in call 0.
+/// The call each event travels in: its position in its aggregate's run (0 for the first) when the
+/// publisher cannot keep an aggregate's events in order within a call, else 0. Under
+/// [`OrderingPolicy::Unordered`] every event is in call 0.
 fn calls_of(publisher: &dyn Publisher, events: &[Event], ordering: OrderingPolicy) -> Vec<usize> {
-    let mut call = vec![0usize; events.len()];
-    if ordering == OrderingPolicy::Unordered {
-        return call;
+    if ordering == OrderingPolicy::Unordered || publisher.keeps_order() {
+        return vec![0; events.len()];
     }
-    let mut last: HashMap<(&str, &str), usize> = HashMap::new();
-    for (i, event) in events.iter().enumerate() {
-        let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
-        if let Some(&j) = last.get(&key) {
-            call[i] = if publisher.keeps_order(&events[j], event) {
-                call[j]
-            } else {
-                call[j] + 1
-            };
-        }
-        last.insert(key, i);
-    }
-    call
+    let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
+    events
+        .iter()
+        .map(|event| {
+            let n = seen
+                .entry((event.aggregate_type.as_str(), event.aggregate_id.as_str()))
+                .or_insert(0);
+            *n += 1;
+            *n - 1
+        })
+        .collect()
 }
 
 /// One publish call, bounded by `relay.publish_timeout`; checks the publisher returned one outcome

@@ -80,7 +80,7 @@ impl Publisher for DiscardPublisher {
         "discard"
     }
 
-    fn keeps_order(&self, _earlier: &Event, _later: &Event) -> bool {
+    fn keeps_order(&self) -> bool {
         true
     }
 }
@@ -1626,7 +1626,7 @@ async fn claim_phase(
 /// Times `claim_samples` claims of a batch (each released again), after a few for warm-up; returns
 /// the median and the 95th percentile in milliseconds.
 async fn time_claims(store: &PostgresStore, o: &BenchOptions) -> Result<(f64, f64), Error> {
-    let request = o.relay.claim_request();
+    let request = o.relay.claim_request(&DiscardPublisher);
     let mut ms = Vec::with_capacity(o.claim_samples);
     for i in 0..o.claim_samples + 5 {
         let started = Instant::now();

@@ -316,12 +316,14 @@ fn runs_from_heads(
 
 /// The most rows read per aggregate in one claim: twice an even share of the batch, so that a batch
 /// still fills when some runs are short, while a claim never reads more than about two batches of rows
-/// however long the runs behind the heads are. Taking fewer rows of a run is always safe: the rest
-/// stays for the next claim, behind the same head.
-fn run_cap(limit: i64, heads: usize) -> i64 {
+/// however long the runs behind the heads are; an even share when heads are preferred
+/// (`ClaimRequest::prefer_heads`: every further event of a run costs the publisher one more call).
+/// Taking fewer rows of a run is always safe: the rest stays for the next claim, behind the same head.
+fn run_cap(limit: i64, heads: usize, prefer_heads: bool) -> i64 {
     let heads = i64::try_from(heads.max(1)).unwrap_or(i64::MAX);
     let share = (limit + heads - 1) / heads;
-    share.saturating_mul(2).clamp(1, limit.max(1))
+    let factor = if prefer_heads { 1 } else { 2 };
+    share.saturating_mul(factor).clamp(1, limit.max(1))
 }
 
 /// Headers as stored: a JSON object. Non-string values (from plain-SQL writers) keep their JSON text;
@@ -560,7 +562,7 @@ impl Store for PostgresStore {
                         .bind(&types)
                         .bind(&ids)
                         .bind(limit)
-                        .bind(run_cap(limit, heads.len()))
+                        .bind(run_cap(limit, heads.len(), request.prefer_heads))
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(|e| map_sqlx("claim", e))?;
@@ -1059,10 +1061,13 @@ mod tests {
 
     #[test]
     fn runs_are_cut_at_twice_an_even_share_of_the_batch() {
-        assert_eq!(run_cap(500, 500), 2);
-        assert_eq!(run_cap(500, 1), 500);
-        assert_eq!(run_cap(500, 3), 334);
-        assert_eq!(run_cap(500, 0), 500);
-        assert_eq!(run_cap(1, 7), 1);
+        assert_eq!(run_cap(500, 500, false), 2);
+        assert_eq!(run_cap(500, 1, false), 500);
+        assert_eq!(run_cap(500, 3, false), 334);
+        assert_eq!(run_cap(500, 0, false), 500);
+        assert_eq!(run_cap(1, 7, false), 1);
+        assert_eq!(run_cap(500, 500, true), 1);
+        assert_eq!(run_cap(500, 3, true), 167);
+        assert_eq!(run_cap(500, 1, true), 500);
     }
 }

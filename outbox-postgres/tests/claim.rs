@@ -326,3 +326,45 @@ async fn plans_made_while_the_outbox_was_empty_stay_cheap_once_a_backlog_builds_
         "one claim of 500 read {read} buffers of a 20,000-row outbox"
     );
 }
+
+/// When the relay's publisher sends an aggregate's later events one call apart, it asks for heads:
+/// a batch over many aggregates then holds one event of each (one publisher call), where by default
+/// it takes runs of up to twice an even share.
+#[tokio::test]
+async fn preferring_heads_spreads_a_batch_over_as_many_aggregates_as_it_can() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    // Aggregate after aggregate, so that in seq order each head is followed by its own run.
+    sqlx::query(&format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'a' || a, 'e' || r, '{{}}'::jsonb
+         FROM generate_series(0, 19) a, generate_series(1, 5) r ORDER BY a, r",
+        table.qualified()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    let default = store.claim(strict(10)).await.unwrap();
+    assert_eq!(default.events.len(), 10);
+    assert_eq!(
+        aggregates(&default.events).len(),
+        5,
+        "runs of two by default"
+    );
+    default.lease.release().await.unwrap();
+    let heads = store
+        .claim(ClaimRequest {
+            prefer_heads: true,
+            ..strict(10)
+        })
+        .await
+        .unwrap();
+    assert_eq!(heads.events.len(), 10);
+    assert_eq!(
+        aggregates(&heads.events).len(),
+        10,
+        "one event per aggregate"
+    );
+    heads.lease.release().await.unwrap();
+}

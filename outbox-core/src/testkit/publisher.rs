@@ -191,7 +191,7 @@ impl Publisher for ScriptedPublisher {
 
     /// With fencing (the default), a failure stops the later events of its aggregate in the call, as
     /// an order-keeping broker would; without it, each event has its own outcome.
-    fn keeps_order(&self, _earlier: &Event, _later: &Event) -> bool {
+    fn keeps_order(&self) -> bool {
         !self.unfenced.load(Ordering::Relaxed)
     }
 }
