@@ -24,11 +24,6 @@ pub struct ClaimRequest {
     /// at least this long (PostgreSQL: the claim transaction outlives any shorter
     /// `idle_in_transaction_session_timeout` of the role or database).
     pub hold_for: Duration,
-    /// Spread the batch over as many aggregates as possible (each aggregate's run cut at an even
-    /// share of the batch) rather than taking long runs: the relay asks it when its publisher sends an
-    /// aggregate's later events one call apart ([`Publisher::keeps_order`] is false), so that a batch
-    /// over many aggregates goes in one call. A hint: a store may ignore it.
-    pub prefer_heads: bool,
 }
 
 /// A claimed batch: the events, and the lease that holds them until it is settled or released.
@@ -48,7 +43,6 @@ impl ClaimRequest {
             limit,
             ordering,
             hold_for: Self::DEFAULT_HOLD,
-            prefer_heads: false,
         }
     }
 
@@ -224,8 +218,7 @@ pub trait Publisher: Send + Sync {
     ///   acks the next; an SQS batch fails per entry; Kafka refuses a record of one topic while another
     ///   takes the next event, and its gapless guarantee does not cover messages timing out in the
     ///   producer's queue. The relay then sends a later event of an aggregate only in a later call,
-    ///   once the earlier one is acknowledged, and claims batches spread over as many aggregates as it
-    ///   can ([`ClaimRequest::prefer_heads`]).
+    ///   once the earlier one is acknowledged.
     fn keeps_order(&self) -> bool {
         false
     }

@@ -152,15 +152,12 @@ impl RelayConfig {
             .saturating_add(Duration::from_secs(10))
     }
 
-    /// The claim request a relay with these settings sends to drive `publisher`: `batch_size`,
-    /// `ordering`, [`RelayConfig::hold_for`], and heads preferred when the publisher sends an
-    /// aggregate's later events one call apart.
-    pub fn claim_request(&self, publisher: &dyn Publisher) -> ClaimRequest {
+    /// The claim request this relay sends: `batch_size`, `ordering` and [`RelayConfig::hold_for`].
+    pub fn claim_request(&self) -> ClaimRequest {
         ClaimRequest {
             limit: self.batch_size,
             ordering: self.ordering,
             hold_for: self.hold_for(),
-            prefer_heads: self.ordering == OrderingPolicy::PerAggregate && !publisher.keeps_order(),
         }
     }
 }
@@ -414,7 +411,7 @@ impl Relay {
 
     async fn run_inner(&self, shutdown: CancellationToken, until_idle: bool) -> RelaySummary {
         let cfg = &self.shared.config;
-        let request = cfg.claim_request(self.shared.publisher.as_ref());
+        let request = cfg.claim_request();
         let permits = Arc::new(Semaphore::new(cfg.max_in_flight));
         let mut tasks: JoinSet<()> = JoinSet::new();
         let mut idle_pause = cfg.min_poll_interval;

@@ -149,12 +149,12 @@ impl KafkaPublisher {
     async fn recover(&self, producer: &FutureProducer, all_timed_out: bool, session_lost: bool) {
         if let Some((code, reason)) = producer.client().fatal_error() {
             error!(code = ?code, reason = %reason, "the Kafka producer failed fatally; creating a new one");
-            self.replace_producer();
+            self.replace_producer(producer);
             return;
         }
         if session_lost {
             warn!("the Kafka broker refused the producer's idempotence session (fenced, unknown producer id or sequence); creating a new producer");
-            self.replace_producer();
+            self.replace_producer(producer);
             return;
         }
         if !all_timed_out {
@@ -169,19 +169,31 @@ impl KafkaPublisher {
                 "the Kafka producer makes no progress while the brokers answer; creating a new one"
             );
             self.stalled_batches.store(0, Ordering::Relaxed);
-            self.replace_producer();
+            self.replace_producer(producer);
         }
     }
 
-    fn replace_producer(&self) {
+    /// Replaces `used` (the producer a call found failing) with a new one, unless another call
+    /// replaced it already: several batches in flight on a failed producer make one new producer,
+    /// not one each (which would discard the producer newer batches already use).
+    fn replace_producer(&self, used: &FutureProducer) {
+        let mut current = match self.producer.lock() {
+            Ok(p) => p,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if current.client().native_ptr() != used.client().native_ptr() {
+            return;
+        }
         match create_producer(&self.config) {
-            Ok(fresh) => {
-                if let Ok(mut p) = self.producer.lock() {
-                    *p = fresh;
-                }
-            }
+            Ok(fresh) => *current = fresh,
             Err(e) => error!(error = %e, "cannot create a new Kafka producer"),
         }
+    }
+
+    /// How long a metadata request of [`Publisher::check`] may take (also run by a call that finds
+    /// the producer stalled).
+    fn check_timeout(&self) -> Duration {
+        self.config.delivery_timeout.min(Duration::from_secs(10))
     }
 
     /// The settings in force.
@@ -206,12 +218,16 @@ impl KafkaPublisher {
 impl Publisher for KafkaPublisher {
     fn call_limit(&self) -> Option<outbox_core::CallLimit> {
         Some(outbox_core::CallLimit {
-            limit: self.config.enqueue_timeout + self.config.delivery_timeout + REPORT_MARGIN,
+            limit: self.config.enqueue_timeout
+                + self.config.delivery_timeout
+                + REPORT_MARGIN
+                + self.check_timeout(),
             settings: format!(
-                "kafka.enqueue_timeout {} + kafka.delivery_timeout {} + {}",
+                "kafka.enqueue_timeout {} + kafka.delivery_timeout {} + {} + a stalled producer's metadata check {}",
                 outbox_core::duration::format(self.config.enqueue_timeout),
                 outbox_core::duration::format(self.config.delivery_timeout),
-                outbox_core::duration::format(REPORT_MARGIN)
+                outbox_core::duration::format(REPORT_MARGIN),
+                outbox_core::duration::format(self.check_timeout())
             ),
         })
     }
@@ -307,7 +323,7 @@ impl Publisher for KafkaPublisher {
 
     async fn check(&self) -> Result<(), Error> {
         let producer = self.producer();
-        let timeout = self.config.delivery_timeout.min(Duration::from_secs(10));
+        let timeout = self.check_timeout();
         tokio::task::spawn_blocking(move || {
             producer.client().fetch_metadata(None, timeout).map(|_| ())
         })

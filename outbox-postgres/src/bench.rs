@@ -1413,6 +1413,14 @@ impl Publisher for AckClock {
     fn name(&self) -> &str {
         self.inner.name()
     }
+
+    fn keeps_order(&self) -> bool {
+        self.inner.keeps_order()
+    }
+
+    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+        self.inner.call_limit()
+    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -1626,7 +1634,7 @@ async fn claim_phase(
 /// Times `claim_samples` claims of a batch (each released again), after a few for warm-up; returns
 /// the median and the 95th percentile in milliseconds.
 async fn time_claims(store: &PostgresStore, o: &BenchOptions) -> Result<(f64, f64), Error> {
-    let request = o.relay.claim_request(&DiscardPublisher);
+    let request = o.relay.claim_request();
     let mut ms = Vec::with_capacity(o.claim_samples);
     for i in 0..o.claim_samples + 5 {
         let started = Instant::now();

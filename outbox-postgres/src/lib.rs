@@ -67,7 +67,9 @@ async fn connect_with(
         // Server-side TCP keepalives: when the relay's host or network vanishes, the server notices
         // within about 25 s and ends the session, so the heads it locked are claimable again (with
         // the kernel's defaults a dead peer's session, and its locks, last about two hours). Set
-        // once per connection rather than as startup options, which poolers such as PgBouncer refuse.
+        // once per connection (startup options are refused by some poolers). They guard the
+        // server's own socket: behind a session pooler that is the pooler's connection, whose own
+        // keepalives then guard the relay's side.
         .after_connect(|conn, _meta| {
             Box::pin(async move {
                 use sqlx::Executor;

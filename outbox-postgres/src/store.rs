@@ -34,8 +34,11 @@ struct Sql {
     claim_runs: String,
     claim_unordered: String,
     settle: String,
-    /// Locks the rows of a lost lease that no other lease holds (see `PgLease::settle`).
+    /// Locks the heads of a lost lease's aggregates that no other lease holds, and returns the
+    /// lease's rows of those aggregates (see `PgLease::settle`).
     lock_free: String,
+    /// The same for unordered claims: locks the lost lease's rows no other lease holds.
+    lock_free_rows: String,
 }
 
 pub(crate) const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
@@ -162,19 +165,25 @@ impl Sql {
         let claim_skip_first = skip("");
         let claim_skip_after = skip("AND (a.aggregate_type, a.aggregate_id) > ($4, $5)");
         // Each aggregate's run is read from its index in seq order and cut at $4 rows, so the cost
-        // of a claim follows the batch size, not the length of the backlog behind each head.
+        // of a claim follows the batch size, not the length of the backlog behind each head. The
+        // batch is cut at $3 rows by position in the run first (every locked head's first row, then
+        // every second row...), so no locked aggregate is held without being published, and a batch
+        // spreads over as many aggregates as it can (a publisher that sends an aggregate's later
+        // events one call apart then sends most batches in one call). The store puts the rows back
+        // in seq order.
         let claim_runs = format!(
             "SELECT r.* FROM UNNEST($1::text[], $2::text[]) AS h(aggregate_type, aggregate_id)
             CROSS JOIN LATERAL (
                 SELECT {EVENT_COLUMNS}, e.seq,
-                    (e.dead_lettered_at IS NULL AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())) AS ready
+                    (e.dead_lettered_at IS NULL AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())) AS ready,
+                    row_number() OVER (ORDER BY e.seq) AS run_pos
                 FROM {t} e
                 WHERE e.aggregate_type = h.aggregate_type AND e.aggregate_id = h.aggregate_id
                   AND e.processed_at IS NULL
                 ORDER BY e.seq
                 LIMIT $4
             ) r
-            ORDER BY r.seq
+            ORDER BY r.run_pos, r.seq
             LIMIT $3"
         );
         let claim_unordered = format!(
@@ -224,8 +233,13 @@ impl Sql {
             SELECT e.id FROM {t} e JOIN heads USING (aggregate_type, aggregate_id)
             WHERE e.id = ANY($1::uuid[]) AND e.processed_at IS NULL"
         );
+        // Under unordered claims a lease locks its rows themselves; so does the lost lease's settle.
+        let lock_free_rows = format!(
+            "SELECT id FROM {t} WHERE id = ANY($1::uuid[]) AND processed_at IS NULL FOR UPDATE SKIP LOCKED"
+        );
         Sql {
             lock_free,
+            lock_free_rows,
             claim_heads,
             claim_skip_first,
             claim_skip_after,
@@ -316,14 +330,12 @@ fn runs_from_heads(
 
 /// The most rows read per aggregate in one claim: twice an even share of the batch, so that a batch
 /// still fills when some runs are short, while a claim never reads more than about two batches of rows
-/// however long the runs behind the heads are; an even share when heads are preferred
-/// (`ClaimRequest::prefer_heads`: every further event of a run costs the publisher one more call).
-/// Taking fewer rows of a run is always safe: the rest stays for the next claim, behind the same head.
-fn run_cap(limit: i64, heads: usize, prefer_heads: bool) -> i64 {
+/// however long the runs behind the heads are. Taking fewer rows of a run is always safe: the rest
+/// stays for the next claim, behind the same head.
+fn run_cap(limit: i64, heads: usize) -> i64 {
     let heads = i64::try_from(heads.max(1)).unwrap_or(i64::MAX);
     let share = (limit + heads - 1) / heads;
-    let factor = if prefer_heads { 1 } else { 2 };
-    share.saturating_mul(factor).clamp(1, limit.max(1))
+    share.saturating_mul(2).clamp(1, limit.max(1))
 }
 
 /// Headers as stored: a JSON object. Non-string values (from plain-SQL writers) keep their JSON text;
@@ -558,14 +570,21 @@ impl Store for PostgresStore {
                         ids.push(head.key.1.clone());
                         head_seq.insert(head.key.clone(), head.seq);
                     }
-                    let rows = sqlx::query(&self.sql.claim_runs)
+                    let mut rows = sqlx::query(&self.sql.claim_runs)
                         .bind(&types)
                         .bind(&ids)
                         .bind(limit)
-                        .bind(run_cap(limit, heads.len(), request.prefer_heads))
+                        .bind(run_cap(limit, heads.len()))
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(|e| map_sqlx("claim", e))?;
+                    let mut keyed = Vec::with_capacity(rows.len());
+                    for row in rows.drain(..) {
+                        let seq: i64 = row.try_get("seq").map_err(|e| map_sqlx("claim", e))?;
+                        keyed.push((seq, row));
+                    }
+                    keyed.sort_by_key(|(seq, _)| *seq);
+                    let rows: Vec<PgRow> = keyed.into_iter().map(|(_, row)| row).collect();
                     runs_from_heads(&rows, &head_seq)?
                 }
             }
@@ -585,6 +604,7 @@ impl Store for PostgresStore {
                 ids,
                 sql: self.sql.clone(),
                 pool: self.pool.clone(),
+                ordering: request.ordering,
             }),
         })
     }
@@ -654,6 +674,8 @@ struct PgLease {
     ids: Vec<Uuid>,
     sql: Arc<Sql>,
     pool: PgPool,
+    /// How the batch was claimed: what owning a row means for a lost lease's settle.
+    ordering: OrderingPolicy,
 }
 
 /// The settlement statement's arguments.
@@ -760,16 +782,26 @@ impl SettleArgs {
 }
 
 /// Settles a lost lease's outcomes outside it (the claiming session died: killed, timed out, or its
-/// connection dropped, so its locks are gone): for each of its aggregates whose head (oldest
-/// unprocessed row) is one of its rows and no other lease holds, that head is locked and the lease's
-/// rows of the aggregate are settled, in a transaction of their own; aggregates another lease took
-/// since are left to it. Without this, an event whose every publish outlived its lease
+/// connection dropped, so its locks are gone), in a transaction of its own, for what it can own again
+/// as a claim would: under per-aggregate ordering, each of its aggregates whose head (oldest
+/// unprocessed row) is one of its rows and no other lease holds (that head is locked, and the lease's
+/// rows of the aggregate are settled); unordered, each of its rows no other lease holds. What another
+/// lease took since is left to it. Without this, an event whose every publish outlived its lease
 /// would be retried for ever with its attempts never counted, and published events would all be sent
 /// again. Returns how many rows were settled.
-async fn settle_lost_lease(pool: &PgPool, sql: &Sql, mut args: SettleArgs) -> Result<usize, Error> {
+async fn settle_lost_lease(
+    pool: &PgPool,
+    sql: &Sql,
+    ordering: OrderingPolicy,
+    mut args: SettleArgs,
+) -> Result<usize, Error> {
     let map = |e| map_sqlx("settle", e);
     let mut tx = pool.begin().await.map_err(map)?;
-    let free: HashSet<Uuid> = sqlx::query_scalar::<_, Uuid>(&sql.lock_free)
+    let lock = match ordering {
+        OrderingPolicy::PerAggregate => &sql.lock_free,
+        OrderingPolicy::Unordered => &sql.lock_free_rows,
+    };
+    let free: HashSet<Uuid> = sqlx::query_scalar::<_, Uuid>(lock)
         .bind(args.ids())
         .fetch_all(&mut *tx)
         .await
@@ -794,6 +826,7 @@ impl Lease for PgLease {
             ids,
             sql,
             pool,
+            ordering,
         } = *self;
         let mine: HashSet<Uuid> = ids.into_iter().collect();
         let args = SettleArgs::new(settlements, &mine);
@@ -808,7 +841,7 @@ impl Lease for PgLease {
             Ok(()) => Ok(()),
             Err(lost) if lost.kind() == ErrorKind::Connection => {
                 let total = args.ids().len();
-                match settle_lost_lease(&pool, &sql, args).await {
+                match settle_lost_lease(&pool, &sql, ordering, args).await {
                     Ok(n) => {
                         tracing::warn!(
                             error = %lost,
@@ -1061,13 +1094,10 @@ mod tests {
 
     #[test]
     fn runs_are_cut_at_twice_an_even_share_of_the_batch() {
-        assert_eq!(run_cap(500, 500, false), 2);
-        assert_eq!(run_cap(500, 1, false), 500);
-        assert_eq!(run_cap(500, 3, false), 334);
-        assert_eq!(run_cap(500, 0, false), 500);
-        assert_eq!(run_cap(1, 7, false), 1);
-        assert_eq!(run_cap(500, 500, true), 1);
-        assert_eq!(run_cap(500, 3, true), 167);
-        assert_eq!(run_cap(500, 1, true), 500);
+        assert_eq!(run_cap(500, 500), 2);
+        assert_eq!(run_cap(500, 1), 500);
+        assert_eq!(run_cap(500, 3), 334);
+        assert_eq!(run_cap(500, 0), 500);
+        assert_eq!(run_cap(1, 7), 1);
     }
 }

@@ -327,11 +327,12 @@ async fn plans_made_while_the_outbox_was_empty_stay_cheap_once_a_backlog_builds_
     );
 }
 
-/// When the relay's publisher sends an aggregate's later events one call apart, it asks for heads:
-/// a batch over many aggregates then holds one event of each (one publisher call), where by default
-/// it takes runs of up to twice an even share.
+/// A batch is cut by position in the runs first: every locked head's first event, then every second
+/// event, and so on. No locked aggregate is held without being published, and a batch over many
+/// aggregates holds one event of each (a publisher that sends an aggregate's later events one call
+/// apart then sends it in one call).
 #[tokio::test]
-async fn preferring_heads_spreads_a_batch_over_as_many_aggregates_as_it_can() {
+async fn a_batch_takes_every_locked_heads_first_event_before_any_second_one() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
     // Aggregate after aggregate, so that in seq order each head is followed by its own run.
@@ -345,26 +346,40 @@ async fn preferring_heads_spreads_a_batch_over_as_many_aggregates_as_it_can() {
     .await
     .unwrap();
     let store = PostgresStore::new(pool.clone(), table.clone());
-    let default = store.claim(strict(10)).await.unwrap();
-    assert_eq!(default.events.len(), 10);
+    let batch = store.claim(strict(10)).await.unwrap();
+    assert_eq!(batch.events.len(), 10);
     assert_eq!(
-        aggregates(&default.events).len(),
-        5,
-        "runs of two by default"
-    );
-    default.lease.release().await.unwrap();
-    let heads = store
-        .claim(ClaimRequest {
-            prefer_heads: true,
-            ..strict(10)
-        })
-        .await
-        .unwrap();
-    assert_eq!(heads.events.len(), 10);
-    assert_eq!(
-        aggregates(&heads.events).len(),
+        aggregates(&batch.events).len(),
         10,
-        "one event per aggregate"
+        "one event per locked head"
     );
-    heads.lease.release().await.unwrap();
+    batch.lease.release().await.unwrap();
+    // Six aggregates for a batch of 10: each first event, then four second ones, in seq order.
+    let table = fresh_table(&pool).await;
+    sqlx::query(&format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'a' || a, 'e' || r, '{{}}'::jsonb
+         FROM generate_series(0, 5) a, generate_series(1, 5) r ORDER BY a, r",
+        table.qualified()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    let batch = store.claim(strict(10)).await.unwrap();
+    assert_eq!(batch.events.len(), 10);
+    assert_eq!(
+        aggregates(&batch.events).len(),
+        6,
+        "every locked head published"
+    );
+    let seqs: Vec<String> = batch
+        .events
+        .iter()
+        .map(|e| format!("{}/{}", e.aggregate_id, e.event_type))
+        .collect();
+    let mut sorted = seqs.clone();
+    sorted.sort();
+    assert_eq!(seqs, sorted, "events come back in seq order: {seqs:?}");
+    batch.lease.release().await.unwrap();
 }

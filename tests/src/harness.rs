@@ -822,3 +822,20 @@ pub async fn committed_by_seq(pg: &sqlx::PgPool, table: &OutboxTable) -> Vec<(St
     .await
     .unwrap()
 }
+
+/// A server process a test started itself: killed (even when stopped with SIGSTOP) and reaped when
+/// dropped, so a failing test leaves nothing running.
+pub struct OwnedProcess(pub Child);
+
+impl OwnedProcess {
+    pub fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for OwnedProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

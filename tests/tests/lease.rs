@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::testkit::{sample_event, Behavior, ScriptedPublisher};
-use outbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy};
+use outbox_core::{CancellationToken, OrderingPolicy, Relay, RelayConfig, RetryPolicy};
 use outbox_postgres::testing::{database_url, fresh_table, pool};
 use outbox_postgres::{OutboxTable, PostgresStore, Writer};
 use sqlx::{PgPool, Row};
@@ -125,6 +125,16 @@ async fn a_roles_short_idle_timeout_does_not_end_a_lease_during_a_publish() {
 /// sent again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
+    lease_lost_mid_publish(OrderingPolicy::PerAggregate).await;
+}
+
+/// The same with unordered claims, whose leases lock every row rather than aggregates' heads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unordered_lease_lost_mid_publish_still_counts_its_outcomes() {
+    lease_lost_mid_publish(OrderingPolicy::Unordered).await;
+}
+
+async fn lease_lost_mid_publish(ordering: OrderingPolicy) {
     let admin = pool(2).await;
     let table = fresh_table(&admin).await;
     let ids = write(&admin, &table, &["bad", "good"]).await;
@@ -132,7 +142,11 @@ async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
     publisher.on_event(ids[0], Behavior::FailPermanent);
     publisher.set_latency(Duration::from_secs(2));
     let store = PostgresStore::new(pool(4).await, table.clone());
-    let relay = Relay::new(Arc::new(store), publisher.clone(), config(1)).unwrap();
+    let cfg = RelayConfig {
+        ordering,
+        ..config(1)
+    };
+    let relay = Relay::new(Arc::new(store), publisher.clone(), cfg).unwrap();
     let shutdown = CancellationToken::new();
     let s = shutdown.clone();
     let task = tokio::spawn(async move { relay.run(s).await });
@@ -201,6 +215,14 @@ async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
 #[tokio::test]
 async fn the_relays_connections_carry_server_side_keepalives() {
     let relay_pool = outbox_postgres::connect(&database_url(), 2).await.unwrap();
+    let over_tcp: bool = sqlx::query_scalar("SELECT inet_client_addr() IS NOT NULL")
+        .fetch_one(&relay_pool)
+        .await
+        .unwrap();
+    assert!(
+        over_tcp,
+        "this test needs DATABASE_URL to reach the server over TCP (keepalives do not apply to a Unix socket)"
+    );
     for (setting, value) in [
         ("tcp_keepalives_idle", "10"),
         ("tcp_keepalives_interval", "5"),

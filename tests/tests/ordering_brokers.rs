@@ -14,7 +14,7 @@ use outbox_core::NewEvent;
 use outbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{PostgresStore, Writer};
-use outbox_tests::harness::{free_port, Sink};
+use outbox_tests::harness::{free_port, OwnedProcess, Sink};
 use outbox_tests::{check, write_rounds};
 use uuid::Uuid;
 
@@ -167,8 +167,11 @@ async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate(
     )
     .unwrap();
     let port = free_port();
-    let mut tansu =
-        outbox_kafka::testing::spawn_tansu_with_schemas(port, &dir, std::process::Stdio::null());
+    let _tansu = OwnedProcess(outbox_kafka::testing::spawn_tansu_with_schemas(
+        port,
+        &dir,
+        std::process::Stdio::null(),
+    ));
     let brokers = format!("127.0.0.1:{port}");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while std::net::TcpStream::connect(&brokers).is_err() {
@@ -188,7 +191,5 @@ async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate(
     )
     .with_destination("strict");
     held_back_behind_a_refused_event(&sink, bad, "validate").await;
-    let _ = tansu.kill();
-    let _ = tansu.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -14,7 +14,7 @@ use outbox_core::{
 use outbox_kafka::KafkaPublisher;
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{DeadLetterFilter, PostgresStore};
-use outbox_tests::harness::free_port;
+use outbox_tests::harness::{free_port, OwnedProcess};
 use outbox_tests::{check, write_rounds};
 
 #[derive(Default)]
@@ -38,7 +38,7 @@ fn signal(pid: u32, signal: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_letters() {
     let port = free_port();
-    let mut tansu = outbox_kafka::testing::spawn_tansu(port, Stdio::null());
+    let tansu = OwnedProcess(outbox_kafka::testing::spawn_tansu(port, Stdio::null()));
     let brokers = format!("127.0.0.1:{port}");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while std::net::TcpStream::connect(&brokers).is_err() {
@@ -88,8 +88,7 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
     };
     shutdown.cancel();
     task.await.unwrap();
-    let _ = tansu.kill();
-    let _ = tansu.wait();
+    drop(tansu);
 
     let failures = failures.0.lock().unwrap().clone();
     println!("{verdict}; {} failed attempts", failures.len());
