@@ -169,8 +169,17 @@ async fn migrate_relay_status_metrics_and_sigterm() {
     assert_eq!(code, 200);
     let (code, body) = http_get(port, "/readyz");
     assert_eq!(code, 200, "{body}");
-    let (_, m1) = http_get(port, "/metrics");
-    assert_eq!(metric(&m1, "outbox_events_published_total"), 5.0, "{m1}");
+    // The lines are written by the publisher; the counter moves once the batch is settled, a moment
+    // later: wait for it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, m1) = http_get(port, "/metrics");
+        if metric(&m1, "outbox_events_published_total") == 5.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{m1}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     insert_plain(&table, "o-2", 3).await;
     relay.wait_lines(8, Duration::from_secs(30));
     let deadline = Instant::now() + Duration::from_secs(10);
