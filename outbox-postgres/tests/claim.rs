@@ -327,6 +327,21 @@ async fn plans_made_while_the_outbox_was_empty_stay_cheap_once_a_backlog_builds_
     );
 }
 
+/// Inserts five events for each of `aggregates` aggregates (`a0`, `a1`...), aggregate after
+/// aggregate, so that in seq order each head is followed by its own run.
+async fn runs_one_after_another(pool: &PgPool, table: &OutboxTable, aggregates: i32) {
+    sqlx::query(&format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'a' || a, 'e' || r, '{{}}'::jsonb
+         FROM generate_series(0, $1 - 1) a, generate_series(1, 5) r ORDER BY a, r",
+        table.qualified()
+    ))
+    .bind(aggregates)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// A batch is cut by position in the runs first: every locked head's first event, then every second
 /// event, and so on. No locked aggregate is held without being published, and a batch over many
 /// aggregates holds one event of each (a publisher that sends an aggregate's later events one call
@@ -335,16 +350,7 @@ async fn plans_made_while_the_outbox_was_empty_stay_cheap_once_a_backlog_builds_
 async fn a_batch_takes_every_locked_heads_first_event_before_any_second_one() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
-    // Aggregate after aggregate, so that in seq order each head is followed by its own run.
-    sqlx::query(&format!(
-        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload)
-         SELECT 'order', 'a' || a, 'e' || r, '{{}}'::jsonb
-         FROM generate_series(0, 19) a, generate_series(1, 5) r ORDER BY a, r",
-        table.qualified()
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    runs_one_after_another(&pool, &table, 20).await;
     let store = PostgresStore::new(pool.clone(), table.clone());
     let batch = store.claim(strict(10)).await.unwrap();
     assert_eq!(batch.events.len(), 10);
@@ -356,15 +362,7 @@ async fn a_batch_takes_every_locked_heads_first_event_before_any_second_one() {
     batch.lease.release().await.unwrap();
     // Six aggregates for a batch of 10: each first event, then four second ones, in seq order.
     let table = fresh_table(&pool).await;
-    sqlx::query(&format!(
-        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload)
-         SELECT 'order', 'a' || a, 'e' || r, '{{}}'::jsonb
-         FROM generate_series(0, 5) a, generate_series(1, 5) r ORDER BY a, r",
-        table.qualified()
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    runs_one_after_another(&pool, &table, 6).await;
     let store = PostgresStore::new(pool.clone(), table.clone());
     let batch = store.claim(strict(10)).await.unwrap();
     assert_eq!(batch.events.len(), 10);

@@ -839,3 +839,24 @@ impl Drop for OwnedProcess {
         let _ = self.0.wait();
     }
 }
+
+/// A Tansu broker of the test's own on a free loopback port (validating records against the JSON
+/// schemas in `schemas`, when given), once it accepts connections; returns it with its address.
+pub fn own_tansu(schemas: Option<&std::path::Path>) -> (OwnedProcess, String) {
+    let port = free_port();
+    let child = match schemas {
+        Some(dir) => outbox_kafka::testing::spawn_tansu_with_schemas(port, dir, Stdio::null()),
+        None => outbox_kafka::testing::spawn_tansu(port, Stdio::null()),
+    };
+    let tansu = OwnedProcess(child);
+    let brokers = format!("127.0.0.1:{port}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(&brokers).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "Tansu did not start on {brokers}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (tansu, brokers)
+}

@@ -14,7 +14,7 @@ use outbox_core::NewEvent;
 use outbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{PostgresStore, Writer};
-use outbox_tests::harness::{free_port, OwnedProcess, Sink};
+use outbox_tests::harness::{own_tansu, Sink};
 use outbox_tests::{check, write_rounds};
 use uuid::Uuid;
 
@@ -166,21 +166,7 @@ async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate(
         r#"{"type": "object", "properties": {"value": {"type": "object", "required": ["n"]}}}"#,
     )
     .unwrap();
-    let port = free_port();
-    let _tansu = OwnedProcess(outbox_kafka::testing::spawn_tansu_with_schemas(
-        port,
-        &dir,
-        std::process::Stdio::null(),
-    ));
-    let brokers = format!("127.0.0.1:{port}");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(&brokers).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "Tansu did not start on {brokers}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (_tansu, brokers) = own_tansu(Some(&dir));
     let _strict = outbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await;
     let sink = Sink::Kafka(outbox_kafka::testing::Fixture::create_at(&brokers, "plain", 1).await);
     let bad = NewEvent::new(

@@ -4,7 +4,7 @@
 //! everything arrives, in order, once the broker is back.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,7 +14,7 @@ use outbox_core::{
 use outbox_kafka::KafkaPublisher;
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{DeadLetterFilter, PostgresStore};
-use outbox_tests::harness::{free_port, OwnedProcess};
+use outbox_tests::harness::own_tansu;
 use outbox_tests::{check, write_rounds};
 
 #[derive(Default)]
@@ -37,17 +37,7 @@ fn signal(pid: u32, signal: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_letters() {
-    let port = free_port();
-    let tansu = OwnedProcess(outbox_kafka::testing::spawn_tansu(port, Stdio::null()));
-    let brokers = format!("127.0.0.1:{port}");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(&brokers).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "Tansu did not start on {brokers}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (tansu, brokers) = own_tansu(None);
     let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "stall", 1).await;
     let pg = pool(4).await;
     let table = fresh_table(&pg).await;
