@@ -403,10 +403,14 @@ async fn shutdown_deadline_releases_what_is_still_in_flight() {
     assert!(st.is_none());
 }
 
+/// Records how many calls are in flight at once, and every aggregate found in two calls in flight
+/// at the same time.
+#[derive(Default)]
 struct Concurrency {
     now: AtomicUsize,
     max: AtomicUsize,
-    seen: std::sync::Mutex<Vec<Vec<String>>>,
+    in_flight: std::sync::Mutex<HashMap<String, usize>>,
+    shared: std::sync::Mutex<Vec<String>>,
 }
 
 #[async_trait]
@@ -414,11 +418,27 @@ impl Publisher for Concurrency {
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
         let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
         self.max.fetch_max(n, Ordering::SeqCst);
-        self.seen
-            .lock()
-            .unwrap()
-            .push(events.iter().map(|e| e.aggregate_id.clone()).collect());
+        let aggregates: std::collections::BTreeSet<String> =
+            events.iter().map(|e| e.aggregate_id.clone()).collect();
+        {
+            let mut in_flight = self.in_flight.lock().unwrap();
+            for a in &aggregates {
+                let calls = in_flight.entry(a.clone()).or_insert(0);
+                if *calls > 0 {
+                    self.shared.lock().unwrap().push(a.clone());
+                }
+                *calls += 1;
+            }
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
+        {
+            let mut in_flight = self.in_flight.lock().unwrap();
+            for a in &aggregates {
+                if let Some(calls) = in_flight.get_mut(a) {
+                    *calls -= 1;
+                }
+            }
+        }
         self.now.fetch_sub(1, Ordering::SeqCst);
         vec![Ok(()); events.len()]
     }
@@ -434,11 +454,7 @@ impl Publisher for Concurrency {
 async fn batches_are_pipelined_without_sharing_an_aggregate() {
     let store = MemoryStore::new();
     fill(&store, 40, 3);
-    let publisher = Arc::new(Concurrency {
-        now: AtomicUsize::new(0),
-        max: AtomicUsize::new(0),
-        seen: std::sync::Mutex::new(Vec::new()),
-    });
+    let publisher = Arc::new(Concurrency::default());
     let cfg = RelayConfig {
         max_in_flight: 3,
         ..config()
@@ -451,7 +467,24 @@ async fn batches_are_pipelined_without_sharing_an_aggregate() {
         3,
         "three batches in flight at once"
     );
-    let _ = ErrorKind::Unexpected;
+    let shared = publisher.shared.lock().unwrap().clone();
+    assert!(
+        shared.is_empty(),
+        "aggregates in two calls at once: {shared:?}"
+    );
+
+    // The check can see an overlap: unordered batches over four aggregates share them.
+    let store = MemoryStore::new();
+    fill(&store, 4, 30);
+    let publisher = Arc::new(Concurrency::default());
+    let cfg = RelayConfig {
+        max_in_flight: 3,
+        ordering: OrderingPolicy::Unordered,
+        ..config()
+    };
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), cfg).unwrap();
+    assert_eq!(relay.drain().await.published, 120);
+    assert!(!publisher.shared.lock().unwrap().is_empty());
 }
 
 struct MemoryFixture;
