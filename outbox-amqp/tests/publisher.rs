@@ -77,6 +77,7 @@ async fn unroutable_messages_are_failures_not_silent_successes() {
     })
     .unwrap();
     let out = p.publish(&[event("a", 0), event("b", 0)]).await;
+    assert_eq!(out.len(), 2, "one outcome per event");
     for o in &out {
         let err = o.as_ref().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Unroutable, "{err}");

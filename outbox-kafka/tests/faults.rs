@@ -57,6 +57,7 @@ async fn broker_down_gives_retryable_failures_then_recovers() {
     .unwrap();
     let batch: Vec<_> = (0..20).map(|i| event(&format!("a{i}"), 0)).collect();
     let out = p.publish(&batch).await;
+    assert_eq!(out.len(), batch.len(), "one outcome per event");
     assert!(
         out.iter().all(|o| o.is_ok()),
         "warm-up: {:?}",
@@ -66,6 +67,7 @@ async fn broker_down_gives_retryable_failures_then_recovers() {
     broker.stop();
     let batch: Vec<_> = (0..20).map(|i| event(&format!("a{i}"), 1)).collect();
     let out = p.publish(&batch).await;
+    assert_eq!(out.len(), batch.len(), "one outcome per event");
     for o in &out {
         let e = o
             .as_ref()
@@ -85,6 +87,7 @@ async fn broker_down_gives_retryable_failures_then_recovers() {
     loop {
         let batch: Vec<_> = (0..20).map(|i| event(&format!("a{i}"), 2)).collect();
         let out = p.publish(&batch).await;
+        assert_eq!(out.len(), batch.len(), "one outcome per event");
         if out.iter().all(|o| o.is_ok()) {
             break;
         }

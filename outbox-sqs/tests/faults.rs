@@ -85,10 +85,13 @@ async fn endpoint_down_gives_retryable_failures_then_recovers() {
     )
     .unwrap();
     let batch: Vec<_> = (0..25).map(|i| event(&format!("a{i}"), 0)).collect();
-    assert!(p.publish(&batch).await.iter().all(|o| o.is_ok()));
+    let out = p.publish(&batch).await;
+    assert_eq!(out.len(), batch.len(), "one outcome per event");
+    assert!(out.iter().all(|o| o.is_ok()));
 
     endpoint.stop();
     let out = p.publish(&batch).await;
+    assert_eq!(out.len(), batch.len(), "one outcome per event");
     for o in &out {
         let e = o
             .as_ref()
@@ -106,6 +109,7 @@ async fn endpoint_down_gives_retryable_failures_then_recovers() {
     loop {
         let _ = c.create_queue().queue_name("outbox-faults").send().await;
         let out = p.publish(&batch).await;
+        assert_eq!(out.len(), batch.len(), "one outcome per event");
         if out.iter().all(|o| o.is_ok()) {
             break;
         }
