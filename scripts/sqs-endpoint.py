@@ -11,8 +11,15 @@ queue's attributes, which it does several times for each message sent: sending i
 holds a few thousand messages costs O(messages) per message, and a consumer that falls behind makes
 every send slower. The three approximate counts are kept for 100 ms instead (SQS itself documents
 them as approximate). Nothing else is changed. Arguments are moto_server's.
+
+With `SQS_SEND_LOG=<path>` in its environment, every message the endpoint accepts is also recorded
+there, one line `<queue name> TAB <MessageDeduplicationId>` per SendMessage or batch entry (FIFO
+duplicates included): a FIFO queue drops a re-sent event id before any consumer sees it, so a test
+counts sends here to see duplicates the queue hides.
 """
+import os
 import sys
+import threading
 import time
 
 import moto.sqs.models as sqs_models
@@ -53,6 +60,22 @@ for _name in (
     "approximate_number_of_messages_not_visible",
 ):
     setattr(sqs_models.Queue, _name, kept_for_a_while(_name, getattr(sqs_models.Queue, _name).fget))
+
+SEND_LOG = os.environ.get("SQS_SEND_LOG")
+if SEND_LOG:
+    _send_lock = threading.Lock()
+    _send_message = sqs_models.SQSBackend.send_message
+
+    def send_message_logged(self, queue_name, message_body, *args, **kwargs):
+        message = _send_message(self, queue_name, message_body, *args, **kwargs)
+        dedup = kwargs.get("deduplication_id")
+        if dedup is None and len(args) >= 3:
+            dedup = args[2]
+        with _send_lock, open(SEND_LOG, "a", encoding="utf-8") as log:
+            log.write(f"{queue_name}\t{dedup or ''}\n")
+        return message
+
+    sqs_models.SQSBackend.send_message = send_message_logged
 
 from moto.server import main  # noqa: E402  (after the patch, so the server sees it)
 

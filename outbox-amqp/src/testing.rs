@@ -49,6 +49,8 @@ pub struct Fixture {
     pub exchange: String,
     pub connection: Connection,
     pub got: Arc<Mutex<Vec<Delivered>>>,
+    /// What ended the consumer early, if anything (a consumer error is not a lost message).
+    pub errors: Arc<Mutex<Vec<String>>>,
 }
 
 fn text(v: &AMQPValue) -> String {
@@ -144,9 +146,17 @@ impl Fixture {
             .await
             .unwrap();
         let got: Arc<Mutex<Vec<Delivered>>> = Arc::default();
-        let sink = got.clone();
+        let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+        let (sink, failures) = (got.clone(), errors.clone());
         tokio::spawn(async move {
-            while let Some(Ok(d)) = consumer.next().await {
+            while let Some(next) = consumer.next().await {
+                let d = match next {
+                    Ok(d) => d,
+                    Err(e) => {
+                        failures.lock().unwrap().push(e.to_string());
+                        break;
+                    }
+                };
                 let props = d.properties.clone();
                 let mut headers = BTreeMap::new();
                 if let Some(h) = props.headers() {
@@ -187,6 +197,7 @@ impl Fixture {
             exchange,
             connection,
             got,
+            errors,
         }
     }
 

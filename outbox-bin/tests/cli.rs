@@ -32,20 +32,59 @@ fn help_teaches_and_usage_errors_exit_2() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// A secret no output may show: distinctive, so that finding it anywhere is never a coincidence.
+const SECRET: &str = "Xq7-secret-9zP";
+
+/// `name` from `config/`, with a secret in every place the configuration holds one: the database URL,
+/// the AMQP URL and a Kafka SASL password.
+fn example_with_secrets(name: &str, dir: &std::path::Path) -> std::path::PathBuf {
+    let mut text = std::fs::read_to_string(example(name)).unwrap();
+    text = text.replace(
+        "postgres://postgres@",
+        &format!("postgres://postgres:{SECRET}@"),
+    );
+    text = text.replace("guest:guest@", &format!("guest:{SECRET}@"));
+    let sasl = format!("\"sasl.password\" = \"{SECRET}\"");
+    if text.contains("[kafka.properties]") {
+        text = text.replace("[kafka.properties]", &format!("[kafka.properties]\n{sasl}"));
+    } else {
+        text.push_str(&format!("\n[kafka.properties]\n{sasl}\n"));
+    }
+    if !text.contains("[amqp]") {
+        text.push_str(&format!(
+            "\n[amqp]\nurl = \"amqp://relay:{SECRET}@127.0.0.1:5672/%2f\"\n"
+        ));
+    }
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 #[test]
 fn example_configs_load() {
+    let dir = workdir();
     for name in ["stdout.toml", "amqp.toml", "kafka.toml", "sqs.toml"] {
+        let path = example_with_secrets(name, &dir);
+        assert!(
+            std::fs::read_to_string(&path).unwrap().matches(SECRET).count() >= 3,
+            "{name}: the copy holds the secret in each place"
+        );
         let out = Command::new(bin())
-            .args(["--config", example(name).to_str().unwrap(), "config"])
-            .current_dir(workdir())
+            .args(["--config", path.to_str().unwrap(), "config"])
+            .current_dir(&dir)
             .env_remove("DATABASE_URL")
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
         let shown = text(&out.stdout);
+        assert!(shown.contains("[database]"), "{name}: {shown}");
         assert!(
-            !shown.contains("guest:guest"),
-            "secrets are redacted: {shown}"
+            !shown.contains(SECRET) && !text(&out.stderr).contains(SECRET),
+            "{name}: secrets are redacted: {shown}"
+        );
+        assert!(
+            shown.contains("postgres:***@"),
+            "{name}: the redacted URL still shows where it points: {shown}"
         );
     }
 }
@@ -349,17 +388,31 @@ async fn notify_mode_wakes_an_idle_relay() {
     c.env("OUTBOX_DATABASE__NOTIFY", "true");
     assert_eq!(run(c).status.code(), Some(0));
     // Polls only once an hour: only a notification can make the relay see new events in time.
+    let port = free_port();
     let mut c = outbox(&table, &["relay"]);
     c.env("OUTBOX_DATABASE__NOTIFY", "true")
         .env("OUTBOX_RELAY__POLL_INTERVAL", "1h")
-        .env("OUTBOX_RELAY__MIN_POLL_INTERVAL", "1h");
+        .env("OUTBOX_RELAY__MIN_POLL_INTERVAL", "1h")
+        .env("OUTBOX_HTTP__ENABLED", "true")
+        .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"));
     let mut relay = Running::start(c);
     relay.wait_log(
         "listening for outbox notifications",
         Duration::from_secs(30),
     );
     relay.wait_log("relay started", Duration::from_secs(30));
-    std::thread::sleep(Duration::from_millis(300)); // the first (empty) poll is done
+    // The relay has claimed once (nothing is in the outbox yet: an empty claim) and is idle, in a
+    // one-hour pause: only the notification can make it see the next events in time.
+    let claims = |body: &str| metric(body, "outbox_claim_duration_seconds_count");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, body) = http_get(port, "/metrics");
+        if claims(&body) >= 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the relay never claimed: {body}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     insert_plain(&table, "n-1", 2).await;
     let lines = relay.wait_lines(2, Duration::from_secs(30));
     assert_eq!(lines.len(), 2, "the notification woke the relay");

@@ -91,7 +91,10 @@ pub struct Fixture {
     pub topic: String,
     pub partitions: i32,
     pub got: Arc<Mutex<Vec<Delivered>>>,
+    /// What the consumer's polls failed with (a consumer error is not a lost message).
+    pub errors: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Drop for Fixture {
@@ -149,12 +152,18 @@ impl Fixture {
         }
         consumer.assign(&tpl).unwrap();
         let got: Arc<Mutex<Vec<Delivered>>> = Arc::default();
+        let errors: Arc<Mutex<Vec<String>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
-        let (sink, halt) = (got.clone(), stop.clone());
-        std::thread::spawn(move || {
+        let (sink, halt, failures) = (got.clone(), stop.clone(), errors.clone());
+        let thread = std::thread::spawn(move || {
             while !halt.load(Ordering::SeqCst) {
-                let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) else {
-                    continue;
+                let m = match consumer.poll(Duration::from_millis(100)) {
+                    None => continue,
+                    Some(Err(e)) => {
+                        failures.lock().unwrap().push(e.to_string());
+                        continue;
+                    }
+                    Some(Ok(m)) => m,
                 };
                 let mut headers = BTreeMap::new();
                 if let Some(h) = m.headers() {
@@ -192,7 +201,9 @@ impl Fixture {
             topic,
             partitions,
             got,
+            errors,
             stop,
+            thread: Mutex::new(Some(thread)),
         }
     }
 
@@ -211,6 +222,66 @@ impl Fixture {
     /// Stops the background consumer (as dropping the fixture does).
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops the background consumer and waits until its last poll is done, so that
+    /// [`Fixture::got`] holds everything it will ever read.
+    pub async fn stop_and_join(&self) {
+        self.stop();
+        let thread = self.thread.lock().unwrap().take();
+        if let Some(t) = thread {
+            tokio::task::spawn_blocking(move || t.join())
+                .await
+                .unwrap()
+                .expect("the Kafka test consumer panicked");
+        }
+    }
+
+    /// Waits (up to `within`) until the consumer has read every message the topic holds (its
+    /// offsets reached each partition's high watermark).
+    pub async fn wait_until_read_all(&self, within: Duration) {
+        let (brokers, topic, partitions, got) = (
+            self.brokers.clone(),
+            self.topic.clone(),
+            self.partitions,
+            self.got.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            let probe: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .create()
+                .unwrap_or_else(|e| unreachable(&brokers, e));
+            let deadline = std::time::Instant::now() + within;
+            loop {
+                let mut behind = Vec::new();
+                for p in 0..partitions {
+                    let (_, high) = probe
+                        .fetch_watermarks(&topic, p, Duration::from_secs(10))
+                        .unwrap_or_else(|e| unreachable(&brokers, e));
+                    let read = got
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .filter(|d| d.partition == p)
+                        .map(|d| d.offset + 1)
+                        .max()
+                        .unwrap_or(0);
+                    if read < high {
+                        behind.push((p, read, high));
+                    }
+                }
+                if behind.is_empty() {
+                    return;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the consumer of {topic} is still behind after {within:?} (partition, read, high): {behind:?}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+        .await
+        .unwrap();
     }
 
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {

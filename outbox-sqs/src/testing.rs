@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -47,13 +48,89 @@ pub fn client_at(url: &str) -> Client {
 /// `127.0.0.1:<port>`, its log going to `stderr`: `$SQS_ENDPOINT_BIN`, else the launcher
 /// `scripts/test-env.sh` installed in `.tools/bin`.
 pub fn spawn_endpoint(port: u16, stderr: std::process::Stdio) -> std::process::Child {
-    outbox_core::testkit::spawn_tool(
-        "SQS_ENDPOINT_BIN",
-        "sqs-endpoint",
-        "an SQS endpoint",
-        &["-H", "127.0.0.1", "-p", &port.to_string()],
-        stderr,
-    )
+    endpoint_tool().spawn(&["-H", "127.0.0.1", "-p", &port.to_string()], stderr)
+}
+
+/// As [`spawn_endpoint`], recording every message the endpoint accepts in `send_log` (one line
+/// `<queue name> TAB <deduplication id>`, appended; see `scripts/sqs-endpoint.py`): read it with
+/// [`sends`].
+pub fn spawn_recording_endpoint(
+    port: u16,
+    stderr: std::process::Stdio,
+    send_log: &Path,
+) -> std::process::Child {
+    let mut tool = endpoint_tool();
+    tool.env
+        .push(("SQS_SEND_LOG".into(), send_log.as_os_str().to_owned()));
+    tool.spawn(&["-H", "127.0.0.1", "-p", &port.to_string()], stderr)
+}
+
+fn endpoint_tool() -> outbox_core::testkit::Tool {
+    outbox_core::testkit::Tool::new("SQS_ENDPOINT_BIN", "sqs-endpoint", "an SQS endpoint")
+}
+
+/// The event ids sent to the queue `queue_name`, one per message the endpoint accepted (a re-sent
+/// event id counts again, even where the FIFO queue dropped it), in the order accepted.
+pub fn sends(send_log: &Path, queue_name: &str) -> Vec<uuid::Uuid> {
+    let text = std::fs::read_to_string(send_log).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| line.split_once('\t'))
+        .filter(|(queue, _)| *queue == queue_name)
+        .map(|(_, id)| {
+            uuid::Uuid::parse_str(id)
+                .unwrap_or_else(|e| panic!("{}: deduplication id {id:?}: {e}", send_log.display()))
+        })
+        .collect()
+}
+
+/// An SQS endpoint of the test's own on a spare loopback port that records what it accepts
+/// ([`spawn_recording_endpoint`]); killed when dropped.
+pub struct RecordingEndpoint {
+    pub url: String,
+    pub send_log: PathBuf,
+    _process: outbox_core::testkit::OwnedProcess,
+}
+
+impl RecordingEndpoint {
+    /// Starts it and waits (up to 60 s) until it serves requests.
+    pub async fn start() -> RecordingEndpoint {
+        let port = outbox_core::testkit::free_port();
+        let send_log =
+            std::env::temp_dir().join(format!("outbox-test-sqs-sends-{}.log", uuid::Uuid::new_v4().simple()));
+        let process = outbox_core::testkit::OwnedProcess(spawn_recording_endpoint(
+            port,
+            std::process::Stdio::null(),
+            &send_log,
+        ));
+        let url = format!("http://127.0.0.1:{port}");
+        wait_until_serving(&url).await;
+        RecordingEndpoint {
+            url,
+            send_log,
+            _process: process,
+        }
+    }
+}
+
+impl Drop for RecordingEndpoint {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.send_log);
+    }
+}
+
+/// Waits (up to 60 s) until the endpoint at `url` answers an SQS request.
+pub async fn wait_until_serving(url: &str) {
+    let client = client_at(url);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match client.list_queues().send().await {
+            Ok(_) => return,
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                panic!("the SQS endpoint at {url} did not start serving within 60 s: {e:?}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
 }
 
 /// A message as the consumer saw it.
@@ -70,8 +147,15 @@ pub struct Fixture {
     pub queue_url: String,
     pub queue_name: String,
     pub got: Arc<Mutex<Vec<Delivered>>>,
+    /// What the consumer's requests failed with (a consumer error is not a lost message).
+    pub errors: Arc<Mutex<Vec<String>>>,
+    /// Where the endpoint records the messages it accepts, when it does ([`RecordingEndpoint`]).
+    pub send_log: Option<PathBuf>,
     stop: Arc<AtomicBool>,
     paused: Arc<AtomicBool>,
+    done: Arc<tokio::sync::Notify>,
+    finished: Arc<AtomicBool>,
+    _endpoint: Option<Arc<RecordingEndpoint>>,
 }
 
 impl Drop for Fixture {
@@ -88,6 +172,34 @@ impl Fixture {
             name.push_str(".fifo");
         }
         Fixture::create_at(&endpoint(), &name).await
+    }
+
+    /// A new FIFO queue on an endpoint of its own that records every message it accepts, so that
+    /// [`Fixture::sends`] sees re-sent events the queue deduplicates.
+    pub async fn recording() -> Fixture {
+        let endpoint = Arc::new(RecordingEndpoint::start().await);
+        let name = format!("outbox-test-{}.fifo", uuid::Uuid::new_v4().simple());
+        let mut fx = Fixture::create_at(&endpoint.url, &name).await;
+        fx.send_log = Some(endpoint.send_log.clone());
+        fx._endpoint = Some(endpoint);
+        fx
+    }
+
+    /// Every event id the endpoint accepted for this queue, re-sends included; `None` when the
+    /// endpoint does not record them.
+    pub fn sends(&self) -> Option<Vec<uuid::Uuid>> {
+        self.send_log
+            .as_deref()
+            .map(|log| sends(log, &self.queue_name))
+    }
+
+    /// The same queue name at the same endpoint, declared again and consumed by a new consumer,
+    /// recording sends in the same log (after a restart of an endpoint that keeps nothing).
+    pub async fn recreate(&self) -> Fixture {
+        let mut fx = Fixture::create_at(&self.endpoint, &self.queue_name).await;
+        fx.send_log.clone_from(&self.send_log);
+        fx._endpoint.clone_from(&self._endpoint);
+        fx
     }
 
     /// Creates the queue `name` (FIFO when it ends in `.fifo`) at the endpoint `url` and drains it.
@@ -110,17 +222,21 @@ impl Fixture {
         });
         let queue_url = out.queue_url().unwrap().to_string();
         let got: Arc<Mutex<Vec<Delivered>>> = Arc::default();
+        let errors: Arc<Mutex<Vec<String>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let paused = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(tokio::sync::Notify::new());
+        let finished = Arc::new(AtomicBool::new(false));
         let (sink, halt, hold, url) =
             (got.clone(), stop.clone(), paused.clone(), queue_url.clone());
+        let (failures, ended, ended_flag) = (errors.clone(), done.clone(), finished.clone());
         tokio::spawn(async move {
             while !halt.load(Ordering::SeqCst) {
                 if hold.load(Ordering::SeqCst) {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     continue;
                 }
-                let Ok(out) = client
+                let out = match client
                     .receive_message()
                     .queue_url(&url)
                     .max_number_of_messages(10)
@@ -129,9 +245,13 @@ impl Fixture {
                     .message_system_attribute_names(MessageSystemAttributeName::All)
                     .send()
                     .await
-                else {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
+                {
+                    Ok(out) => out,
+                    Err(e) => {
+                        failures.lock().unwrap().push(format!("{e:?}"));
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
                 };
                 let mut deletes = Vec::new();
                 for (i, m) in out.messages().iter().enumerate() {
@@ -183,22 +303,32 @@ impl Fixture {
                     }
                 }
                 if !deletes.is_empty() {
-                    let _ = client
+                    if let Err(e) = client
                         .delete_message_batch()
                         .queue_url(&url)
                         .set_entries(Some(deletes))
                         .send()
-                        .await;
+                        .await
+                    {
+                        failures.lock().unwrap().push(format!("{e:?}"));
+                    }
                 }
             }
+            ended_flag.store(true, Ordering::SeqCst);
+            ended.notify_waiters();
         });
         Fixture {
             endpoint: endpoint.to_string(),
             queue_url,
             queue_name: name,
             got,
+            errors,
+            send_log: None,
             stop,
             paused,
+            done,
+            finished,
+            _endpoint: None,
         }
     }
 
@@ -228,6 +358,53 @@ impl Fixture {
     /// Stops the background consumer (as dropping the fixture does).
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops the background consumer and waits (up to 30 s) until its last request is done, so that
+    /// [`Fixture::got`] holds everything it will ever read.
+    pub async fn stop_and_join(&self) {
+        self.stop();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !self.finished.load(Ordering::SeqCst) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the SQS test consumer did not stop within 30 s"
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(100), self.done.notified()).await;
+        }
+    }
+
+    /// Waits (up to `within`) until the queue holds no message, visible or in flight: the consumer
+    /// has read and deleted everything sent so far.
+    pub async fn wait_until_empty(&self, within: Duration) {
+        let client = client_at(&self.endpoint);
+        let deadline = tokio::time::Instant::now() + within;
+        let mut empty_reads = 0;
+        loop {
+            let out = client
+                .get_queue_attributes()
+                .queue_url(&self.queue_url)
+                .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+                .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+                .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
+                .send()
+                .await
+                .unwrap();
+            let held: u64 = out
+                .attributes()
+                .map(|a| a.values().filter_map(|v| v.parse::<u64>().ok()).sum())
+                .unwrap_or(0);
+            // The endpoint keeps its counts 100 ms: two empty reads 150 ms apart.
+            empty_reads = if held == 0 { empty_reads + 1 } else { 0 };
+            if empty_reads >= 2 {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the queue still holds {held} messages after {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
     }
 
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {

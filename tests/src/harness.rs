@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use outbox_core::testkit::sample_event;
@@ -17,6 +17,53 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use crate::{check, Verdict};
+
+pub use outbox_core::testkit::{free_port, OwnedProcess};
+
+/// The seed of this test process's random choices: `OUTBOX_TEST_SEED`, else a random one.
+pub fn seed() -> u64 {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(|| {
+        std::env::var("OUTBOX_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| fastrand::u64(..))
+    })
+}
+
+/// A random generator for `what` (a scenario, a writer), derived from [`seed`], which it prints so
+/// that a failing run can be replayed with `OUTBOX_TEST_SEED`.
+pub fn rng(what: &str) -> fastrand::Rng {
+    let seed = seed();
+    println!("{what}: seed={seed} (OUTBOX_TEST_SEED={seed} replays its random choices)");
+    let stream = what
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    fastrand::Rng::with_seed(seed ^ stream)
+}
+
+/// Runs the heavy scenarios of one test binary one at a time: on two cores, four relays, brokers and
+/// writers at once leave each scenario's deadlines to luck. Hold the guard for the whole scenario.
+pub async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
+}
+
+/// Waits until `condition` holds, checking every 50 ms, at most `within`; panics with `what`.
+pub async fn wait_until<F, Fut>(within: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while !condition().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} (waited {within:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
 
 /// The brokers a scenario can run against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,10 +78,10 @@ impl Broker {
 
     /// A write load the broker's test server keeps up with: moto (the SQS emulator) slows down past
     /// a few hundred messages per second, so SQS scenarios write less.
-    pub fn load(self, table: &OutboxTable) -> Load {
+    pub async fn load(self, table: &OutboxTable) -> Load {
         match self {
-            Broker::Sqs => Load::start(table, 1, 40, 5, Duration::from_millis(60)),
-            _ => Load::start(table, 2, 40, 5, Duration::from_millis(15)),
+            Broker::Sqs => Load::start(table, 1, 40, 5, Duration::from_millis(60)).await,
+            _ => Load::start(table, 2, 40, 5, Duration::from_millis(15)).await,
         }
     }
 
@@ -59,7 +106,8 @@ impl Sink {
         match broker {
             Broker::Amqp => Sink::Amqp(outbox_amqp::testing::Fixture::new().await),
             Broker::Kafka => Sink::Kafka(outbox_kafka::testing::Fixture::new(4).await),
-            Broker::Sqs => Sink::Sqs(outbox_sqs::testing::Fixture::new(true).await),
+            // An endpoint of its own that records every send: the FIFO queue hides re-sent events.
+            Broker::Sqs => Sink::Sqs(outbox_sqs::testing::Fixture::recording().await),
         }
     }
 
@@ -75,9 +123,7 @@ impl Sink {
                 outbox_kafka::testing::Fixture::create_at(&fx.brokers, &fx.topic, fx.partitions)
                     .await,
             ),
-            Sink::Sqs(fx) => Sink::Sqs(
-                outbox_sqs::testing::Fixture::create_at(&fx.endpoint, &fx.queue_name).await,
-            ),
+            Sink::Sqs(fx) => Sink::Sqs(fx.recreate().await),
         }
     }
 
@@ -91,16 +137,60 @@ impl Sink {
         }
     }
 
-    /// Every id received so far, once nothing more arrived for half a second.
+    /// Stops the consumer and waits until its last read is done: what it received is then final.
+    pub async fn stop_and_join(&self) {
+        match self {
+            // The consumer ends with its connection; it pushes each delivery as it arrives.
+            Sink::Amqp(_) => {}
+            Sink::Kafka(fx) => fx.stop_and_join().await,
+            Sink::Sqs(fx) => fx.stop_and_join().await,
+        }
+    }
+
+    /// Waits (at most `within`) until the consumer has read everything the broker holds for it:
+    /// every partition up to its high watermark (Kafka), an empty queue (SQS); RabbitMQ pushes to its
+    /// consumer without a backlog to measure, so there the quiet window of
+    /// [`Sink::received_settled`] stands alone.
+    pub async fn drained(&self, within: Duration) {
+        match self {
+            Sink::Amqp(_) => {}
+            Sink::Kafka(fx) => fx.wait_until_read_all(within).await,
+            Sink::Sqs(fx) => fx.wait_until_empty(within).await,
+        }
+    }
+
+    /// Every id received, once the consumer has read what the broker holds and nothing more arrived
+    /// for a second (late re-deliveries included).
     pub async fn received_settled(&self) -> Vec<Uuid> {
+        self.drained(Duration::from_secs(120)).await;
         let mut last = self.received(usize::MAX, Duration::ZERO).await;
-        loop {
-            tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut quiet = 0;
+        while quiet < 4 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
             let now = self.received(usize::MAX, Duration::ZERO).await;
-            if now.len() == last.len() {
-                return now;
-            }
+            quiet = if now.len() == last.len() { quiet + 1 } else { 0 };
             last = now;
+        }
+        last
+    }
+
+    /// What the consumer's own reads failed with: surfaced next to a verdict, so that a consumer
+    /// error is not mistaken for a lost event.
+    pub fn consumer_errors(&self) -> Vec<String> {
+        match self {
+            Sink::Amqp(fx) => fx.errors.lock().unwrap().clone(),
+            Sink::Kafka(fx) => fx.errors.lock().unwrap().clone(),
+            Sink::Sqs(fx) => fx.errors.lock().unwrap().clone(),
+        }
+    }
+
+    /// Every event id sent to the destination, re-sends included, where the broker cannot show a
+    /// re-sent event to its consumer (an SQS FIFO queue deduplicates it); `None` elsewhere, where
+    /// every send reaches the consumer.
+    pub fn sends(&self) -> Option<Vec<Uuid>> {
+        match self {
+            Sink::Sqs(fx) => fx.sends(),
+            _ => None,
         }
     }
 
@@ -165,18 +255,51 @@ impl Sink {
         }
     }
 
-    /// Waits until every id of `committed` was received (or `timeout`), then returns the verdict.
-    pub async fn verdict(&self, committed: &[(String, Uuid)], timeout: Duration) -> Verdict {
+    /// Waits until every id of `committed` was received, at most `timeout`.
+    pub async fn wait_all(&self, committed: &[(String, Uuid)], timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let received = self
                 .received(committed.len(), Duration::from_millis(200))
                 .await;
-            let v = check(committed, &received);
-            if v.lost == 0 || tokio::time::Instant::now() >= deadline {
-                return v;
+            if check(committed, &received).lost == 0 || tokio::time::Instant::now() >= deadline {
+                return;
             }
         }
+    }
+
+    /// The verdict over everything received once the consumer settled ([`Sink::received_settled`]):
+    /// stop the relays first, so that a late re-delivery is counted too. Where the broker hides
+    /// re-sent events ([`Sink::sends`]), duplicates are counted from the sends.
+    pub async fn judge(&self, committed: &[(String, Uuid)]) -> Verdict {
+        let received = self.received_settled().await;
+        self.judge_received(committed, &received)
+    }
+
+    /// The verdict over `received`, with duplicates counted from the sends where the broker hides
+    /// them, and the consumer's errors attached.
+    pub fn judge_received(&self, committed: &[(String, Uuid)], received: &[Uuid]) -> Verdict {
+        let mut v = check(committed, received);
+        if let Some(sends) = self.sends() {
+            let distinct: std::collections::HashSet<Uuid> = sends.iter().copied().collect();
+            if let Some(id) = received.iter().find(|id| !distinct.contains(id)) {
+                panic!("event {id} was received but the endpoint recorded no send of it");
+            }
+            v.duplicates = v.duplicates.max(sends.len() - distinct.len());
+        }
+        v.consumer_errors = self.consumer_errors();
+        v
+    }
+
+    /// [`Sink::wait_all`], then [`Sink::judge`]: for relays that have already stopped.
+    pub async fn verdict(&self, committed: &[(String, Uuid)], timeout: Duration) -> Verdict {
+        self.wait_all(committed, timeout).await;
+        self.judge(committed).await
+    }
+
+    /// How many messages the consumer has received so far.
+    pub async fn received_count(&self) -> usize {
+        self.received(usize::MAX, Duration::ZERO).await.len()
     }
 }
 
@@ -199,7 +322,8 @@ pub fn outbox_bin() -> PathBuf {
 /// A relay process.
 pub struct RelayProcess {
     pub child: Child,
-    started: std::time::Instant,
+    /// The `application_name` of its database sessions (`pg_stat_activity` tells them apart).
+    pub tag: String,
 }
 
 impl RelayProcess {
@@ -222,7 +346,10 @@ impl RelayProcess {
                 c.env_remove(k);
             }
         }
-        c.env("DATABASE_URL", database_url())
+        let tag = format!("outbox-test-relay-{}", &Uuid::new_v4().simple().to_string()[..12]);
+        let url = database_url();
+        let separator = if url.contains('?') { '&' } else { '?' };
+        c.env("DATABASE_URL", format!("{url}{separator}application_name={tag}"))
             .env("OUTBOX_DATABASE__SCHEMA", table.schema())
             .env("OUTBOX_HTTP__ENABLED", "false")
             .env("OUTBOX_RELAY__BATCH_SIZE", "100")
@@ -236,9 +363,47 @@ impl RelayProcess {
             c.env(k, v);
         }
         let child = c.stdout(Stdio::null()).stderr(log.into()).spawn().unwrap();
-        RelayProcess {
-            child,
-            started: std::time::Instant::now(),
+        RelayProcess { child, tag }
+    }
+
+    /// Whether the process has installed its SIGTERM handler (`SigCgt` in /proc): before that, a
+    /// SIGTERM kills it like SIGKILL.
+    pub fn handles_sigterm(&self) -> bool {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())) else {
+            return false;
+        };
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+            .is_some_and(|mask| mask & (1 << (15 - 1)) != 0)
+    }
+
+    /// Whether one of its database sessions is inside a transaction: a claim held while its batch is
+    /// published, or a settle.
+    pub async fn in_transaction(&self, pg: &sqlx::PgPool) -> bool {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND xact_start IS NOT NULL",
+        )
+        .bind(&self.tag)
+        .fetch_one(pg)
+        .await
+        .unwrap()
+            > 0
+    }
+
+    /// Waits (at most `within`) until the relay holds a transaction ([`RelayProcess::in_transaction`]);
+    /// whether it did.
+    pub async fn wait_in_transaction(&self, pg: &sqlx::PgPool, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if self.in_transaction(pg).await {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
 
@@ -286,11 +451,18 @@ impl RelayProcess {
         self.child.wait().unwrap();
     }
 
-    /// SIGTERM, then waits for the exit (at most `timeout`); returns the exit code.
+    /// SIGTERM, once the process handles it, then waits for the exit (at most `timeout`); returns
+    /// the exit code.
     pub fn terminate(mut self, timeout: Duration) -> Option<i32> {
-        // A process spawned a moment ago may not have reached main yet (no handler: SIGTERM kills).
-        let settle = Duration::from_secs(1).saturating_sub(self.started.elapsed());
-        std::thread::sleep(settle);
+        // A process spawned a moment ago may not have installed its handler yet (SIGTERM would kill).
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !self.handles_sigterm() && self.child.try_wait().unwrap().is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the relay did not install its SIGTERM handler within 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -316,33 +488,74 @@ impl Drop for RelayProcess {
     }
 }
 
-/// Concurrent writers committing events until stopped.
+/// Concurrent writers committing events until stopped. Each transaction also records its events
+/// in a table of its own ([`committed_in_db`]): the database's word on what committed, whatever the
+/// writer saw of its `COMMIT`, in `seq` order, even after the relay deleted the outbox rows.
 pub struct Load {
     stop: Arc<AtomicBool>,
     tasks: Vec<JoinHandle<Written>>,
 }
 
-/// What the writers committed: certain commits in order, and transactions whose outcome is unknown
-/// (the connection dropped during the commit).
+/// What the writers saw: commits that succeeded, in order, and transactions whose outcome is unknown
+/// (the connection dropped during the commit). [`committed_in_db`] has the last word.
 pub struct Written {
     pub committed: Vec<(String, Uuid)>,
     pub uncertain: Vec<Uuid>,
 }
 
+/// The table where [`Load`] records what each transaction wrote, next to `table`.
+fn commits_table(table: &OutboxTable) -> String {
+    format!("\"{}\".outbox_test_commits", table.schema())
+}
+
+/// Every event [`Load`] committed, as `(aggregate, id)` in `seq` order, read from the database.
+/// Panics if a commit the writers saw succeed is missing (the record is then not to be trusted).
+pub async fn committed_in_db(
+    pg: &sqlx::PgPool,
+    table: &OutboxTable,
+    written: &Written,
+) -> Vec<(String, Uuid)> {
+    let committed: Vec<(String, Uuid)> = sqlx::query_as(&format!(
+        "SELECT aggregate_id, id FROM {} ORDER BY seq",
+        commits_table(table)
+    ))
+    .fetch_all(pg)
+    .await
+    .unwrap();
+    let known: std::collections::HashSet<Uuid> = committed.iter().map(|(_, id)| *id).collect();
+    if let Some((_, id)) = written.committed.iter().find(|(_, id)| !known.contains(id)) {
+        panic!("the writer saw the commit of {id} succeed, but the database has no record of it");
+    }
+    committed
+}
+
 impl Load {
     /// `writers` tasks, each committing transactions of `per_tx` events over its own aggregates
     /// (`w<writer>-a<n>`, `aggregates` each), pausing `pause` between transactions.
-    pub fn start(
+    pub async fn start(
         table: &OutboxTable,
         writers: usize,
         aggregates: usize,
         per_tx: usize,
         pause: Duration,
     ) -> Load {
+        let pg = pool(1).await;
+        sqlx::query(&format!(
+            "CREATE TABLE IF NOT EXISTS {} (id uuid PRIMARY KEY, aggregate_id text NOT NULL, seq bigint NOT NULL)",
+            commits_table(table)
+        ))
+        .execute(&pg)
+        .await
+        .unwrap();
+        let record = format!(
+            "INSERT INTO {} (id, aggregate_id, seq) SELECT id, aggregate_id, seq FROM {} WHERE id = ANY($1)",
+            commits_table(table),
+            table.qualified()
+        );
         let stop = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
         for w in 0..writers {
-            let (table, stop) = (table.clone(), stop.clone());
+            let (table, stop, record) = (table.clone(), stop.clone(), record.clone());
             tasks.push(tokio::spawn(async move {
                 let pg = pool(2).await;
                 let writer = Writer::new(table);
@@ -361,10 +574,16 @@ impl Load {
                         .iter()
                         .map(|e| (e.aggregate_id.clone(), e.id))
                         .collect();
+                    let just_ids: Vec<Uuid> = ids.iter().map(|(_, id)| *id).collect();
                     let result = async {
                         let mut tx = pg.begin().await.map_err(|e| (false, e.to_string()))?;
                         writer
                             .enqueue_many(&mut tx, events)
+                            .await
+                            .map_err(|e| (false, e.to_string()))?;
+                        sqlx::query(&record)
+                            .bind(&just_ids)
+                            .execute(&mut *tx)
                             .await
                             .map_err(|e| (false, e.to_string()))?;
                         tx.commit().await.map_err(|e| (true, e.to_string()))
@@ -373,7 +592,7 @@ impl Load {
                     match result {
                         Ok(()) => out.committed.extend(ids),
                         // The commit itself failed: it may or may not have happened.
-                        Err((true, _)) => out.uncertain.extend(ids.into_iter().map(|(_, id)| id)),
+                        Err((true, _)) => out.uncertain.extend(just_ids),
                         Err((false, _)) => tokio::time::sleep(Duration::from_millis(100)).await,
                     }
                     n += 1;
@@ -400,12 +619,100 @@ impl Load {
     }
 }
 
+/// Relays killed with SIGKILL the way a crash would hit them: each kill waits for progress (the
+/// consumer received something since the relay, or the previous kill, started), then a random moment,
+/// then up to 2 s for the victim to hold a transaction (a batch claimed and being published, or being
+/// settled), so that kills land on work in flight rather than on a relay still starting.
+pub struct Kills {
+    /// SIGKILLs sent.
+    pub count: usize,
+    /// Kills that found the victim inside a transaction a moment before.
+    pub in_flight: usize,
+    rng: fastrand::Rng,
+}
+
+impl Kills {
+    pub fn new(what: &str) -> Kills {
+        Kills {
+            count: 0,
+            in_flight: 0,
+            rng: rng(what),
+        }
+    }
+
+    /// Waits for progress past `received_before` (at most 120 s), then kills `relay` as described.
+    pub async fn kill(
+        &mut self,
+        relay: RelayProcess,
+        pg: &sqlx::PgPool,
+        sink: &Sink,
+        received_before: usize,
+    ) {
+        wait_until(
+            Duration::from_secs(120),
+            "no progress between two kills: nothing more was delivered",
+            || async { sink.received_count().await > received_before },
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(self.rng.u64(0..300))).await;
+        if relay.wait_in_transaction(pg, Duration::from_secs(2)).await {
+            self.in_flight += 1;
+        }
+        relay.kill9();
+        self.count += 1;
+    }
+
+    /// Asserts that some kills hit work in flight (at least a quarter of them), and prints the counts.
+    pub fn assert_some_hit_work(&self) {
+        println!("kills={} in_flight={}", self.count, self.in_flight);
+        assert!(
+            self.in_flight * 4 >= self.count && self.in_flight > 0,
+            "only {} of {} kills found the relay inside a transaction: the scenario did not crash \
+             relays mid-batch",
+            self.in_flight,
+            self.count
+        );
+    }
+}
+
+/// Asserts no loss, no order violation and nothing unexpected, and duplicates within what
+/// `kills` crashes can explain (each leaves at most `batches_in_flight` batches of `batch_size`
+/// events published and not yet marked).
+pub fn assert_crash_verdict(v: &Verdict, kills: usize, batch_size: usize, batches_in_flight: usize) {
+    assert_eq!(
+        (v.lost, v.order_violations, v.unexpected),
+        (0, 0, 0),
+        "{v}"
+    );
+    let bound = kills * batch_size * batches_in_flight;
+    assert!(
+        v.duplicates <= bound,
+        "{v}: more duplicates than {kills} kills x {batch_size} x {batches_in_flight} in flight can explain"
+    );
+}
+
+/// Asserts the verdict of a run in which nothing crashed: no loss, no order violation, nothing
+/// unexpected, and no duplicate at all.
+pub fn assert_clean_verdict(v: &Verdict) {
+    assert_eq!(
+        (v.lost, v.order_violations, v.unexpected, v.duplicates),
+        (0, 0, 0, 0),
+        "{v}: nothing crashed, so nothing may be lost, reordered, unexpected or sent twice"
+    );
+}
+
 /// Prints the scenario's summary line, and appends it to the file `$FAULT_SCENARIO_REPORT` when set
 /// (`scripts/test.sh` sets it and prints the file at the end, since cargo hides a passing test's
 /// output).
 pub fn report(scenario: &str, broker: Broker, v: &Verdict) {
     let line = format!("scenario={scenario} broker={} {v}", broker.name());
     println!("{line}");
+    if let Some(first) = v.consumer_errors.first() {
+        println!(
+            "  the consumer's reads failed {} times (first: {first})",
+            v.consumer_errors.len()
+        );
+    }
     if let Some(path) = std::env::var_os("FAULT_SCENARIO_REPORT") {
         use std::io::Write;
         if let Ok(mut f) = std::fs::OpenOptions::new()
@@ -435,6 +742,19 @@ pub struct FaultInjector {
     pub inner: Arc<dyn Publisher>,
     pub retryable_per_mille: u32,
     pub poisoned: String,
+    rng: std::sync::Mutex<fastrand::Rng>,
+}
+
+impl FaultInjector {
+    /// Fails events of `inner` as described above; its random choices come from [`rng`].
+    pub fn new(inner: Arc<dyn Publisher>, retryable_per_mille: u32, poisoned: &str) -> Self {
+        FaultInjector {
+            inner,
+            retryable_per_mille,
+            poisoned: poisoned.to_string(),
+            rng: std::sync::Mutex::new(rng("fault injector")),
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -454,7 +774,7 @@ impl Publisher for FaultInjector {
                     "injected permanent failure",
                 )));
                 fence.close(e);
-            } else if fastrand::u32(0..1000) < self.retryable_per_mille {
+            } else if self.rng.lock().unwrap().u32(0..1000) < self.retryable_per_mille {
                 outcomes[i] = Some(Err(Error::new(
                     ErrorKind::Connection,
                     "injected retryable failure",
@@ -479,15 +799,6 @@ impl Publisher for FaultInjector {
     fn name(&self) -> &str {
         "fault-injector"
     }
-}
-
-/// A spare loopback port.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `GET http://<addr><path>`: the status code, or `None` when nothing answered within 5 s.
@@ -564,13 +875,15 @@ impl BrokerServer {
                 )
                 .await,
             ),
-            Broker::Sqs => Sink::Sqs(
-                outbox_sqs::testing::Fixture::create_at(
+            Broker::Sqs => {
+                let mut fx = outbox_sqs::testing::Fixture::create_at(
                     &self.address(),
                     &format!("outbox-test-{}.fifo", Uuid::new_v4().simple()),
                 )
-                .await,
-            ),
+                .await;
+                fx.send_log = Some(self.send_log());
+                Sink::Sqs(fx)
+            }
         }
     }
 
@@ -589,6 +902,11 @@ impl BrokerServer {
             self.broker.name(),
             self.port
         ))
+    }
+
+    /// Where the SQS endpoint records what it accepts (kept across restarts).
+    fn send_log(&self) -> PathBuf {
+        std::env::temp_dir().join(format!("outbox-test-sqs-sends-{}.log", self.port))
     }
 
     fn log(&self) -> Stdio {
@@ -654,7 +972,11 @@ impl BrokerServer {
                 self.child = Some(outbox_kafka::testing::spawn_tansu(self.port, self.log()));
             }
             Broker::Sqs => {
-                self.child = Some(outbox_sqs::testing::spawn_endpoint(self.port, self.log()));
+                self.child = Some(outbox_sqs::testing::spawn_recording_endpoint(
+                    self.port,
+                    self.log(),
+                    &self.send_log(),
+                ));
             }
         }
         for _ in 0..300 {
@@ -690,6 +1012,9 @@ fn rabbitmqctl(command: &str) {
 
 impl Drop for BrokerServer {
     fn drop(&mut self) {
+        if self.broker == Broker::Sqs {
+            let _ = std::fs::remove_file(self.send_log());
+        }
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -745,10 +1070,7 @@ impl RacingLoad {
         aggregates: usize,
         hold: Duration,
     ) -> RacingLoad {
-        let seed = std::env::var("OUTBOX_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| fastrand::u64(..));
+        let seed = seed();
         println!("racing writers: seed={seed} (OUTBOX_TEST_SEED reproduces the writers' choices)");
         let stop = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
@@ -823,23 +1145,6 @@ pub async fn committed_by_seq(pg: &sqlx::PgPool, table: &OutboxTable) -> Vec<(St
     .unwrap()
 }
 
-/// A server process a test started itself: killed (even when stopped with SIGSTOP) and reaped when
-/// dropped, so a failing test leaves nothing running.
-pub struct OwnedProcess(pub Child);
-
-impl OwnedProcess {
-    pub fn id(&self) -> u32 {
-        self.0.id()
-    }
-}
-
-impl Drop for OwnedProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A Tansu broker of the test's own on a free loopback port (validating records against the JSON
 /// schemas in `schemas`, when given), once it accepts connections; returns it with its address.
 pub fn own_tansu(schemas: Option<&std::path::Path>) -> (OwnedProcess, String) {
@@ -849,14 +1154,6 @@ pub fn own_tansu(schemas: Option<&std::path::Path>) -> (OwnedProcess, String) {
         None => outbox_kafka::testing::spawn_tansu(port, Stdio::null()),
     };
     let tansu = OwnedProcess(child);
-    let brokers = format!("127.0.0.1:{port}");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(&brokers).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "Tansu did not start on {brokers}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    (tansu, brokers)
+    outbox_core::testkit::wait_for_port(port, Duration::from_secs(30), "Tansu");
+    (tansu, format!("127.0.0.1:{port}"))
 }

@@ -16,7 +16,8 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 /// Commits `rounds` transactions, each with one event for every one of `aggregates` aggregates
-/// (`agg-0`, `agg-1`...), and returns `(aggregate, id)` in commit order.
+/// (`agg-0`, `agg-1`...), and returns `(aggregate, id)` in `seq` order, read back from the database
+/// inside each transaction (so that a relay already running cannot take rows away first).
 ///
 /// # Panics
 /// When the database is unreachable or a write fails (this is test support).
@@ -28,15 +29,25 @@ pub async fn write_rounds(
 ) -> Vec<(String, Uuid)> {
     let pg = pool(2).await;
     let writer = Writer::new(table.clone());
+    let read_back = format!(
+        "SELECT aggregate_id, id FROM {} WHERE id = ANY($1) ORDER BY seq",
+        table.qualified()
+    );
     let mut committed = Vec::with_capacity(aggregates * rounds);
     for n in 0..rounds {
         let mut tx = pg.begin().await.unwrap();
         let events: Vec<_> = (0..aggregates)
             .map(|a| sample_event(&format!("agg-{a}"), n))
             .collect();
-        committed.extend(events.iter().map(|e| (e.aggregate_id.clone(), e.id)));
-        writer.enqueue_many(&mut tx, events).await.unwrap();
+        let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
+        let rows: Vec<(String, Uuid)> = sqlx::query_as(&read_back)
+            .bind(&ids)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(rows.len(), aggregates);
         writer.commit(tx).await.unwrap();
+        committed.extend(rows);
     }
     committed
 }
@@ -78,15 +89,29 @@ pub struct Verdict {
     pub order_violations: usize,
     /// Committed events never received.
     pub lost: usize,
+    /// Distinct ids received that are not among the committed events expected: rolled back, never
+    /// written, dead-lettered, or held back behind a dead letter.
+    pub unexpected: usize,
+    /// What the consumer's own reads failed with (shown, so that it is not mistaken for loss).
+    pub consumer_errors: Vec<String>,
 }
 
 impl std::fmt::Display for Verdict {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "committed={} delivered={} duplicates={} order_violations={} lost={}",
-            self.committed, self.delivered, self.duplicates, self.order_violations, self.lost
-        )
+            "committed={} delivered={} duplicates={} order_violations={} lost={} unexpected={}",
+            self.committed,
+            self.delivered,
+            self.duplicates,
+            self.order_violations,
+            self.lost,
+            self.unexpected
+        )?;
+        if !self.consumer_errors.is_empty() {
+            write!(f, " consumer_errors={}", self.consumer_errors.len())?;
+        }
+        Ok(())
     }
 }
 
@@ -94,7 +119,8 @@ impl std::fmt::Display for Verdict {
 /// received, in reception order.
 ///
 /// Order is checked on first receptions: the first time each event of an aggregate arrives must follow
-/// the aggregate's commit order. A re-delivery (duplicate) is counted, not judged.
+/// the aggregate's commit order. A re-delivery (duplicate) is counted, not judged. An id received that
+/// is not in `committed` counts as `unexpected` (once, however often it arrived).
 pub fn check(committed: &[(String, Uuid)], received: &[Uuid]) -> Verdict {
     let mut position: HashMap<Uuid, (&str, usize)> = HashMap::new();
     let mut per_aggregate: HashMap<&str, usize> = HashMap::new();
@@ -117,6 +143,7 @@ pub fn check(committed: &[(String, Uuid)], received: &[Uuid]) -> Verdict {
             continue;
         }
         let Some((agg, n)) = position.get(id) else {
+            v.unexpected += 1;
             continue;
         };
         let high = high_water.entry(agg).or_insert(0);
@@ -150,5 +177,12 @@ mod tests {
         );
         let bad = check(&committed, &[ids[1], ids[0], ids[2]]);
         assert_eq!((bad.order_violations, bad.lost), (1, 1));
+        let stranger = Uuid::now_v7();
+        let odd = check(&committed[..2], &[ids[0], stranger, ids[1], stranger, ids[2]]);
+        assert_eq!(
+            (odd.delivered, odd.duplicates, odd.unexpected, odd.lost),
+            (2, 1, 2, 0),
+            "two strangers (one received twice: a duplicate too), nothing lost"
+        );
     }
 }

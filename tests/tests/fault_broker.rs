@@ -13,9 +13,9 @@
 use std::time::{Duration, Instant};
 
 use outbox_postgres::testing::{fresh_table, pool};
-use outbox_tests::check;
 use outbox_tests::harness::{
-    free_port, http_status, report, soak_factor, unpublished, Broker, BrokerServer, RelayProcess,
+    assert_crash_verdict, committed_in_db, free_port, http_status, one_at_a_time, report,
+    soak_factor, unpublished, wait_until, Broker, BrokerServer, RelayProcess,
 };
 
 async fn wait_ready(addr: &str, within: Duration) -> bool {
@@ -34,6 +34,7 @@ async fn wait_ready(addr: &str, within: Duration) -> bool {
 }
 
 async fn broker_down(broker: Broker) {
+    let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
     let mut server = BrokerServer::start(broker).await;
@@ -45,7 +46,7 @@ async fn broker_down(broker: Broker) {
         std::process::id()
     ));
     let log = std::fs::File::create(&log_path).unwrap();
-    let load = broker.load(&table);
+    let load = broker.load(&table).await;
     let mut relay = RelayProcess::start_logging_to(
         &table,
         &sink,
@@ -61,12 +62,20 @@ async fn broker_down(broker: Broker) {
         "the relay never became ready; its log: {}",
         log_path.display()
     );
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_until(
+        Duration::from_secs(60),
+        "the relay published nothing before the outage",
+        || async { sink.received_count().await > 0 },
+    )
+    .await;
 
-    // Everything published so far is read before the broker (and what it holds) goes away.
+    // Everything published so far is read before the broker (and what it holds) goes away: the
+    // relay stands still, the consumer reads all the broker holds, stops, and only then is its
+    // record taken.
     relay.pause();
-    let received = sink.received_settled().await;
-    sink.stop_consuming();
+    sink.received_settled().await;
+    sink.stop_and_join().await;
+    let received = sink.received(usize::MAX, Duration::ZERO).await;
     server.stop().await;
     relay.resume();
 
@@ -133,28 +142,32 @@ async fn broker_down(broker: Broker) {
         "the relay is not ready again after the broker came back; its log: {}",
         log_path.display()
     );
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_until(
+        Duration::from_secs(60),
+        "the relay published nothing after the outage",
+        || async { sink.received_count().await > 0 },
+    )
+    .await;
     let written = load.stop().await;
 
     // Everything committed arrives: before the outage, or after it.
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let verdict = loop {
-        let mut all = received.clone();
-        all.extend(sink.received(usize::MAX, Duration::ZERO).await);
-        let v = check(&written.committed, &all);
-        if v.lost == 0 || Instant::now() > deadline {
-            break v;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let committed = committed_in_db(&pg, &table, &written).await;
+    let before: std::collections::HashSet<_> = received.iter().copied().collect();
+    let missing: Vec<_> = committed
+        .iter()
+        .filter(|(_, id)| !before.contains(id))
+        .cloned()
+        .collect();
+    sink.wait_all(&missing, Duration::from_secs(180)).await;
     assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
+    let mut all = received.clone();
+    all.extend(sink.received_settled().await);
+    let verdict = sink.judge_received(&committed, &all);
     report("broker-down-12s", broker, &verdict);
-    assert_eq!(
-        (verdict.lost, verdict.order_violations),
-        (0, 0),
-        "{verdict}; the relay's log: {}",
-        log_path.display()
-    );
+    // Nothing crashed, but a connection lost after the broker took an event and before its
+    // acknowledgement arrived makes the relay send it again (README, guarantee 3): at most the
+    // batches in flight at the outage.
+    assert_crash_verdict(&verdict, 1, 100, 2);
     assert_eq!(unpublished(&pg, &table).await, 0, "the backlog drained");
     let _ = std::fs::remove_file(&log_path);
 }

@@ -64,8 +64,13 @@ async fn rabbitmq_reject_publish_overflow_keeps_each_aggregate_in_order() {
     assert!(summary.retried > 0, "the queue never refused a message");
     // Nothing crashed: a refused message is never counted as delivered, so nothing arrives twice.
     assert_eq!(
-        (verdict.lost, verdict.order_violations, verdict.duplicates),
-        (0, 0, 0),
+        (
+            verdict.lost,
+            verdict.order_violations,
+            verdict.duplicates,
+            verdict.unexpected
+        ),
+        (0, 0, 0, 0),
         "{verdict}"
     );
     fx.cleanup().await;

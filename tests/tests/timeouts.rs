@@ -105,9 +105,11 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
         .await
         .unwrap();
     assert!(dead.is_empty(), "dead letters after a stall: {dead:?}");
+    // Duplicates are allowed here: a record the stalled broker took after the delivery timeout
+    // reported it failed is sent again (README, guarantee 3).
     assert_eq!(
-        (verdict.lost, verdict.order_violations),
-        (0, 0),
+        (verdict.lost, verdict.order_violations, verdict.unexpected),
+        (0, 0, 0),
         "{verdict}"
     );
 }

@@ -39,13 +39,8 @@ pub fn unmigrated_table() -> OutboxTable {
     .unwrap()
 }
 
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+#[allow(unused_imports)]
+pub use outbox_core::testkit::free_port;
 
 /// A command with a clean environment: the test database, this table, no stray OUTBOX_* variables.
 pub fn outbox(table: &OutboxTable, args: &[&str]) -> Command {
@@ -121,6 +116,7 @@ pub struct Running {
     pub child: Child,
     pub lines: Arc<Mutex<Vec<String>>>,
     pub logs: Arc<Mutex<Vec<String>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Running {
@@ -133,7 +129,7 @@ impl Running {
         let lines: Arc<Mutex<Vec<String>>> = Arc::default();
         let out = child.stdout.take().unwrap();
         let sink = lines.clone();
-        std::thread::spawn(move || {
+        let stdout_reader = std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
                 sink.lock().unwrap().push(line);
             }
@@ -141,13 +137,29 @@ impl Running {
         let err = child.stderr.take().unwrap();
         let logs: Arc<Mutex<Vec<String>>> = Arc::default();
         let log_sink = logs.clone();
-        std::thread::spawn(move || {
+        let stderr_reader = std::thread::spawn(move || {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
                 eprintln!("[relay] {line}");
                 log_sink.lock().unwrap().push(line);
             }
         });
-        Running { child, lines, logs }
+        Running {
+            child,
+            lines,
+            logs,
+            readers: vec![stdout_reader, stderr_reader],
+        }
+    }
+
+    /// Waits until everything the exited process wrote has been read.
+    pub fn join_output(&mut self) {
+        assert!(
+            self.child.try_wait().unwrap().is_some(),
+            "join_output: the process is still running"
+        );
+        for reader in self.readers.drain(..) {
+            reader.join().unwrap();
+        }
     }
 
     pub fn wait_lines(&self, n: usize, timeout: Duration) -> Vec<String> {

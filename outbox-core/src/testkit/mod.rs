@@ -119,7 +119,7 @@ pub fn spawn_tool(
     args: &[&str],
     stderr: std::process::Stdio,
 ) -> std::process::Child {
-    spawn_tool_in(None, env_var, name, what, args, stderr)
+    Tool::new(env_var, name, what).spawn(args, stderr)
 }
 
 /// As [`spawn_tool`], running in `cwd` when given (for programs that take paths relative to it).
@@ -131,29 +131,112 @@ pub fn spawn_tool_in(
     args: &[&str],
     stderr: std::process::Stdio,
 ) -> std::process::Child {
-    let path = std::env::var_os(env_var)
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../.tools/bin")
-                .join(name)
-        });
-    assert!(
-        path.exists(),
-        "this test starts {what} of its own and cannot find {}: run `bash scripts/test-env.sh` \
-         (it installs it under .tools/bin), or set {env_var} to the program",
-        path.display()
-    );
-    let mut command = std::process::Command::new(&path);
-    if let Some(dir) = cwd {
-        command.current_dir(dir);
+    let mut tool = Tool::new(env_var, name, what);
+    tool.cwd = cwd.map(std::path::Path::to_path_buf);
+    tool.spawn(args, stderr)
+}
+
+/// A server program of the test's own (see [`spawn_tool`]), with the working directory and
+/// environment it is started with.
+#[derive(Debug, Clone)]
+pub struct Tool {
+    env_var: String,
+    name: String,
+    what: String,
+    /// The working directory, when not the test's.
+    pub cwd: Option<std::path::PathBuf>,
+    /// Variables added to the program's environment.
+    pub env: Vec<(String, std::ffi::OsString)>,
+}
+
+impl Tool {
+    /// The program `$<env_var>`, else `.tools/bin/<name>`; `what` names it in errors.
+    pub fn new(env_var: &str, name: &str, what: &str) -> Tool {
+        Tool {
+            env_var: env_var.to_string(),
+            name: name.to_string(),
+            what: what.to_string(),
+            cwd: None,
+            env: Vec::new(),
+        }
     }
-    command
-        .args(args)
-        .stdout(std::process::Stdio::null())
-        .stderr(stderr)
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", path.display()))
+
+    /// Starts it with `args`, standard output discarded and standard error going to `stderr`.
+    pub fn spawn(&self, args: &[&str], stderr: std::process::Stdio) -> std::process::Child {
+        let path = std::env::var_os(&self.env_var)
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                    .join("../.tools/bin")
+                    .join(&self.name)
+            });
+        assert!(
+            path.exists(),
+            "this test starts {} of its own and cannot find {}: run `bash scripts/test-env.sh` \
+             (it installs it under .tools/bin), or set {} to the program",
+            self.what,
+            path.display(),
+            self.env_var
+        );
+        let mut command = std::process::Command::new(&path);
+        if let Some(dir) = &self.cwd {
+            command.current_dir(dir);
+        }
+        command
+            .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdout(std::process::Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", path.display()))
+    }
+}
+
+/// A process a test started itself: killed (even when stopped with SIGSTOP) and reaped when dropped,
+/// so a failing test leaves nothing running.
+#[derive(Debug)]
+pub struct OwnedProcess(pub std::process::Child);
+
+impl OwnedProcess {
+    /// Its process id.
+    pub fn id(&self) -> u32 {
+        self.0.id()
+    }
+
+    /// Kills it now and waits for it.
+    pub fn stop(mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for OwnedProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A loopback port nothing listens on at the moment (the system picks it), for a server of the
+/// test's own: never a fixed number another test or program may hold.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free loopback port: {e}"))
+}
+
+/// Waits until something accepts TCP connections on `127.0.0.1:<port>`, at most `within`; panics
+/// naming `what` otherwise.
+pub fn wait_for_port(port: u16, within: Duration, what: &str) {
+    let deadline = std::time::Instant::now() + within;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} did not start on 127.0.0.1:{port} within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A JSON event of `aggregate` numbered `n`, with a `traceparent` header.
