@@ -1,55 +1,33 @@
 //! The Kafka publisher while its broker is stopped and restarted. Uses a broker of its own (Tansu on
-//! 127.0.0.1:19092, started and stopped by this test) so other tests keep theirs.
+//! a spare loopback port, started and stopped by this test, and started again on the same port) so
+//! other tests keep theirs.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use outbox_core::testkit::publisher_suite::event;
+use outbox_core::testkit::{free_port, wait_for_port, OwnedProcess};
 use outbox_core::Publisher;
 use outbox_kafka::{KafkaConfig, KafkaPublisher};
 
-const PORT: u16 = 19092;
-
-/// The broker process; killed when dropped, so a failing test leaves nothing running.
-struct Broker(Child);
-
-impl Broker {
-    fn stop(mut self) {
-        self.0.kill().unwrap();
-        self.0.wait().unwrap();
-    }
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_broker() -> Broker {
+/// A Tansu of the test's own on `port` (killed when dropped), once it accepts connections.
+fn start_broker(port: u16) -> OwnedProcess {
     assert!(
-        std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err(),
-        "port {PORT} is taken: this test needs it for a broker of its own"
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "port {port} was taken by another program meanwhile: run the test again"
     );
-    let child = outbox_kafka::testing::spawn_tansu(PORT, Stdio::null());
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "Tansu did not start on port {PORT}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Broker(child)
+    let broker = OwnedProcess(outbox_kafka::testing::spawn_tansu(port, Stdio::null()));
+    wait_for_port(port, Duration::from_secs(30), "Tansu");
+    broker
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_down_gives_retryable_failures_then_recovers() {
-    let broker = start_broker();
+    let port = free_port();
+    let broker = start_broker(port);
     let p = KafkaPublisher::new(KafkaConfig {
-        brokers: format!("127.0.0.1:{PORT}"),
+        brokers: format!("127.0.0.1:{port}"),
         topic: "outbox.faults".into(),
         delivery_timeout: Duration::from_secs(3),
         ..KafkaConfig::default()
@@ -82,7 +60,7 @@ async fn broker_down_gives_retryable_failures_then_recovers() {
         "readiness reports the broker down"
     );
 
-    let broker = start_broker();
+    let broker = start_broker(port);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let batch: Vec<_> = (0..20).map(|i| event(&format!("a{i}"), 2)).collect();

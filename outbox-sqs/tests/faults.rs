@@ -1,56 +1,35 @@
 //! The SQS publisher while its endpoint is stopped and restarted. Uses an endpoint of its own (moto on
-//! 127.0.0.1:14566, started and stopped by this test) so other tests keep theirs.
+//! a spare loopback port, started and stopped by this test, and started again on the same port) so
+//! other tests keep theirs.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use aws_config::{BehaviorVersion, Region};
 use aws_sdk_sqs::config::Credentials;
 use outbox_core::testkit::publisher_suite::event;
+use outbox_core::testkit::{free_port, wait_for_port, OwnedProcess};
 use outbox_core::Publisher;
 use outbox_sqs::{SqsConfig, SqsPublisher};
 
-const PORT: u16 = 14566;
-
-struct Endpoint(Child);
-
-impl Endpoint {
-    fn start() -> Endpoint {
-        assert!(
-            std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err(),
-            "port {PORT} is taken: this test needs it for an endpoint of its own"
-        );
-        let child = outbox_sqs::testing::spawn_endpoint(PORT, Stdio::null());
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", PORT)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "moto did not start on port {PORT}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Endpoint(child)
-    }
-
-    fn stop(mut self) {
-        self.0.kill().unwrap();
-        self.0.wait().unwrap();
-    }
+/// An endpoint of the test's own on `port` (killed when dropped), once it serves requests.
+async fn start_endpoint(port: u16) -> OwnedProcess {
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "port {port} was taken by another program meanwhile: run the test again"
+    );
+    let endpoint = OwnedProcess(outbox_sqs::testing::spawn_endpoint(port, Stdio::null()));
+    wait_for_port(port, Duration::from_secs(30), "moto");
+    outbox_sqs::testing::wait_until_serving(&format!("http://127.0.0.1:{port}")).await;
+    endpoint
 }
 
-impl Drop for Endpoint {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn client() -> aws_sdk_sqs::Client {
+fn client(port: u16) -> aws_sdk_sqs::Client {
     let conf = aws_sdk_sqs::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new("us-east-1"))
-        .endpoint_url(format!("http://127.0.0.1:{PORT}"))
+        .endpoint_url(format!("http://127.0.0.1:{port}"))
         .credentials_provider(Credentials::new("test", "test", None, None, "outbox-tests"))
         .http_client(outbox_sqs::https_client())
         .timeout_config(
@@ -65,8 +44,9 @@ fn client() -> aws_sdk_sqs::Client {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoint_down_gives_retryable_failures_then_recovers() {
-    let endpoint = Endpoint::start();
-    let c = client();
+    let port = free_port();
+    let endpoint = start_endpoint(port).await;
+    let c = client(port);
     let url = c
         .create_queue()
         .queue_name("outbox-faults")
@@ -103,7 +83,7 @@ async fn endpoint_down_gives_retryable_failures_then_recovers() {
         "readiness reports the endpoint down"
     );
 
-    let _endpoint = Endpoint::start();
+    let _endpoint = start_endpoint(port).await;
     // The restarted emulator starts empty: the queue is created again, as an operator would.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {

@@ -38,8 +38,9 @@ async fn fifo_groups_order_and_deduplication() {
     assert!(again.iter().all(|o| o.is_ok()));
     fx.resume();
     let got = fx.wait_for(95, WAIT).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let got_all = fx.wait_for(200, Duration::from_millis(10)).await;
+    // Once the queue is empty the consumer has read (and deleted) everything the queue took.
+    fx.wait_until_empty(WAIT).await;
+    let got_all = fx.wait_for(200, Duration::ZERO).await;
     assert_eq!(
         got_all.len(),
         95,

@@ -41,7 +41,11 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
     let relay = Relay::new(Arc::new(store.clone()), fx.publisher(), config()).unwrap();
     relay.drain().await;
     let got = fx.wait_for(20, Duration::from_secs(30)).await;
-    assert_eq!(got.len(), 20, "every healthy event arrives");
+    let mut ids: Vec<_> = got.iter().filter_map(|d| d.received.event_id).collect();
+    ids.sort();
+    let mut want: Vec<_> = healthy.iter().map(|e| e.id).collect();
+    want.sort();
+    assert_eq!(ids, want, "every healthy event arrives, and nothing else");
     let dead = store
         .dead_letters(&DeadLetterFilter::All, 10)
         .await
@@ -59,6 +63,20 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
         (1, 1),
         "the poisoned aggregate's next event waits"
     );
+    // The held-back event was never tried: still in the outbox, unpublished, no attempt.
+    let (attempts, processed): (i32, bool) = sqlx::query_as(&format!(
+        "SELECT attempts, processed_at IS NOT NULL FROM {} WHERE id = $1",
+        table.qualified()
+    ))
+    .bind(held_back.id)
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    assert_eq!(
+        (attempts, processed),
+        (0, false),
+        "the event behind the dead letter was tried"
+    );
     // Discarding the dead letter lets the aggregate flow again.
     store
         .discard_dead_letters(&DeadLetterFilter::Ids(vec![poisoned.id]))
@@ -66,8 +84,7 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
         .unwrap();
     relay.drain().await;
     let got = fx.wait_for(21, Duration::from_secs(30)).await;
-    assert!(got
-        .iter()
-        .any(|d| d.received.event_id == Some(held_back.id)));
+    assert_eq!(got.len(), 21, "the held-back event, once, after the healthy ones");
+    assert_eq!(got[20].received.event_id, Some(held_back.id));
     fx.cleanup().await;
 }
