@@ -66,7 +66,11 @@ fn example_configs_load() {
     for name in ["stdout.toml", "amqp.toml", "kafka.toml", "sqs.toml"] {
         let path = example_with_secrets(name, &dir);
         assert!(
-            std::fs::read_to_string(&path).unwrap().matches(SECRET).count() >= 3,
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .matches(SECRET)
+                .count()
+                >= 3,
             "{name}: the copy holds the secret in each place"
         );
         let out = Command::new(bin())

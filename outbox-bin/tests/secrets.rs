@@ -69,7 +69,12 @@ fn an_unreachable_database_never_shows_the_password() {
     let sasl = sasl_config();
     for publisher in ["amqp", "kafka", "sqs"] {
         let db = db_with_password(free_port());
-        for args in [vec!["relay"], vec!["status"], vec!["migrate"], vec!["config"]] {
+        for args in [
+            vec!["relay"],
+            vec!["status"],
+            vec!["migrate"],
+            vec!["config"],
+        ] {
             let mut all = vec!["--config", sasl.to_str().unwrap()];
             all.extend(args.iter().copied());
             let out = with_secrets(publisher, &db, &all).output().unwrap();
@@ -91,7 +96,11 @@ async fn an_unreachable_broker_never_shows_the_password() {
     let sasl = sasl_config();
     // The test database takes any password (trust); the relay reaches it and then fails at the broker.
     let url = database_url();
-    let db = url.replacen("postgres://postgres@", &format!("postgres://postgres:{PASSWORD}@"), 1);
+    let db = url.replacen(
+        "postgres://postgres@",
+        &format!("postgres://postgres:{PASSWORD}@"),
+        1,
+    );
     assert!(
         db.contains(PASSWORD),
         "DATABASE_URL has an unexpected form for this test: {url}"

@@ -119,6 +119,28 @@ fn create_producer(config: &KafkaConfig) -> Result<FutureProducer, Error> {
 }
 
 impl KafkaPublisher {
+    /// `error`, when it says the record is too large, with a message naming the record's size and
+    /// the limits that apply (librdkafka's own text names neither).
+    fn name_the_limit(&self, error: Error, event: &Event) -> Error {
+        if error.kind() != ErrorKind::PayloadTooLarge {
+            return error;
+        }
+        let headers: usize = event.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let size = event.payload.len() + event.aggregate_id.len() + headers;
+        Error::new(
+            ErrorKind::PayloadTooLarge,
+            format!(
+                "the record is about {size} bytes (payload, key and headers); kafka.message_max_bytes is {} \
+                 (the broker's message.max.bytes or the topic's max.message.bytes may be lower): \
+                 move large data out of the event, or raise the limits",
+                self.config.message_max_bytes
+            ),
+        )
+        .with_context("adapter", "kafka")
+        .with_source(error)
+        .permanent()
+    }
+
     /// A publisher with `config`. The producer connects in the background.
     ///
     /// # Errors
@@ -270,9 +292,9 @@ impl Publisher for KafkaPublisher {
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
                     Err((e, _)) => {
-                        outcomes[i] = Some(Err(
-                            map_kafka("produce", e).with_context("event_id", event.id)
-                        ));
+                        outcomes[i] = Some(Err(self
+                            .name_the_limit(map_kafka("produce", e), event)
+                            .with_context("event_id", event.id)));
                         fence.close(event);
                         break;
                     }
@@ -291,7 +313,9 @@ impl Publisher for KafkaPublisher {
                         Ok(Ok(_delivery)) => Ok(()),
                         Ok(Err((e, _message))) => {
                             session_lost |= e.rdkafka_error_code().is_some_and(ends_session);
-                            Err(map_kafka("delivery", e).with_context("event_id", events[i].id))
+                            Err(self
+                                .name_the_limit(map_kafka("delivery", e), &events[i])
+                                .with_context("event_id", events[i].id))
                         }
                         Err(_canceled) => Err(Error::new(
                             ErrorKind::Connection,

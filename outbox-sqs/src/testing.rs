@@ -95,8 +95,10 @@ impl RecordingEndpoint {
     /// Starts it and waits (up to 60 s) until it serves requests.
     pub async fn start() -> RecordingEndpoint {
         let port = outbox_core::testkit::free_port();
-        let send_log =
-            std::env::temp_dir().join(format!("outbox-test-sqs-sends-{}.log", uuid::Uuid::new_v4().simple()));
+        let send_log = std::env::temp_dir().join(format!(
+            "outbox-test-sqs-sends-{}.log",
+            uuid::Uuid::new_v4().simple()
+        ));
         let process = outbox_core::testkit::OwnedProcess(spawn_recording_endpoint(
             port,
             std::process::Stdio::null(),

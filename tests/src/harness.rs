@@ -36,9 +36,9 @@ pub fn seed() -> u64 {
 pub fn rng(what: &str) -> fastrand::Rng {
     let seed = seed();
     println!("{what}: seed={seed} (OUTBOX_TEST_SEED={seed} replays its random choices)");
-    let stream = what
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let stream = what.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
     fastrand::Rng::with_seed(seed ^ stream)
 }
 
@@ -168,7 +168,11 @@ impl Sink {
         while quiet < 4 {
             tokio::time::sleep(Duration::from_millis(250)).await;
             let now = self.received(usize::MAX, Duration::ZERO).await;
-            quiet = if now.len() == last.len() { quiet + 1 } else { 0 };
+            quiet = if now.len() == last.len() {
+                quiet + 1
+            } else {
+                0
+            };
             last = now;
         }
         last
@@ -346,18 +350,24 @@ impl RelayProcess {
                 c.env_remove(k);
             }
         }
-        let tag = format!("outbox-test-relay-{}", &Uuid::new_v4().simple().to_string()[..12]);
+        let tag = format!(
+            "outbox-test-relay-{}",
+            &Uuid::new_v4().simple().to_string()[..12]
+        );
         let url = database_url();
         let separator = if url.contains('?') { '&' } else { '?' };
-        c.env("DATABASE_URL", format!("{url}{separator}application_name={tag}"))
-            .env("OUTBOX_DATABASE__SCHEMA", table.schema())
-            .env("OUTBOX_HTTP__ENABLED", "false")
-            .env("OUTBOX_RELAY__BATCH_SIZE", "100")
-            .env("OUTBOX_RELAY__RETRY__INITIAL_BACKOFF", "200ms")
-            .env("OUTBOX_RELAY__RETRY__MAX_BACKOFF", "2s")
-            .env("OUTBOX_RELAY__RETRY__MAX_ATTEMPTS", "1000")
-            .env("OUTBOX_LOG__LEVEL", "warn")
-            .env_remove("RUST_LOG");
+        c.env(
+            "DATABASE_URL",
+            format!("{url}{separator}application_name={tag}"),
+        )
+        .env("OUTBOX_DATABASE__SCHEMA", table.schema())
+        .env("OUTBOX_HTTP__ENABLED", "false")
+        .env("OUTBOX_RELAY__BATCH_SIZE", "100")
+        .env("OUTBOX_RELAY__RETRY__INITIAL_BACKOFF", "200ms")
+        .env("OUTBOX_RELAY__RETRY__MAX_BACKOFF", "2s")
+        .env("OUTBOX_RELAY__RETRY__MAX_ATTEMPTS", "1000")
+        .env("OUTBOX_LOG__LEVEL", "warn")
+        .env_remove("RUST_LOG");
         sink.configure(&mut c);
         for (k, v) in extra {
             c.env(k, v);
@@ -369,7 +379,8 @@ impl RelayProcess {
     /// Whether the process has installed its SIGTERM handler (`SigCgt` in /proc): before that, a
     /// SIGTERM kills it like SIGKILL.
     pub fn handles_sigterm(&self) -> bool {
-        let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())) else {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+        else {
             return false;
         };
         status
@@ -678,12 +689,13 @@ impl Kills {
 /// Asserts no loss, no order violation and nothing unexpected, and duplicates within what
 /// `kills` crashes can explain (each leaves at most `batches_in_flight` batches of `batch_size`
 /// events published and not yet marked).
-pub fn assert_crash_verdict(v: &Verdict, kills: usize, batch_size: usize, batches_in_flight: usize) {
-    assert_eq!(
-        (v.lost, v.order_violations, v.unexpected),
-        (0, 0, 0),
-        "{v}"
-    );
+pub fn assert_crash_verdict(
+    v: &Verdict,
+    kills: usize,
+    batch_size: usize,
+    batches_in_flight: usize,
+) {
+    assert_eq!((v.lost, v.order_violations, v.unexpected), (0, 0, 0), "{v}");
     let bound = kills * batch_size * batches_in_flight;
     assert!(
         v.duplicates <= bound,

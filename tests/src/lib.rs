@@ -178,7 +178,10 @@ mod tests {
         let bad = check(&committed, &[ids[1], ids[0], ids[2]]);
         assert_eq!((bad.order_violations, bad.lost), (1, 1));
         let stranger = Uuid::now_v7();
-        let odd = check(&committed[..2], &[ids[0], stranger, ids[1], stranger, ids[2]]);
+        let odd = check(
+            &committed[..2],
+            &[ids[0], stranger, ids[1], stranger, ids[2]],
+        );
         assert_eq!(
             (odd.delivered, odd.duplicates, odd.unexpected, odd.lost),
             (2, 1, 2, 0),

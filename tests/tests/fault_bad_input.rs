@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 /// What should become of a bad event: delivered, or dead-lettered with an error of a kind whose
 /// message names the limit or field at fault (the words, per broker).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 enum Expect {
     Delivered,
     DeadLettered(&'static str, fn(Broker) -> &'static [&'static str]),
@@ -38,12 +38,20 @@ fn cases(broker: Broker, sink: &Sink) -> Vec<(&'static str, NewEvent, Expect)> {
         (
             "payload over the limit",
             NewEvent::new("order", "big", "order.created", big),
-            Expect::DeadLettered("payload_too_large", |_| &[]),
+            Expect::DeadLettered("payload_too_large", |b| match b {
+                Broker::Amqp => &["amqp.max_message_bytes is 1048576"],
+                Broker::Kafka => &["kafka.message_max_bytes is 1000000"],
+                Broker::Sqs => &["sqs.max_message_bytes is 1048576"],
+            }),
         ),
         (
             "unroutable destination",
             sample_event("lost", 0).with_destination(nowhere),
-            Expect::DeadLettered("destination_not_found", |_| &[]),
+            Expect::DeadLettered("destination_not_found", |b| match b {
+                Broker::Amqp => &["exchange", ".nowhere"],
+                Broker::Kafka => &["\"not a topic!\"", "topic name"],
+                Broker::Sqs => &["queue=outbox-test-no-such-queue"],
+            }),
         ),
         (
             "binary, not UTF-8",
@@ -60,7 +68,9 @@ fn cases(broker: Broker, sink: &Sink) -> Vec<(&'static str, NewEvent, Expect)> {
             "oversized header value",
             sample_event("hdr", 0).with_header("x-big", "v".repeat(300 * 1024)),
             match broker {
-                Broker::Amqp => Expect::DeadLettered("invalid_input", |_| &[]),
+                Broker::Amqp => {
+                    Expect::DeadLettered("invalid_input", |_| &["headers", "at most 131072"])
+                }
                 _ => Expect::Delivered,
             },
         ),
@@ -68,7 +78,9 @@ fn cases(broker: Broker, sink: &Sink) -> Vec<(&'static str, NewEvent, Expect)> {
             "event type the broker refuses",
             NewEvent::new("order", "typ", long_type, serde_json::json!({})),
             match broker {
-                Broker::Amqp => Expect::DeadLettered("invalid_input", |_| &[]),
+                Broker::Amqp => Expect::DeadLettered("invalid_input", |_| {
+                    &["routing key is 300 bytes", "at most 255"]
+                }),
                 _ => Expect::Delivered,
             },
         ),
@@ -108,7 +120,7 @@ async fn write(
             let follower = sample_event(&event.aggregate_id, 1);
             bad.insert(event.id, (name, expect));
             writer.enqueue(&mut tx, event).await.unwrap();
-            if expect != Expect::Delivered {
+            if !matches!(expect, Expect::Delivered) {
                 followers.push((name, follower.id));
                 writer.enqueue(&mut tx, follower).await.unwrap();
             }
@@ -129,7 +141,7 @@ async fn write(
             !held.contains(id)
                 && bad
                     .get(id)
-                    .is_none_or(|(_, expect)| *expect == Expect::Delivered)
+                    .is_none_or(|(_, expect)| matches!(expect, Expect::Delivered))
         })
         .collect();
     Written {
@@ -179,7 +191,8 @@ async fn run(broker: Broker, with_bad: bool) -> (Written, PostgresStore, Sink, D
         .collect();
     sink.wait_all(&healthy, Duration::from_secs(60)).await;
     let latency = started.elapsed();
-    sink.wait_all(&written.deliverable, Duration::from_secs(60)).await;
+    sink.wait_all(&written.deliverable, Duration::from_secs(60))
+        .await;
     // Until nothing is left to try: each bad event delivered or dead-lettered.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {

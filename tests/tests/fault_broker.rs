@@ -99,6 +99,22 @@ async fn broker_down(broker: Broker) {
     let pending_late = unpublished(&pg, &table).await;
     let cpu = relay.cpu_time() - cpu_before;
     let lines = log_lines(&log_path) - log_before;
+    // What the relay said while the broker was down, most frequent first.
+    let mut said: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    for line in std::fs::read_to_string(&log_path)
+        .unwrap_or_default()
+        .lines()
+        .skip(log_before)
+    {
+        let message = line.split_once("  ").map_or(line, |(_, m)| m);
+        let message: String = message.chars().take(100).collect();
+        *said.entry(message).or_default() += 1;
+    }
+    let mut said: Vec<_> = said.into_iter().collect();
+    said.sort_by(|a, b| b.1.cmp(&a.1));
+    for (message, n) in said.iter().take(4) {
+        println!("    {n} x {message}");
+    }
     println!(
         "  broker {} down {:.1}s: unpublished {pending_early} -> {pending_late}, relay CPU {:.2}s, \
          {lines} log lines, /readyz {:?}",

@@ -160,10 +160,7 @@ async fn an_event_committed_later_never_overtakes_an_earlier_insert_of_its_aggre
 /// nothing rolled back is published, and nothing is published twice (no relay crashed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_on_few_aggregates_keep_commit_order_without_duplicates() {
-    let seed = std::env::var("OUTBOX_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| fastrand::u64(..));
+    let seed = outbox_tests::harness::seed();
     println!("seed={seed} (OUTBOX_TEST_SEED reproduces the writers' choices)");
     let pg = pool(20).await;
     let table = fresh_table(&pg).await;

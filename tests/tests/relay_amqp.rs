@@ -84,7 +84,11 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
         .unwrap();
     relay.drain().await;
     let got = fx.wait_for(21, Duration::from_secs(30)).await;
-    assert_eq!(got.len(), 21, "the held-back event, once, after the healthy ones");
+    assert_eq!(
+        got.len(),
+        21,
+        "the held-back event, once, after the healthy ones"
+    );
     assert_eq!(got[20].received.event_id, Some(held_back.id));
     fx.cleanup().await;
 }
