@@ -146,9 +146,9 @@ impl AmqpPublisher {
         let props =
             ConnectionProperties::default().with_connection_name(LongString::from("outbox relay"));
         let connect = async {
-            let connection = Connection::connect(&c.url, props)
-                .await
-                .map_err(|e| map_lapin("connect", e))?;
+            let connection = Connection::connect(&c.url, props).await.map_err(|e| {
+                map_lapin("connect", e).with_context("broker", outbox_core::redact_url(&c.url))
+            })?;
             let channel = connection
                 .create_channel()
                 .await

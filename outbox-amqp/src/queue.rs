@@ -49,9 +49,9 @@ impl BoundQueue {
         }
         let props = ConnectionProperties::default()
             .with_connection_name(LongString::from("outbox queue tool"));
-        let connection = Connection::connect(&config.url, props)
-            .await
-            .map_err(|e| map_lapin("connect", e))?;
+        let connection = Connection::connect(&config.url, props).await.map_err(|e| {
+            map_lapin("connect", e).with_context("broker", outbox_core::redact_url(&config.url))
+        })?;
         let channel = connection
             .create_channel()
             .await

@@ -77,7 +77,10 @@ fn an_unreachable_database_never_shows_the_password() {
         ] {
             let mut all = vec!["--config", sasl.to_str().unwrap()];
             all.extend(args.iter().copied());
-            let out = with_secrets(publisher, &db, &all).output().unwrap();
+            let out = with_secrets(publisher, &db, &all)
+                .env("OUTBOX_DATABASE__ACQUIRE_TIMEOUT", "1s")
+                .output()
+                .unwrap();
             let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
             if args[0] != "config" {
                 assert_eq!(out.status.code(), Some(1), "{publisher} {args:?}: {stderr}");
