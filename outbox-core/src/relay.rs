@@ -11,6 +11,11 @@
 //!   `poll_interval`. A [`Wake`] handle (given to the writer side) ends a pause at once.
 //! - **Retry policy**: failed events are retried with backoff or dead-lettered, as classified by the
 //!   publisher; under per-aggregate ordering a failure holds back the rest of that aggregate's run.
+//! - **Broker outages**: a batch whose events all fail with connection errors (nothing published)
+//!   marks the broker unreachable; the relay then claims nothing until the publisher's readiness
+//!   check passes, checking after `retry.initial_backoff`, then twice as long each time (at most
+//!   `retry.max_backoff`, and 10 s). Events written meanwhile keep their attempts (a long outage does
+//!   not dead-letter them), and the relay neither spins nor floods its log.
 //! - **Graceful shutdown**: on cancellation the relay stops claiming, lets in-flight batches finish
 //!   until `shutdown_timeout`, then aborts the rest (their events are released, not lost).
 
@@ -309,7 +314,15 @@ struct Shared {
     config: RelayConfig,
     observer: Arc<dyn RelayObserver>,
     totals: Totals,
+    /// Set when a batch found the broker unreachable: no claim until the publisher's check passes.
+    broker_down: std::sync::atomic::AtomicBool,
+    /// The pause before the next check of an unreachable broker, in milliseconds.
+    broker_pause_ms: AtomicU64,
 }
+
+/// The longest pause between two checks of an unreachable broker (shorter when
+/// `relay.retry.max_backoff` is).
+const BROKER_CHECK_MAX_PAUSE: Duration = Duration::from_secs(10);
 
 /// The relay: moves events from a [`Store`] to a [`Publisher`].
 ///
@@ -351,9 +364,11 @@ impl Relay {
             shared: Arc::new(Shared {
                 store,
                 publisher,
-                config,
                 observer: Arc::new(NoopObserver),
                 totals: Totals::default(),
+                broker_down: Default::default(),
+                broker_pause_ms: AtomicU64::new(config.retry.initial_backoff.as_millis() as u64),
+                config,
             }),
             wake: Wake::new(),
         })
@@ -367,6 +382,8 @@ impl Relay {
             config: self.shared.config.clone(),
             observer,
             totals: Totals::default(),
+            broker_down: Default::default(),
+            broker_pause_ms: AtomicU64::new(self.shared.broker_pause_ms.load(Ordering::SeqCst)),
         };
         Relay {
             shared: Arc::new(shared),
@@ -409,6 +426,48 @@ impl Relay {
         }
     }
 
+    /// With the broker found unreachable: waits a pause (the retry policy's `initial_backoff`,
+    /// doubling while the broker stays unreachable, up to its `max_backoff` and at most 10 s), then
+    /// checks the publisher (its readiness check). No batch is claimed meanwhile: events waiting for
+    /// the broker keep their attempts, and the relay neither spins nor floods its log.
+    async fn wait_for_broker(&self, shutdown: &CancellationToken) {
+        let cfg = &self.shared.config;
+        let publisher = &self.shared.publisher;
+        let pause = Duration::from_millis(self.shared.broker_pause_ms.load(Ordering::SeqCst));
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let checked = tokio::select! {
+            r = tokio::time::timeout(cfg.publish_timeout, publisher.check()) => r,
+            _ = shutdown.cancelled() => return,
+        };
+        let next = (pause * 2)
+            .min(cfg.retry.max_backoff)
+            .min(BROKER_CHECK_MAX_PAUSE);
+        self.shared
+            .broker_pause_ms
+            .store(next.as_millis() as u64, Ordering::SeqCst);
+        match checked {
+            Ok(Ok(())) => {
+                info!(
+                    publisher = publisher.name(),
+                    "the broker answers its readiness check; claiming resumes"
+                );
+                self.shared.broker_down.store(false, Ordering::SeqCst);
+            }
+            Ok(Err(e)) => {
+                debug!(error = %e, retry_in_ms = next.as_millis() as u64, "the broker is still unreachable");
+            }
+            Err(_) => {
+                debug!(
+                    retry_in_ms = next.as_millis() as u64,
+                    "the broker's readiness check took longer than relay.publish_timeout"
+                );
+            }
+        }
+    }
+
     async fn run_inner(&self, shutdown: CancellationToken, until_idle: bool) -> RelaySummary {
         let cfg = &self.shared.config;
         let request = cfg.claim_request();
@@ -429,6 +488,10 @@ impl Relay {
             }
             if shutdown.is_cancelled() {
                 break;
+            }
+            if !until_idle && self.shared.broker_down.load(Ordering::SeqCst) {
+                self.wait_for_broker(&shutdown).await;
+                continue;
             }
             let permit = tokio::select! {
                 p = permits.clone().acquire_owned() => match p {
@@ -545,6 +608,7 @@ async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphore
         .instrument(publish_span)
         .await;
     let publish_duration = started.elapsed();
+    note_broker_state(&shared, &outcomes);
     let mut report = BatchReport {
         claimed: events.len(),
         publish_duration,
@@ -585,6 +649,40 @@ async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphore
     }
     shared.totals.add(&report);
     shared.observer.batch_settled(&report);
+}
+
+/// Whether a batch's outcomes say the broker is unreachable: nothing published, and the events
+/// tried failed with connection errors (the rest held back or not sent behind them).
+fn broker_unreachable(outcomes: &[PublishOutcome]) -> bool {
+    let mut connection = false;
+    for o in outcomes {
+        match o {
+            Ok(()) => return false,
+            Err(e) if e.kind() == ErrorKind::Connection => connection = true,
+            Err(e) if matches!(e.kind(), ErrorKind::Backpressure | ErrorKind::Rejected) => {}
+            Err(_) => return false,
+        }
+    }
+    connection
+}
+
+/// Marks the broker down when a batch found it unreachable (the claim loop then waits for the
+/// publisher's check), and up again when a batch published something.
+fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome]) {
+    if broker_unreachable(outcomes) {
+        if !shared.broker_down.swap(true, Ordering::SeqCst) {
+            warn!(
+                publisher = shared.publisher.name(),
+                "the broker is unreachable: no more batches are claimed until it answers its readiness check"
+            );
+        }
+    } else if outcomes.iter().any(Result::is_ok) {
+        shared.broker_down.store(false, Ordering::SeqCst);
+        shared.broker_pause_ms.store(
+            shared.config.retry.initial_backoff.as_millis() as u64,
+            Ordering::SeqCst,
+        );
+    }
 }
 
 /// The call each event travels in: its position in its aggregate's run (0 for the first) when the

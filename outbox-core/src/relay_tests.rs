@@ -769,3 +769,69 @@ async fn a_store_that_fails_claims_and_settles_loses_nothing_and_keeps_order() {
         );
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_unreachable_broker_stops_the_claims_until_it_answers_again() {
+    #[derive(Clone)]
+    struct Counting(MemoryStore, Arc<AtomicUsize>);
+    #[async_trait]
+    impl crate::Store for Counting {
+        async fn claim(&self, r: crate::ClaimRequest) -> Result<crate::Batch, Error> {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            self.0.claim(r).await
+        }
+        async fn stats(&self) -> Result<crate::StoreStats, Error> {
+            self.0.stats().await
+        }
+        async fn check(&self) -> Result<(), Error> {
+            Ok(())
+        }
+    }
+    let memory = MemoryStore::new();
+    let claims = Arc::new(AtomicUsize::new(0));
+    let publisher = ScriptedPublisher::new();
+    publisher.set_down(true);
+    let cfg = RelayConfig {
+        poll_interval: Duration::from_millis(50),
+        min_poll_interval: Duration::from_millis(10),
+        retry: RetryPolicy {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(60),
+            multiplier: 2.0,
+            jitter: 0.0,
+        },
+        ..config()
+    };
+    let store = Counting(memory.clone(), claims.clone());
+    let relay = Relay::new(Arc::new(store), publisher.clone(), cfg).unwrap();
+    let (task, shutdown) = spawn(relay);
+    // Events keep arriving during a ten-minute outage.
+    let mut written = Vec::new();
+    for _ in 0..600 {
+        written.extend(fill(&memory, 3, 1));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let during = claims.load(Ordering::SeqCst);
+    // Checks every 100 ms, 200 ms, ... 10 s: a few dozen claims, not one per poll (6,000+).
+    assert!(
+        during <= 80,
+        "{during} claims in a ten-minute outage: the relay spins"
+    );
+    assert!(
+        memory.dead_letters().is_empty(),
+        "an outage must not use up the events' attempts"
+    );
+    publisher.set_down(false);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while publisher.delivered().len() < written.len() {
+        assert!(
+            Instant::now() < deadline,
+            "not drained after the broker came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+    assert_complete_and_ordered(&written, &publisher.delivered());
+}

@@ -1,8 +1,8 @@
 //! Scenario 2: the broker stopped for 12 seconds during load (RabbitMQ with `rabbitmqctl stop_app` /
 //! `start_app`; Kafka and SQS by stopping and restarting a Tansu or moto process of the scenario's
-//! own). While it is down the outbox grows, the relay stays up, backs off without spinning (CPU and
-//! log lines are measured), and `/readyz` says not ready; once it is back the backlog drains
-//! completely. Alone in its file: stopping RabbitMQ would disturb other tests using it.
+//! own). While it is down the outbox grows, the relay stays up, stops claiming until the broker
+//! answers again (under 5% of a core and 2 log lines a second), and `/readyz` says not ready; once it
+//! is back the backlog drains completely. Alone in its file: stopping RabbitMQ would disturb other tests using it.
 //!
 //! The test servers keep nothing across a restart (Tansu and moto are memory-only; the consumer's
 //! RabbitMQ queue is exclusive), so around each restart the relay is paused (SIGSTOP) for the moment
@@ -135,13 +135,15 @@ async fn broker_down(broker: Broker) {
         readiness.contains(&Some(503)),
         "/readyz answers 503 while the broker is down: {readiness:?}"
     );
-    // Backing off, not spinning: well under half a core, and a bounded log.
+    // Backing off, not spinning. Waiting for the broker costs the relay next to nothing: measured
+    // 0.05-0.2 s of CPU and 2-17 log lines in 12 s. A relay that kept claiming and failing batches
+    // used 1.0 s and wrote 114-196 lines (one per failed batch); one retrying every 10 ms, more.
     assert!(
-        cpu < elapsed / 2,
+        cpu < elapsed / 20,
         "the relay used {cpu:?} of CPU in {elapsed:?} with the broker down: it spins"
     );
     assert!(
-        lines < 20 * elapsed.as_secs() as usize,
+        lines < 2 * elapsed.as_secs() as usize,
         "{lines} log lines in {elapsed:?} with the broker down: see {}",
         log_path.display()
     );

@@ -41,6 +41,7 @@ pub struct ScriptedPublisher {
     latency: Mutex<Duration>,
     calls: AtomicU64,
     unfenced: std::sync::atomic::AtomicBool,
+    down: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ScriptedPublisher {
@@ -102,6 +103,12 @@ impl ScriptedPublisher {
         self.unfenced.store(!fencing, Ordering::Relaxed);
     }
 
+    /// A broker that is down (`true`): every publish fails every event with a connection error, and
+    /// the readiness check fails; `false` brings it back.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::Relaxed);
+    }
+
     /// Every acknowledged event, in the order it was acknowledged.
     pub fn delivered(&self) -> Vec<Event> {
         guard(&self.delivered).clone()
@@ -157,6 +164,16 @@ impl Publisher for ScriptedPublisher {
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;
         }
+        if self.down.load(Ordering::Relaxed) {
+            return events
+                .iter()
+                .map(|e| {
+                    Err(Error::new(ErrorKind::Connection, "scripted broker down")
+                        .with_context("adapter", "scripted")
+                        .with_context("event_id", e.id))
+                })
+                .collect();
+        }
         let fencing = !self.unfenced.load(Ordering::Relaxed);
         let mut failed: std::collections::HashSet<(&str, &str)> = Default::default();
         let mut outcomes: Vec<PublishOutcome> = Vec::with_capacity(events.len());
@@ -182,6 +199,9 @@ impl Publisher for ScriptedPublisher {
     }
 
     async fn check(&self) -> Result<(), Error> {
+        if self.down.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Connection, "scripted broker down"));
+        }
         Ok(())
     }
 
