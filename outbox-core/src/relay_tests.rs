@@ -310,23 +310,26 @@ async fn wake_ends_the_idle_pause() {
     assert_eq!(summary.published, 1);
 }
 
+/// A store that counts its claims.
+#[derive(Clone)]
+struct Counting(MemoryStore, Arc<AtomicUsize>);
+
+#[async_trait]
+impl crate::Store for Counting {
+    async fn claim(&self, r: crate::ClaimRequest) -> Result<crate::Batch, Error> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        self.0.claim(r).await
+    }
+    async fn stats(&self) -> Result<crate::StoreStats, Error> {
+        self.0.stats().await
+    }
+    async fn check(&self) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn idle_polling_backs_off_to_the_poll_interval() {
-    #[derive(Clone)]
-    struct Counting(MemoryStore, Arc<AtomicUsize>);
-    #[async_trait]
-    impl crate::Store for Counting {
-        async fn claim(&self, r: crate::ClaimRequest) -> Result<crate::Batch, Error> {
-            self.1.fetch_add(1, Ordering::SeqCst);
-            self.0.claim(r).await
-        }
-        async fn stats(&self) -> Result<crate::StoreStats, Error> {
-            self.0.stats().await
-        }
-        async fn check(&self) -> Result<(), Error> {
-            Ok(())
-        }
-    }
     let claims = Arc::new(AtomicUsize::new(0));
     let store = Counting(MemoryStore::new(), claims.clone());
     let cfg = RelayConfig {
@@ -772,21 +775,6 @@ async fn a_store_that_fails_claims_and_settles_loses_nothing_and_keeps_order() {
 
 #[tokio::test(start_paused = true)]
 async fn an_unreachable_broker_stops_the_claims_until_it_answers_again() {
-    #[derive(Clone)]
-    struct Counting(MemoryStore, Arc<AtomicUsize>);
-    #[async_trait]
-    impl crate::Store for Counting {
-        async fn claim(&self, r: crate::ClaimRequest) -> Result<crate::Batch, Error> {
-            self.1.fetch_add(1, Ordering::SeqCst);
-            self.0.claim(r).await
-        }
-        async fn stats(&self) -> Result<crate::StoreStats, Error> {
-            self.0.stats().await
-        }
-        async fn check(&self) -> Result<(), Error> {
-            Ok(())
-        }
-    }
     let memory = MemoryStore::new();
     let claims = Arc::new(AtomicUsize::new(0));
     let publisher = ScriptedPublisher::new();

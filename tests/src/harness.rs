@@ -305,6 +305,15 @@ impl Sink {
     pub async fn received_count(&self) -> usize {
         self.received(usize::MAX, Duration::ZERO).await.len()
     }
+
+    /// Waits (at most `within`) until the consumer has received more than `count` messages: progress.
+    /// Panics with `what` otherwise.
+    pub async fn wait_past(&self, count: usize, within: Duration, what: &str) {
+        wait_until(within, what, || async {
+            self.received_count().await > count
+        })
+        .await;
+    }
 }
 
 /// The `outbox` binary built next to the tests.
@@ -659,10 +668,10 @@ impl Kills {
         sink: &Sink,
         received_before: usize,
     ) {
-        wait_until(
+        sink.wait_past(
+            received_before,
             Duration::from_secs(120),
             "no progress between two kills: nothing more was delivered",
-            || async { sink.received_count().await > received_before },
         )
         .await;
         tokio::time::sleep(Duration::from_millis(self.rng.u64(0..300))).await;

@@ -56,12 +56,8 @@ async fn sigterm_under_load(broker: Broker) {
     let load = broker.load(&table).await;
     let relay = RelayProcess::start(&table, &sink, &[("OUTBOX_RELAY__SHUTDOWN_TIMEOUT", "5s")]);
     // Under load: the relay has published and goes on publishing.
-    outbox_tests::harness::wait_until(
-        Duration::from_secs(60),
-        "the relay published nothing",
-        || async { sink.received_count().await > 0 },
-    )
-    .await;
+    sink.wait_past(0, Duration::from_secs(60), "the relay published nothing")
+        .await;
     tokio::time::sleep(Duration::from_secs(2 * soak_factor() as u64)).await;
     // A clean exit within the configured 5 s deadline, plus a margin for a loaded machine to end the
     // process (a relay ignoring its deadline waits for the publisher's 20 s+ limits).

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, report, restart_postgres, soak_factor, wait_until,
-    Broker, RelayProcess, Sink,
+    assert_crash_verdict, committed_in_db, report, restart_postgres, soak_factor, Broker,
+    RelayProcess, Sink,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -24,20 +24,20 @@ async fn postgres_restart_during_load_loses_nothing() {
         let mut restarts = 0;
         for _ in 0..soak_factor() {
             let before = sink.received_count().await;
-            wait_until(
+            sink.wait_past(
+                before,
                 Duration::from_secs(60),
                 "the relay published nothing before the restart",
-                || async { sink.received_count().await > before },
             )
             .await;
             tokio::task::spawn_blocking(restart_postgres).await.unwrap();
             restarts += 1;
         }
         let before = sink.received_count().await;
-        wait_until(
+        sink.wait_past(
+            before,
             Duration::from_secs(120),
             "the relay published nothing after the restart",
-            || async { sink.received_count().await > before },
         )
         .await;
         let written = load.stop().await;
