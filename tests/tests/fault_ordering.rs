@@ -10,11 +10,12 @@ use outbox_core::{RelayConfig, RetryPolicy, Store};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::PostgresStore;
 use outbox_tests::harness::{
-    assert_clean_verdict, report, soak_factor, Broker, FaultInjector, Sink,
+    assert_clean_verdict, one_at_a_time, report, soak_factor, Broker, FaultInjector, Sink,
 };
 use outbox_tests::{spawn_relays, write_rounds};
 
 async fn four_relays_with_failures(broker: Broker) {
+    let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
     let sink = Sink::new(broker).await;
