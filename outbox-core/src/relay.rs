@@ -11,11 +11,13 @@
 //!   `poll_interval`. A [`Wake`] handle (given to the writer side) ends a pause at once.
 //! - **Retry policy**: failed events are retried with backoff or dead-lettered, as classified by the
 //!   publisher; under per-aggregate ordering a failure holds back the rest of that aggregate's run.
-//! - **Broker outages**: a batch whose events all fail with connection errors (nothing published)
-//!   marks the broker unreachable; the relay then claims nothing until the publisher's readiness
-//!   check passes, checking after `retry.initial_backoff`, then twice as long each time (at most
-//!   `retry.max_backoff`, and 10 s). Events written meanwhile keep their attempts (a long outage does
-//!   not dead-letter them), and the relay neither spins nor floods its log.
+//! - **Broker outages**: a batch whose events all fail with connection errors or timeouts (nothing
+//!   published) marks the broker unreachable; the relay then claims no batch until the publisher's
+//!   readiness check passes, checking after `retry.initial_backoff`, then twice as long each time
+//!   (between 100 ms and 10 s, at most `retry.max_backoff`). While the check fails, each round sends
+//!   one event as a probe (a check can fail where publishing works); a probe that finds the broker
+//!   still unreachable counts no attempt. Events written meanwhile keep their attempts (a long outage
+//!   does not dead-letter them), and the relay neither spins nor floods its log (a warning a minute).
 //! - **Graceful shutdown**: on cancellation the relay stops claiming, lets in-flight batches finish
 //!   until `shutdown_timeout`, then aborts the rest (their events are released, not lost).
 
@@ -318,11 +320,27 @@ struct Shared {
     broker_down: std::sync::atomic::AtomicBool,
     /// The pause before the next check of an unreachable broker, in milliseconds.
     broker_pause_ms: AtomicU64,
+    /// When the relay last warned that the broker is unreachable.
+    broker_warned: std::sync::Mutex<Option<Instant>>,
 }
 
 /// The longest pause between two checks of an unreachable broker (shorter when
 /// `relay.retry.max_backoff` is).
 const BROKER_CHECK_MAX_PAUSE: Duration = Duration::from_secs(10);
+
+/// The shortest pause between two checks of an unreachable broker, whatever the retry policy says.
+const BROKER_CHECK_MIN_PAUSE: Duration = Duration::from_millis(100);
+
+/// How often the relay repeats that the broker is still unreachable.
+const BROKER_WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// The first pause before checking an unreachable broker, in milliseconds.
+fn first_broker_pause(retry: &RetryPolicy) -> u64 {
+    retry
+        .initial_backoff
+        .clamp(BROKER_CHECK_MIN_PAUSE, BROKER_CHECK_MAX_PAUSE)
+        .as_millis() as u64
+}
 
 /// The relay: moves events from a [`Store`] to a [`Publisher`].
 ///
@@ -367,7 +385,8 @@ impl Relay {
                 observer: Arc::new(NoopObserver),
                 totals: Totals::default(),
                 broker_down: Default::default(),
-                broker_pause_ms: AtomicU64::new(config.retry.initial_backoff.as_millis() as u64),
+                broker_pause_ms: AtomicU64::new(first_broker_pause(&config.retry)),
+                broker_warned: Default::default(),
                 config,
             }),
             wake: Wake::new(),
@@ -384,6 +403,7 @@ impl Relay {
             totals: Totals::default(),
             broker_down: Default::default(),
             broker_pause_ms: AtomicU64::new(self.shared.broker_pause_ms.load(Ordering::SeqCst)),
+            broker_warned: Default::default(),
         };
         Relay {
             shared: Arc::new(shared),
@@ -427,45 +447,57 @@ impl Relay {
     }
 
     /// With the broker found unreachable: waits a pause (the retry policy's `initial_backoff`,
-    /// doubling while the broker stays unreachable, up to its `max_backoff` and at most 10 s), then
-    /// checks the publisher (its readiness check). No batch is claimed meanwhile: events waiting for
-    /// the broker keep their attempts, and the relay neither spins nor floods its log.
-    async fn wait_for_broker(&self, shutdown: &CancellationToken) {
+    /// doubling while the broker stays unreachable, up to its `max_backoff`; between 100 ms and 10 s),
+    /// then checks the publisher (its readiness check). Returns whether the check passed; when it did
+    /// not, the caller claims one event as a probe (a check can fail where publishing works, e.g. a
+    /// role allowed to send but not to read queue attributes).
+    async fn wait_for_broker(&self, shutdown: &CancellationToken) -> bool {
         let cfg = &self.shared.config;
         let publisher = &self.shared.publisher;
         let pause = Duration::from_millis(self.shared.broker_pause_ms.load(Ordering::SeqCst));
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return false,
         }
         let checked = tokio::select! {
             r = tokio::time::timeout(cfg.publish_timeout, publisher.check()) => r,
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return false,
         };
         let next = (pause * 2)
             .min(cfg.retry.max_backoff)
-            .min(BROKER_CHECK_MAX_PAUSE);
+            .clamp(BROKER_CHECK_MIN_PAUSE, BROKER_CHECK_MAX_PAUSE);
         self.shared
             .broker_pause_ms
             .store(next.as_millis() as u64, Ordering::SeqCst);
-        match checked {
+        let error = match checked {
             Ok(Ok(())) => {
                 info!(
                     publisher = publisher.name(),
                     "the broker answers its readiness check; claiming resumes"
                 );
                 self.shared.broker_down.store(false, Ordering::SeqCst);
+                return true;
             }
-            Ok(Err(e)) => {
-                debug!(error = %e, retry_in_ms = next.as_millis() as u64, "the broker is still unreachable");
-            }
-            Err(_) => {
-                debug!(
-                    retry_in_ms = next.as_millis() as u64,
-                    "the broker's readiness check took longer than relay.publish_timeout"
-                );
-            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "the readiness check took longer than relay.publish_timeout".to_string(),
+        };
+        let mut warned = self
+            .shared
+            .broker_warned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if warned.is_none_or(|at| at.elapsed() >= BROKER_WARN_EVERY) {
+            *warned = Some(Instant::now());
+            warn!(
+                publisher = publisher.name(),
+                error = %error,
+                check_every_ms = next.as_millis() as u64,
+                "the broker is still unreachable; probing it with one event at a time"
+            );
+        } else {
+            debug!(error = %error, retry_in_ms = next.as_millis() as u64, "the broker is still unreachable");
         }
+        false
     }
 
     async fn run_inner(&self, shutdown: CancellationToken, until_idle: bool) -> RelaySummary {
@@ -489,9 +521,14 @@ impl Relay {
             if shutdown.is_cancelled() {
                 break;
             }
+            // While the broker is unreachable: a pause and a readiness check each round; while the
+            // check fails, one event goes as a probe instead of a batch.
+            let mut probe = false;
             if !until_idle && self.shared.broker_down.load(Ordering::SeqCst) {
-                self.wait_for_broker(&shutdown).await;
-                continue;
+                probe = !self.wait_for_broker(&shutdown).await;
+                if shutdown.is_cancelled() {
+                    break;
+                }
             }
             let permit = tokio::select! {
                 p = permits.clone().acquire_owned() => match p {
@@ -500,9 +537,19 @@ impl Relay {
                 },
                 _ = shutdown.cancelled() => break,
             };
+            // A batch in flight may have found the broker unreachable while this one waited.
+            if !until_idle && !probe && self.shared.broker_down.load(Ordering::SeqCst) {
+                drop(permit);
+                continue;
+            }
             let started = Instant::now();
+            let this_request = if probe {
+                ClaimRequest { limit: 1, ..request }
+            } else {
+                request
+            };
             let claimed = tokio::select! {
-                r = self.shared.store.claim(request) => r,
+                r = self.shared.store.claim(this_request) => r,
                 _ = shutdown.cancelled() => break,
             };
             match claimed {
@@ -541,7 +588,7 @@ impl Relay {
                         .claimed(batch.events.len(), started.elapsed());
                     let shared = self.shared.clone();
                     let span = tracing::debug_span!("outbox.batch", size = batch.events.len());
-                    tasks.spawn(process_batch(shared, batch, permit).instrument(span));
+                    tasks.spawn(process_batch(shared, batch, permit, probe).instrument(span));
                     if !full && !until_idle {
                         self.pause(cfg.min_poll_interval, &shutdown).await;
                     }
@@ -593,7 +640,15 @@ fn report_join(result: Result<(), tokio::task::JoinError>) {
     }
 }
 
-async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphorePermit) {
+/// Publishes and settles one batch. A `probe` (one event sent while the broker is unreachable) that
+/// finds the broker still unreachable is released without counting an attempt: the outage is not the
+/// event's fault, and probing must not use up its attempts.
+async fn process_batch(
+    shared: Arc<Shared>,
+    batch: Batch,
+    permit: OwnedSemaphorePermit,
+    probe: bool,
+) {
     let Batch { events, lease } = batch;
     let cfg = &shared.config;
     let started = Instant::now();
@@ -608,20 +663,31 @@ async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphore
         .instrument(publish_span)
         .await;
     let publish_duration = started.elapsed();
-    note_broker_state(&shared, &outcomes);
+    let unreachable = note_broker_state(&shared, &outcomes);
     let mut report = BatchReport {
         claimed: events.len(),
         publish_duration,
         ..BatchReport::default()
     };
-    let settlements = decide(
-        &events,
-        outcomes,
-        &cfg.retry,
-        cfg.ordering,
-        shared.observer.as_ref(),
-        &mut report,
-    );
+    let settlements = if probe && unreachable {
+        report.released = events.len();
+        events
+            .iter()
+            .map(|e| Settlement {
+                id: e.id,
+                action: Action::Release,
+            })
+            .collect()
+    } else {
+        decide(
+            &events,
+            outcomes,
+            &cfg.retry,
+            cfg.ordering,
+            shared.observer.as_ref(),
+            &mut report,
+        )
+    };
     let settle_started = Instant::now();
     let result = lease.settle(settlements).await;
     drop(permit);
@@ -652,13 +718,15 @@ async fn process_batch(shared: Arc<Shared>, batch: Batch, permit: OwnedSemaphore
 }
 
 /// Whether a batch's outcomes say the broker is unreachable: nothing published, and the events
-/// tried failed with connection errors (the rest held back or not sent behind them).
+/// tried failed with connection errors or timeouts (the rest held back or not sent behind them).
 fn broker_unreachable(outcomes: &[PublishOutcome]) -> bool {
     let mut connection = false;
     for o in outcomes {
         match o {
             Ok(()) => return false,
-            Err(e) if e.kind() == ErrorKind::Connection => connection = true,
+            Err(e) if matches!(e.kind(), ErrorKind::Connection | ErrorKind::Timeout) => {
+                connection = true;
+            }
             Err(e) if matches!(e.kind(), ErrorKind::Backpressure | ErrorKind::Rejected) => {}
             Err(_) => return false,
         }
@@ -667,22 +735,31 @@ fn broker_unreachable(outcomes: &[PublishOutcome]) -> bool {
 }
 
 /// Marks the broker down when a batch found it unreachable (the claim loop then waits for the
-/// publisher's check), and up again when a batch published something.
-fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome]) {
+/// publisher's check), and up again when a batch published something; returns whether it was found
+/// unreachable.
+fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome]) -> bool {
     if broker_unreachable(outcomes) {
         if !shared.broker_down.swap(true, Ordering::SeqCst) {
+            *shared
+                .broker_warned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
             warn!(
                 publisher = shared.publisher.name(),
                 "the broker is unreachable: no more batches are claimed until it answers its readiness check"
             );
         }
-    } else if outcomes.iter().any(Result::is_ok) {
-        shared.broker_down.store(false, Ordering::SeqCst);
-        shared.broker_pause_ms.store(
-            shared.config.retry.initial_backoff.as_millis() as u64,
-            Ordering::SeqCst,
-        );
+        return true;
     }
+    if outcomes.iter().any(Result::is_ok) {
+        if shared.broker_down.swap(false, Ordering::SeqCst) {
+            info!(publisher = shared.publisher.name(), "the broker took an event again; claiming resumes");
+        }
+        shared
+            .broker_pause_ms
+            .store(first_broker_pause(&shared.config.retry), Ordering::SeqCst);
+    }
+    false
 }
 
 /// The call each event travels in: its position in its aggregate's run (0 for the first) when the

@@ -42,6 +42,7 @@ pub struct ScriptedPublisher {
     calls: AtomicU64,
     unfenced: std::sync::atomic::AtomicBool,
     down: std::sync::atomic::AtomicBool,
+    check_fails: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ScriptedPublisher {
@@ -107,6 +108,12 @@ impl ScriptedPublisher {
     /// the readiness check fails; `false` brings it back.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::Relaxed);
+    }
+
+    /// A readiness check that fails (`true`) whatever publishing does: a role allowed to send but
+    /// not to read the destination's attributes, say.
+    pub fn set_check_failing(&self, failing: bool) {
+        self.check_fails.store(failing, Ordering::Relaxed);
     }
 
     /// Every acknowledged event, in the order it was acknowledged.
@@ -199,7 +206,7 @@ impl Publisher for ScriptedPublisher {
     }
 
     async fn check(&self) -> Result<(), Error> {
-        if self.down.load(Ordering::Relaxed) {
+        if self.down.load(Ordering::Relaxed) || self.check_fails.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Connection, "scripted broker down"));
         }
         Ok(())
