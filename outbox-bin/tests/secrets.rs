@@ -14,12 +14,11 @@ use outbox_postgres::testing::database_url;
 
 const PASSWORD: &str = "Pw-4e1f-never-printed";
 
-/// `outbox <args>` with the password in the database URL (pointing at `db_port`), the AMQP URL, a
-/// Kafka SASL password and the AWS secret key, every broker at a port nothing listens on.
-fn with_secrets(publisher: &str, db: &str, args: &[&str]) -> Command {
+/// `outbox <args>` with the password in the database URL `db`, the AMQP URL, a Kafka SASL password
+/// and the AWS secret key, every broker at `broker_port`, where nothing listens.
+fn with_secrets(publisher: &str, db: &str, broker_port: u16, args: &[&str]) -> Command {
     let table = unmigrated_table();
     let mut c = outbox(&table, args);
-    let broker_port = free_port();
     c.env("DATABASE_URL", db)
         .env("OUTBOX_LOG__LEVEL", "debug")
         .env("OUTBOX_PUBLISHER__TYPE", publisher)
@@ -68,7 +67,8 @@ fn db_with_password(port: u16) -> String {
 fn an_unreachable_database_never_shows_the_password() {
     let sasl = sasl_config();
     for publisher in ["amqp", "kafka", "sqs"] {
-        let db = db_with_password(free_port());
+        let db_port = free_port();
+        let db = db_with_password(db_port);
         for args in [
             vec!["relay"],
             vec!["status"],
@@ -77,7 +77,7 @@ fn an_unreachable_database_never_shows_the_password() {
         ] {
             let mut all = vec!["--config", sasl.to_str().unwrap()];
             all.extend(args.iter().copied());
-            let out = with_secrets(publisher, &db, &all)
+            let out = with_secrets(publisher, &db, free_port(), &all)
                 .env("OUTBOX_DATABASE__ACQUIRE_TIMEOUT", "1s")
                 .output()
                 .unwrap();
@@ -85,8 +85,8 @@ fn an_unreachable_database_never_shows_the_password() {
             if args[0] != "config" {
                 assert_eq!(out.status.code(), Some(1), "{publisher} {args:?}: {stderr}");
                 assert!(
-                    stderr.contains("127.0.0.1"),
-                    "{publisher} {args:?}: the error names where it failed: {stderr}"
+                    stderr.contains(&format!("127.0.0.1:{db_port}")),
+                    "{publisher} {args:?}: the error names the database it could not reach: {stderr}"
                 );
             }
             assert_never_printed(&format!("{publisher} {args:?}"), &stdout, &stderr);
@@ -110,7 +110,8 @@ async fn an_unreachable_broker_never_shows_the_password() {
     );
     for publisher in ["amqp", "kafka", "sqs"] {
         let table = unmigrated_table();
-        let mut migrate = with_secrets(publisher, &db, &["migrate"]);
+        let broker_port = free_port();
+        let mut migrate = with_secrets(publisher, &db, broker_port, &["migrate"]);
         migrate.env("OUTBOX_DATABASE__SCHEMA", table.schema());
         let out = migrate.output().unwrap();
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
@@ -118,6 +119,7 @@ async fn an_unreachable_broker_never_shows_the_password() {
         let mut c = with_secrets(
             publisher,
             &db,
+            broker_port,
             &["--config", sasl.to_str().unwrap(), "relay"],
         );
         c.env("OUTBOX_DATABASE__SCHEMA", table.schema())
@@ -146,7 +148,7 @@ async fn an_unreachable_broker_never_shows_the_password() {
         let stdout = relay.lines.lock().unwrap().join("\n");
         let stderr = relay.logs.lock().unwrap().join("\n");
         assert!(
-            stderr.contains("127.0.0.1"),
+            stderr.contains(&format!("127.0.0.1:{broker_port}")),
             "{publisher}: the failures name the broker's address:\n{stderr}"
         );
         assert_never_printed(publisher, &stdout, &stderr);

@@ -544,7 +544,10 @@ impl Relay {
             }
             let started = Instant::now();
             let this_request = if probe {
-                ClaimRequest { limit: 1, ..request }
+                ClaimRequest {
+                    limit: 1,
+                    ..request
+                }
             } else {
                 request
             };
@@ -753,7 +756,10 @@ fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome]) -> bool {
     }
     if outcomes.iter().any(Result::is_ok) {
         if shared.broker_down.swap(false, Ordering::SeqCst) {
-            info!(publisher = shared.publisher.name(), "the broker took an event again; claiming resumes");
+            info!(
+                publisher = shared.publisher.name(),
+                "the broker took an event again; claiming resumes"
+            );
         }
         shared
             .broker_pause_ms

@@ -106,6 +106,12 @@ impl RecordingEndpoint {
         ));
         let url = format!("http://127.0.0.1:{port}");
         wait_until_serving(&url).await;
+        let mut process = process;
+        assert!(
+            process.0.try_wait().unwrap().is_none(),
+            "the SQS endpoint of the test exited (port {port} taken by another program?): what answers \
+             there is not it; run the test again"
+        );
         RecordingEndpoint {
             url,
             send_log,

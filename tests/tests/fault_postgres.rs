@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, report, restart_postgres, soak_factor, Broker,
-    RelayProcess, Sink,
+    assert_crash_verdict, committed_in_db, relay_log_dir, report, restart_postgres, soak_factor,
+    Broker, RelayProcess, Sink,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -59,5 +59,6 @@ async fn postgres_restart_during_load_loses_nothing() {
         // A restart loses the relay's sessions: what it published and had not marked is sent again
         // (README, guarantee 3), at most a batch per batch in flight.
         assert_crash_verdict(&verdict, restarts, 100, 2);
+        let _ = std::fs::remove_dir_all(relay_log_dir(&table));
     }
 }

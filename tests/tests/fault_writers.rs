@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_by_seq, one_at_a_time, report, soak_factor, unpublished,
-    Broker, Kills, RacingLoad, RelayProcess, Sink,
+    assert_crash_verdict, committed_by_seq, one_at_a_time, relay_log_dir, report, soak_factor,
+    unpublished, Broker, Kills, RacingLoad, RelayProcess, Sink,
 };
 
 const KEEP: (&str, &str) = ("OUTBOX_DATABASE__KEEP_PROCESSED_FOR", "1h");
@@ -57,6 +57,7 @@ async fn racing_writers_two_relays_killed(broker: Broker) {
     assert!(!committed.is_empty() && !rolled_back.is_empty());
     // Rolled-back events are not in the outbox: any of them received counts as unexpected.
     assert_crash_verdict(&verdict, killer.count, BATCH, IN_FLIGHT);
+    let _ = std::fs::remove_dir_all(relay_log_dir(&table));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,6 +20,23 @@ fn config() -> RelayConfig {
     }
 }
 
+/// Everything the consumer received, once nothing more arrived for a second.
+async fn settled(fx: &Fixture) -> Vec<outbox_amqp::testing::Delivered> {
+    let mut last = fx.wait_for(usize::MAX, Duration::ZERO).await;
+    let mut quiet = 0;
+    while quiet < 4 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = fx.wait_for(usize::MAX, Duration::ZERO).await;
+        quiet = if now.len() == last.len() {
+            quiet + 1
+        } else {
+            0
+        };
+        last = now;
+    }
+    last
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
     let pg = pool(4).await;
@@ -40,7 +57,8 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
     let store = PostgresStore::new(pg.clone(), table.clone());
     let relay = Relay::new(Arc::new(store.clone()), fx.publisher(), config()).unwrap();
     relay.drain().await;
-    let got = fx.wait_for(20, Duration::from_secs(30)).await;
+    fx.wait_for(20, Duration::from_secs(30)).await;
+    let got = settled(&fx).await;
     let mut ids: Vec<_> = got.iter().filter_map(|d| d.received.event_id).collect();
     ids.sort();
     let mut want: Vec<_> = healthy.iter().map(|e| e.id).collect();
