@@ -29,7 +29,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub writers: usize,
     /// Length of each writer run.
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = outbox_core::duration::parse)]
     pub writer_duration: Duration,
     /// Events pre-filled for each drain run.
     #[arg(long, default_value_t = 200_000)]
@@ -50,7 +50,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 2_000)]
     pub rate: u32,
     /// Length of each latency run (the first second is warm-up).
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = outbox_core::duration::parse)]
     pub latency_duration: Duration,
     /// Processed rows kept in the table for the claim-cost phase.
     #[arg(long, default_value_t = 10_000_000)]
@@ -71,10 +71,6 @@ pub struct BenchArgs {
     /// Print the figures as JSON on standard output instead of the table.
     #[arg(long)]
     pub json: bool,
-}
-
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    outbox_core::duration::parse(s)
 }
 
 impl BenchArgs {

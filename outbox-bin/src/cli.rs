@@ -69,7 +69,7 @@ pub enum Command {
     /// database.keep_processed_for).
     Cleanup {
         /// Remove rows published longer ago than this (e.g. 7d, 12h). Default: database.keep_processed_for.
-        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        #[arg(long, value_name = "DURATION", value_parser = outbox_core::duration::parse)]
         older_than: Option<Duration>,
         /// Rows per delete statement.
         #[arg(long, default_value_t = 10_000)]
@@ -144,10 +144,6 @@ pub enum DeadLetterCommand {
         #[arg(long)]
         yes: bool,
     },
-}
-
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    outbox_core::duration::parse(s)
 }
 
 /// A failure with its exit code.

@@ -224,12 +224,20 @@ impl fmt::Display for Error {
             }
             f.write_str("]")?;
         }
+        // The cause chain, each cause once: a cause whose text an earlier one already printed (a
+        // wrapped `Error` prints its own chain; many libraries print their source in their text) is
+        // not printed again.
+        let mut printed = String::new();
         let mut source = self
             .source
             .as_deref()
             .map(|s| s as &(dyn std::error::Error + 'static));
         while let Some(s) = source {
-            write!(f, ": {s}")?;
+            let text = s.to_string();
+            if !printed.contains(&text) {
+                write!(f, ": {text}")?;
+                printed.push_str(&text);
+            }
             source = s.source();
         }
         Ok(())
@@ -301,5 +309,43 @@ mod tests {
         );
         assert_eq!(e.context_value("adapter"), Some("amqp"));
         assert!(std::error::Error::source(&e).is_some());
+    }
+
+    /// A library error that prints its own source in its text, as many do.
+    #[derive(Debug)]
+    struct Chatty(std::io::Error);
+
+    impl fmt::Display for Chatty {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "protocol error: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Chatty {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn display_prints_each_cause_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let inner = Error::new(ErrorKind::Connection, "channel closed")
+            .with_context("operation", "confirm")
+            .with_source(Chatty(io()));
+        assert_eq!(
+            inner.to_string(),
+            "connection (temporary): channel closed [operation=confirm]: protocol error: reset by peer"
+        );
+        let outer = Error::new(ErrorKind::Connection, "publish failed")
+            .with_context("adapter", "amqp")
+            .with_source(inner);
+        assert_eq!(
+            outer.to_string(),
+            "connection (temporary): publish failed [adapter=amqp]: connection (temporary): channel \
+             closed [operation=confirm]: protocol error: reset by peer",
+            "the wrapped error's chain is printed once, not again cause by cause"
+        );
+        assert_eq!(outer.to_string().matches("reset by peer").count(), 1);
     }
 }
