@@ -45,7 +45,7 @@ fn sasl_config() -> std::path::PathBuf {
     std::fs::write(
         &path,
         format!(
-            "[kafka.properties]\n\"security.protocol\" = \"SASL_PLAINTEXT\"\n\"sasl.mechanisms\" = \"PLAIN\"\n\"sasl.username\" = \"relay\"\n\"sasl.password\" = \"{PASSWORD}\"\n"
+            "[kafka.properties]\n\"security.protocol\" = \"SASL_PLAINTEXT\"\n\"sasl.mechanisms\" = \"PLAIN\"\n\"sasl.username\" = \"relay\"\n\"sasl.password\" = \"{PASSWORD}\"\n\"sasl.oauthbearer.config\" = \"principal=relay clientSecret={PASSWORD}\"\n"
         ),
     )
     .unwrap();
@@ -59,8 +59,13 @@ fn assert_never_printed(what: &str, stdout: &str, stderr: &str) {
     );
 }
 
-fn db_with_password(port: u16) -> String {
-    format!("postgres://postgres:{PASSWORD}@127.0.0.1:{port}/test")
+/// The database URL at `port` with the password, in its two forms: in the user part, and as a
+/// query parameter (which sqlx accepts too).
+fn dbs_with_password(port: u16) -> [String; 2] {
+    [
+        format!("postgres://postgres:{PASSWORD}@127.0.0.1:{port}/test"),
+        format!("postgres://postgres@127.0.0.1:{port}/test?sslmode=disable&password={PASSWORD}"),
+    ]
 }
 
 #[test]
@@ -68,13 +73,15 @@ fn an_unreachable_database_never_shows_the_password() {
     let sasl = sasl_config();
     for publisher in ["amqp", "kafka", "sqs"] {
         let db_port = free_port();
-        let db = db_with_password(db_port);
-        for args in [
-            vec!["relay"],
-            vec!["status"],
-            vec!["migrate"],
-            vec!["config"],
-        ] {
+        for (db, args) in dbs_with_password(db_port).into_iter().flat_map(|db| {
+            [
+                vec!["relay"],
+                vec!["status"],
+                vec!["migrate"],
+                vec!["config"],
+            ]
+            .map(|args| (db.clone(), args))
+        }) {
             let mut all = vec!["--config", sasl.to_str().unwrap()];
             all.extend(args.iter().copied());
             let out = with_secrets(publisher, &db, free_port(), &all)

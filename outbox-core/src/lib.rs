@@ -7,7 +7,7 @@ mod event;
 mod policy;
 mod ports;
 pub mod publishers;
-mod redact;
+pub mod redact;
 mod relay;
 #[cfg(test)]
 mod relay_tests;

@@ -66,14 +66,10 @@ impl Default for KafkaConfig {
     }
 }
 
-/// True for property names whose values must not be shown.
+/// True for property names whose values must not be shown (`sasl.password`,
+/// `sasl.oauthbearer.config`, `ssl.key.pem`...): the toolkit's rule, [`outbox_core::redact::is_secret_name`].
 pub fn is_secret(key: &str) -> bool {
-    let k = key.to_ascii_lowercase();
-    k.contains("password")
-        || k.contains("secret")
-        || k.ends_with(".key")
-        || k.contains("key.pem")
-        || k.contains("token")
+    outbox_core::redact::is_secret_name(key)
 }
 
 impl std::fmt::Debug for KafkaConfig {
