@@ -335,7 +335,7 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
         }
     };
     let store: Arc<dyn Store> = Arc::new(pg.clone());
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::new(config.http.max_event_type_labels));
     let relay = Relay::new(store.clone(), publisher.clone(), config.relay.clone())?
         .with_observer(metrics.clone());
     {

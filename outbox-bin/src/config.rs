@@ -57,6 +57,10 @@ pub struct HttpConfig {
     /// Time a readiness check may take. Default 2 s.
     #[serde(with = "duration::serde_str")]
     pub ready_timeout: Duration,
+    /// Distinct `event_type` label values per metric (`outbox_events_failed`,
+    /// `outbox_events_pending_by_type`); further types count under `event_type="other"`, so that
+    /// writers inserting ever new types cannot grow `/metrics` without bound. Default 100.
+    pub max_event_type_labels: usize,
 }
 
 impl Default for HttpConfig {
@@ -66,6 +70,7 @@ impl Default for HttpConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
             stats_interval: Duration::from_secs(5),
             ready_timeout: Duration::from_secs(2),
+            max_event_type_labels: crate::metrics::DEFAULT_MAX_EVENT_TYPE_LABELS,
         }
     }
 }
@@ -234,6 +239,11 @@ impl Config {
     pub fn validate(&self) -> Result<(), Error> {
         self.database.validate()?;
         self.relay.validate()?;
+        if self.http.max_event_type_labels == 0 {
+            return Err(Error::config(
+                "http.max_event_type_labels = 0: expected at least 1 (event types past it count as \"other\")",
+            ));
+        }
         if self.http.stats_interval.is_zero() || self.http.ready_timeout.is_zero() {
             return Err(Error::config(
                 "http.stats_interval and http.ready_timeout must be positive durations such as 5s",

@@ -28,9 +28,23 @@ pub struct OperationLabel {
     pub operation: String,
 }
 
+/// The label value that stands for every event type past the cap.
+pub const OTHER_EVENT_TYPES: &str = "other";
+
+/// The default cap on distinct `event_type` label values (`http.max_event_type_labels`).
+pub const DEFAULT_MAX_EVENT_TYPE_LABELS: usize = 100;
+
 /// Every metric the relay exports.
+///
+/// Per-event-type series are capped: any writer can insert any event type, and a label value never
+/// seen again would stay in `/metrics` for ever. The first `max_event_type_labels` types seen keep
+/// their own series in `outbox_events_failed`; later ones count under `event_type="other"`. The
+/// pending gauge by type shows the types with the most pending events, the rest summed under
+/// `other`.
 pub struct Metrics {
     registry: Registry,
+    max_event_type_labels: usize,
+    failed_types: std::sync::Mutex<std::collections::HashSet<String>>,
     published: Counter,
     failed: Family<EventTypeLabel, Counter>,
     retried: Counter,
@@ -54,13 +68,14 @@ impl std::fmt::Debug for Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        Self::new()
+        Self::new(DEFAULT_MAX_EVENT_TYPE_LABELS)
     }
 }
 
 impl Metrics {
-    /// Registers every metric.
-    pub fn new() -> Self {
+    /// Registers every metric, with at most `max_event_type_labels` distinct event types per metric
+    /// (plus `other`).
+    pub fn new(max_event_type_labels: usize) -> Self {
         let mut registry = Registry::default();
         let published = Counter::default();
         let failed = Family::<EventTypeLabel, Counter>::default();
@@ -143,6 +158,8 @@ impl Metrics {
         );
         Metrics {
             registry,
+            max_event_type_labels,
+            failed_types: Default::default(),
             published,
             failed,
             retried,
@@ -167,13 +184,43 @@ impl Metrics {
         self.oldest_pending_age
             .set(stats.oldest_pending_age_seconds.unwrap_or(0.0));
         self.pending_by_type.clear();
-        for t in &stats.by_event_type {
+        let mut by_type: Vec<(&str, u64)> = stats
+            .by_event_type
+            .iter()
+            .filter(|t| t.pending > 0)
+            .map(|t| (t.event_type.as_str(), t.pending))
+            .collect();
+        by_type.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        let shown = by_type.len().min(self.max_event_type_labels);
+        let rest: u64 = by_type[shown..].iter().map(|(_, n)| n).sum();
+        let mut series: Vec<(&str, u64)> = by_type[..shown].to_vec();
+        if rest > 0 {
+            series.push((OTHER_EVENT_TYPES, rest));
+        }
+        for (event_type, pending) in series {
             self.pending_by_type
                 .get_or_create(&EventTypeLabel {
-                    event_type: t.event_type.clone(),
+                    event_type: event_type.to_string(),
                 })
-                .set(t.pending.min(i64::MAX as u64) as i64);
+                .set(pending.min(i64::MAX as u64) as i64);
         }
+    }
+
+    /// The label value for `event_type` in `outbox_events_failed`: itself while fewer than the cap
+    /// have been seen (or it was seen before), else `other`.
+    fn failed_label(&self, event_type: &str) -> String {
+        let mut seen = self
+            .failed_types
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if seen.contains(event_type) {
+            return event_type.to_string();
+        }
+        if seen.len() < self.max_event_type_labels && event_type != OTHER_EVENT_TYPES {
+            seen.insert(event_type.to_string());
+            return event_type.to_string();
+        }
+        OTHER_EVENT_TYPES.to_string()
     }
 
     /// The metrics in Prometheus text format.
@@ -201,7 +248,7 @@ impl RelayObserver for Metrics {
     fn event_failed(&self, event: &Event, _error: &Error, decision: FailureDecision) {
         self.failed
             .get_or_create(&EventTypeLabel {
-                event_type: event.event_type.clone(),
+                event_type: self.failed_label(&event.event_type),
             })
             .inc();
         match decision {
@@ -237,7 +284,7 @@ mod tests {
 
     #[test]
     fn renders_the_required_metrics() {
-        let m = Metrics::new();
+        let m = Metrics::default();
         m.batch_settled(&BatchReport {
             claimed: 3,
             published: 3,
@@ -260,5 +307,57 @@ mod tests {
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }
+    }
+
+    #[test]
+    fn event_type_labels_are_capped() {
+        let m = Metrics::new(3);
+        let error = Error::new(outbox_core::ErrorKind::Connection, "down");
+        for i in 0..1000 {
+            let event = Event {
+                event_type: format!("type.{}", i % 10),
+                ..outbox_core::testkit::publisher_suite::event("a", i)
+            };
+            m.event_failed(&event, &error, FailureDecision::Retry);
+        }
+        let stats = StoreStats {
+            pending: 60,
+            by_event_type: (0..6)
+                .map(|i| outbox_core::EventTypeStats {
+                    event_type: format!("pending.{i}"),
+                    pending: 10 + i,
+                    ..Default::default()
+                })
+                .collect(),
+            ..StoreStats::default()
+        };
+        m.record_stats(&stats);
+        let text = m.render();
+        let failed: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("outbox_events_failed_total{"))
+            .collect();
+        assert_eq!(failed.len(), 4, "three types and other:\n{text}");
+        assert!(
+            text.contains("outbox_events_failed_total{event_type=\"other\"} 700"),
+            "{text}"
+        );
+        assert!(
+            text.contains("outbox_events_failed_total{event_type=\"type.0\"} 100"),
+            "{text}"
+        );
+        let pending: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("outbox_events_pending_by_type{"))
+            .collect();
+        assert_eq!(pending.len(), 4, "the three largest and other:\n{text}");
+        assert!(
+            text.contains("outbox_events_pending_by_type{event_type=\"pending.5\"} 15"),
+            "{text}"
+        );
+        assert!(
+            text.contains("outbox_events_pending_by_type{event_type=\"other\"} 33"),
+            "{text}"
+        );
     }
 }
