@@ -249,9 +249,15 @@ impl Config {
                 "http.stats_interval and http.ready_timeout must be positive durations such as 5s",
             ));
         }
-        if self.relay.max_in_flight as u32 + 1 > self.database.pool_size {
+        let needed = self.pool_connections_needed();
+        if needed > self.database.pool_size {
+            let listener = if self.database.notify {
+                " + 1 (the NOTIFY listener, database.notify = true)"
+            } else {
+                ""
+            };
             return Err(Error::config(format!(
-                "database.pool_size = {} is too small for relay.max_in_flight = {}: expected at least max_in_flight + 1 (each batch in flight holds a connection)",
+                "database.pool_size = {} is too small: the relay uses relay.max_in_flight = {} (one connection per batch in flight) + 1 (statistics) + 1 (readiness check){listener} = {needed} connections at once; set database.pool_size to at least {needed}, or lower relay.max_in_flight",
                 self.database.pool_size, self.relay.max_in_flight
             )));
         }
@@ -270,6 +276,17 @@ impl Config {
             #[cfg(not(feature = "sqs"))]
             PublisherType::Sqs => Err(not_built("sqs")),
         }
+    }
+
+    /// The connections the relay's pool must hold so that nothing waits for one: one per batch in
+    /// flight (its claim stays open while the batch is published and settled), one for the
+    /// statistics task, one for the readiness check, and one for the NOTIFY listener when
+    /// `database.notify` is on.
+    pub fn pool_connections_needed(&self) -> u32 {
+        let in_flight = u32::try_from(self.relay.max_in_flight).unwrap_or(u32::MAX);
+        in_flight
+            .saturating_add(2)
+            .saturating_add(u32::from(self.database.notify))
     }
 
     /// The configuration as TOML, secrets redacted (for `outbox config`).
@@ -525,6 +542,29 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("database.pool_size = 2 is too small"), "{e}");
+        // One formula counts every user of the pool: batches, statistics, readiness, listener.
+        let ok = load_str(
+            "[database]\npool_size = 4\n[relay]\nmax_in_flight = 2\n",
+            &[],
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+        let e = load_str(
+            "[database]\npool_size = 4\nnotify = true\n[relay]\nmax_in_flight = 2\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("+ 1 (the NOTIFY listener, database.notify = true) = 5 connections"),
+            "{e}"
+        );
+        let e = load_str(
+            "[database]\npool_size = 3\n[relay]\nmax_in_flight = 2\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("set database.pool_size to at least 4"), "{e}");
     }
 
     #[test]

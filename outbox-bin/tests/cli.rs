@@ -470,3 +470,80 @@ fn sigterm_while_starting_is_a_clean_exit() {
     );
     drop(held);
 }
+
+/// With NOTIFY on and every batch in flight held up (stdout into a pipe nobody reads: both batches
+/// wait on the write with their claims open), the pool sized by the documented rule still serves the
+/// readiness check and the statistics, and the HTTP endpoints answer: the listener and the batches do
+/// not take every connection, and a blocked publisher does not stall the runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_answers_with_every_batch_in_flight_and_notify_on() {
+    let table = unmigrated_table();
+    let mut c = outbox(&table, &["migrate"]);
+    c.env("OUTBOX_DATABASE__NOTIFY", "true");
+    assert_eq!(run(c).status.code(), Some(0));
+    let pg = pool(2).await;
+    sqlx::query(&format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'order', 'a' || (g % 40), 'order.created', jsonb_build_object('n', g, 'blob', repeat('x', 8000)) \
+         FROM generate_series(1, 400) g",
+        table.qualified()
+    ))
+    .execute(&pg)
+    .await
+    .unwrap();
+    let tag = format!(
+        "outbox-ready-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let port = free_port();
+    let url = outbox_postgres::testing::database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let mut c = outbox(&table, &["relay"]);
+    c.env(
+        "DATABASE_URL",
+        format!("{url}{separator}application_name={tag}"),
+    )
+    .env("OUTBOX_DATABASE__NOTIFY", "true")
+    .env("OUTBOX_RELAY__MAX_IN_FLIGHT", "2")
+    .env("OUTBOX_RELAY__BATCH_SIZE", "20")
+    // The documented minimum: 2 batches + statistics + readiness + listener.
+    .env("OUTBOX_DATABASE__POOL_SIZE", "5")
+    .env("OUTBOX_HTTP__ENABLED", "true")
+    .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+    .env("OUTBOX_HTTP__STATS_INTERVAL", "200ms")
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::null());
+    let mut child = c.spawn().unwrap();
+    // Never read: the pipe fills up and the writes block.
+    let _unread = child.stdout.take().unwrap();
+    let held = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{tag}' AND state = 'idle in transaction'"
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let n: i64 = sqlx::query_scalar(&held).fetch_one(&pg).await.unwrap();
+        if n >= 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the two batches never stood in flight together ({n})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..5 {
+        let (code, body) = tokio::task::spawn_blocking(move || http_get(port, "/readyz"))
+            .await
+            .unwrap();
+        assert_eq!(code, 200, "readiness under full load: {body}");
+        let (code, _) = tokio::task::spawn_blocking(move || http_get(port, "/metrics"))
+            .await
+            .unwrap();
+        assert_eq!(code, 200);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let n: i64 = sqlx::query_scalar(&held).fetch_one(&pg).await.unwrap();
+    assert_eq!(n, 2, "still held up while readiness was checked");
+    let _ = child.kill();
+    let _ = child.wait();
+}

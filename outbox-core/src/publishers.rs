@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::io::Write;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use serde_json::{json, Value};
@@ -70,7 +70,7 @@ pub fn finish(outcomes: Vec<Option<PublishOutcome>>) -> Vec<PublishOutcome> {
 /// the text for other UTF-8 payloads, and `payload_hex` for anything else. An event counts as
 /// published once its line was written and flushed.
 pub struct JsonLinesPublisher {
-    out: Mutex<Box<dyn Write + Send>>,
+    out: Arc<Mutex<Box<dyn Write + Send>>>,
 }
 
 impl std::fmt::Debug for JsonLinesPublisher {
@@ -88,7 +88,7 @@ impl JsonLinesPublisher {
     /// Writes to `out`.
     pub fn new(out: Box<dyn Write + Send>) -> Self {
         JsonLinesPublisher {
-            out: Mutex::new(out),
+            out: Arc::new(Mutex::new(out)),
         }
     }
 
@@ -137,9 +137,19 @@ impl Publisher for JsonLinesPublisher {
             let _ = serde_json::to_writer(&mut buf, &Self::line(e));
             buf.push(b'\n');
         }
-        let result = match self.out.lock() {
+        // The write blocks while the reader of the output is slow (a full pipe): it runs on a
+        // blocking thread, never on the runtime's, so the relay's timers, health endpoints and
+        // shutdown keep working meanwhile.
+        let out = self.out.clone();
+        let write = move || match out.lock() {
             Ok(mut out) => out.write_all(&buf).and_then(|_| out.flush()),
             Err(_) => Err(std::io::Error::other("output lock poisoned")),
+        };
+        let result = match tokio::task::spawn_blocking(write).await {
+            Ok(result) => result,
+            Err(e) => Err(std::io::Error::other(format!(
+                "the writing thread failed: {e}"
+            ))),
         };
         match result {
             Ok(()) => vec![Ok(()); events.len()],

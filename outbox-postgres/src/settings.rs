@@ -19,8 +19,9 @@ pub struct DatabaseConfig {
     /// `postgres://user:password@host:port/database`. Default the local server as `postgres`
     /// (`DATABASE_URL` overrides the file). The password is never logged.
     pub url: String,
-    /// Connections in the pool. Each batch in flight holds one; give at least
-    /// `relay.max_in_flight + 2`. Default 8.
+    /// Connections in the pool. The relay needs `relay.max_in_flight` (each batch in flight holds
+    /// one) + 1 (statistics) + 1 (readiness check) + 1 more with `notify` (the listener holds one);
+    /// the `outbox` binary refuses less. Default 8.
     pub pool_size: u32,
     /// Schema of the outbox table. Default `public`.
     pub schema: String,
