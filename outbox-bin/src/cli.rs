@@ -207,7 +207,11 @@ pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match runtime.block_on(dispatch(cli.command, config)) {
+    let outcome = runtime.block_on(dispatch(cli.command, config));
+    // A blocking write that never returns (stdout into a pipe nobody reads) must not keep the
+    // process from exiting: the runtime waits for its blocking threads a moment, not for ever.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
             eprintln!("outbox: {}", f.message);

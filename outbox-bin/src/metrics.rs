@@ -193,9 +193,13 @@ impl Metrics {
         by_type.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
         let shown = by_type.len().min(self.max_event_type_labels);
         let rest: u64 = by_type[shown..].iter().map(|(_, n)| n).sum();
-        let mut series: Vec<(&str, u64)> = by_type[..shown].to_vec();
+        // A real type named "other" shares the bucket.
+        let mut series: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+        for (event_type, pending) in &by_type[..shown] {
+            *series.entry(event_type).or_default() += pending;
+        }
         if rest > 0 {
-            series.push((OTHER_EVENT_TYPES, rest));
+            *series.entry(OTHER_EVENT_TYPES).or_default() += rest;
         }
         for (event_type, pending) in series {
             self.pending_by_type

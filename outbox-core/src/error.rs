@@ -227,16 +227,16 @@ impl fmt::Display for Error {
         // The cause chain, each cause once: a cause whose text an earlier one already printed (a
         // wrapped `Error` prints its own chain; many libraries print their source in their text) is
         // not printed again.
-        let mut printed = String::new();
+        let mut last = self.message.clone();
         let mut source = self
             .source
             .as_deref()
             .map(|s| s as &(dyn std::error::Error + 'static));
         while let Some(s) = source {
             let text = s.to_string();
-            if !printed.contains(&text) {
+            if !last.contains(&text) {
                 write!(f, ": {text}")?;
-                printed.push_str(&text);
+                last = text;
             }
             source = s.source();
         }

@@ -71,6 +71,9 @@ pub fn finish(outcomes: Vec<Option<PublishOutcome>>) -> Vec<PublishOutcome> {
 /// published once its line was written and flushed.
 pub struct JsonLinesPublisher {
     out: Arc<Mutex<Box<dyn Write + Send>>>,
+    /// Set while a write is under way: a call made meanwhile is back-pressure, not another thread
+    /// waiting on the output.
+    writing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for JsonLinesPublisher {
@@ -89,6 +92,7 @@ impl JsonLinesPublisher {
     pub fn new(out: Box<dyn Write + Send>) -> Self {
         JsonLinesPublisher {
             out: Arc::new(Mutex::new(out)),
+            writing: Arc::default(),
         }
     }
 
@@ -140,10 +144,23 @@ impl Publisher for JsonLinesPublisher {
         // The write blocks while the reader of the output is slow (a full pipe): it runs on a
         // blocking thread, never on the runtime's, so the relay's timers, health endpoints and
         // shutdown keep working meanwhile.
-        let out = self.out.clone();
-        let write = move || match out.lock() {
-            Ok(mut out) => out.write_all(&buf).and_then(|_| out.flush()),
-            Err(_) => Err(std::io::Error::other("output lock poisoned")),
+        use std::sync::atomic::Ordering;
+        if self.writing.swap(true, Ordering::SeqCst) {
+            let e = Error::new(
+                ErrorKind::Backpressure,
+                "the previous write to the output has not finished (its reader is slow)",
+            )
+            .with_context("adapter", "stdout");
+            return vec![Err(e); events.len()];
+        }
+        let (out, writing) = (self.out.clone(), self.writing.clone());
+        let write = move || {
+            let result = match out.lock() {
+                Ok(mut out) => out.write_all(&buf).and_then(|_| out.flush()),
+                Err(_) => Err(std::io::Error::other("output lock poisoned")),
+            };
+            writing.store(false, Ordering::SeqCst);
+            result
         };
         let result = match tokio::task::spawn_blocking(write).await {
             Ok(result) => result,

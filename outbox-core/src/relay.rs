@@ -16,7 +16,7 @@
 //!   readiness check passes, checking after `retry.initial_backoff`, then twice as long each time
 //!   (between 100 ms and 10 s, at most `retry.max_backoff`). While the check fails, each round sends
 //!   one event as a probe (a check can fail where publishing works); a probe that finds the broker
-//!   still unreachable counts no attempt. Events written meanwhile keep their attempts (a long outage
+//!   still unreachable counts no attempt and waits a pause, so the next probe takes another event. Events written meanwhile keep their attempts (a long outage
 //!   does not dead-letter them), and the relay neither spins nor floods its log (a warning a minute).
 //! - **Graceful shutdown**: on cancellation the relay stops claiming, lets in-flight batches finish
 //!   until `shutdown_timeout`, then aborts the rest (their events are released, not lost).
@@ -644,8 +644,9 @@ fn report_join(result: Result<(), tokio::task::JoinError>) {
 }
 
 /// Publishes and settles one batch. A `probe` (one event sent while the broker is unreachable) that
-/// finds the broker still unreachable is released without counting an attempt: the outage is not the
-/// event's fault, and probing must not use up its attempts.
+/// finds the broker still unreachable is put back without counting an attempt (the outage is not the
+/// event's fault, and probing must not use up its attempts), behind a delay, so that the next probe
+/// takes another event.
 async fn process_batch(
     shared: Arc<Shared>,
     batch: Batch,
@@ -673,12 +674,25 @@ async fn process_batch(
         ..BatchReport::default()
     };
     let settlements = if probe && unreachable {
-        report.released = events.len();
+        // Put back without an attempt, behind a delay of the current pause: the next probe takes
+        // another event, so one event whose own destination is unreachable cannot hold every probe
+        // (nor be sent again and again if its timeout hid a delivery).
+        // Twice the pause before the next probe: that probe finds this event not yet due.
+        let delay = Duration::from_millis(shared.broker_pause_ms.load(Ordering::SeqCst)) * 2;
+        report.retried = events.len();
         events
             .iter()
-            .map(|e| Settlement {
+            .zip(&outcomes)
+            .map(|(e, o)| Settlement {
                 id: e.id,
-                action: Action::Release,
+                action: Action::Retry {
+                    attempts: e.attempts,
+                    delay,
+                    error: match o {
+                        Err(err) => format!("probe while the broker is unreachable: {err}"),
+                        Ok(()) => "probe while the broker is unreachable".to_string(),
+                    },
+                },
             })
             .collect()
     } else {

@@ -840,3 +840,57 @@ async fn an_unreachable_broker_stops_the_claims_until_it_answers_again() {
 async fn a_probe_finds_the_broker_back_when_its_readiness_check_keeps_failing() {
     outage(true).await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_event_whose_destination_stays_down_does_not_hold_every_probe() {
+    let memory = MemoryStore::new();
+    let publisher = ScriptedPublisher::new();
+    // A readiness check that never passes; one event whose own destination never answers.
+    publisher.set_check_failing(true);
+    let stuck = fill(&memory, 1, 1)[0];
+    publisher.on_event(stuck, Behavior::FailRetryable);
+    let cfg = RelayConfig {
+        poll_interval: Duration::from_millis(50),
+        min_poll_interval: Duration::from_millis(10),
+        retry: RetryPolicy {
+            max_attempts: 1000,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(60),
+            multiplier: 2.0,
+            jitter: 0.0,
+        },
+        ..config()
+    };
+    let relay = Relay::new(Arc::new(memory.clone()), publisher.clone(), cfg).unwrap();
+    let (task, shutdown) = spawn(relay);
+    // The stuck event alone failed: the relay now probes one event at a time.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let later = fill(&memory, 5, 2);
+    // `fill` writes round by round over a0..a4: a0's events are at 0 and 5, behind the stuck one.
+    let others: Vec<Uuid> = later
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 5 != 0)
+        .map(|(_, id)| *id)
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let delivered: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+        if others.iter().all(|id| delivered.contains(id)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the other aggregates never got through: every probe took the stuck event"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+    assert!(publisher.delivered().iter().all(|e| e.id != stuck));
+    let tries = publisher.tries(stuck);
+    assert!(
+        tries < 40,
+        "the stuck event was sent {tries} times in about two minutes: probes keep taking it"
+    );
+}
