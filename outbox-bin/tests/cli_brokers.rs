@@ -59,3 +59,86 @@ async fn kafka() {
 async fn sqs() {
     publish_test_then_relay(Broker::Sqs).await;
 }
+
+/// With NOTIFY on and every batch in flight held up (a Kafka broker that stops answering: both
+/// batches wait for their delivery reports with their claims open), a pool of the documented minimum
+/// (two batches + statistics + readiness + listener) still serves the readiness check's database
+/// part and the statistics: the listener and the batches do not take every connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_reaches_the_database_with_every_batch_in_flight_and_notify_on() {
+    let (tansu, brokers) = outbox_tests::harness::own_tansu(None);
+    let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "held", 1).await;
+    let table = unmigrated_table();
+    let mut c = outbox(&table, &["migrate"]);
+    c.env("OUTBOX_DATABASE__NOTIFY", "true");
+    assert_eq!(run(c).status.code(), Some(0));
+    let tag = format!(
+        "outbox-ready-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let port = free_port();
+    let url = outbox_postgres::testing::database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let mut c = outbox(&table, &["relay"]);
+    c.env(
+        "DATABASE_URL",
+        format!("{url}{separator}application_name={tag}"),
+    )
+    .env("OUTBOX_DATABASE__NOTIFY", "true")
+    .env("OUTBOX_RELAY__MAX_IN_FLIGHT", "2")
+    .env("OUTBOX_RELAY__BATCH_SIZE", "10")
+    .env("OUTBOX_DATABASE__POOL_SIZE", "5")
+    .env("OUTBOX_PUBLISHER__TYPE", "kafka")
+    .env("OUTBOX_KAFKA__BROKERS", &brokers)
+    .env("OUTBOX_KAFKA__TOPIC", &fx.topic)
+    .env("OUTBOX_HTTP__ENABLED", "true")
+    .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+    .env("OUTBOX_HTTP__STATS_INTERVAL", "200ms");
+    let _relay = Running::start(c);
+    // The relay publishes (the broker answers), then the broker stands still.
+    insert_plain(&table, "warm", 3).await;
+    fx.wait_for(3, Duration::from_secs(60)).await;
+    let stop = std::process::Command::new("kill")
+        .args(["-STOP", &tansu.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stop.success());
+    for a in 0..40 {
+        insert_plain(&table, &format!("a{a}"), 5).await;
+    }
+    let pg = pool(2).await;
+    let held = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{tag}' AND state = 'idle in transaction'"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let n: i64 = sqlx::query_scalar(&held).fetch_one(&pg).await.unwrap();
+        if n >= 2 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the two batches never stood in flight together ({n})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..3 {
+        let (_, body) = tokio::task::spawn_blocking(move || http_get(port, "/readyz"))
+            .await
+            .unwrap();
+        // The broker may be reported; the database must not be.
+        assert!(
+            !body.contains("database:"),
+            "the readiness check found no database connection under full load: {body}"
+        );
+        let (code, _) = tokio::task::spawn_blocking(move || http_get(port, "/metrics"))
+            .await
+            .unwrap();
+        assert_eq!(code, 200);
+    }
+    let n: i64 = sqlx::query_scalar(&held).fetch_one(&pg).await.unwrap();
+    assert_eq!(n, 2, "both batches still held while readiness was checked");
+    let _ = std::process::Command::new("kill")
+        .args(["-CONT", &tansu.id().to_string()])
+        .status();
+}
