@@ -490,45 +490,30 @@ async fn a_stdout_nobody_reads_stalls_neither_the_endpoints_nor_the_exit() {
     .execute(&pg)
     .await
     .unwrap();
-    let tag = format!(
-        "outbox-ready-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+    let (tag, url) = outbox_postgres::testing::database_url_named("outbox-ready");
     let port = free_port();
-    let url = outbox_postgres::testing::database_url();
-    let separator = if url.contains('?') { '&' } else { '?' };
     let mut c = outbox(&table, &["relay"]);
-    c.env(
-        "DATABASE_URL",
-        format!("{url}{separator}application_name={tag}"),
-    )
-    .env("OUTBOX_DATABASE__NOTIFY", "true")
-    .env("OUTBOX_RELAY__MAX_IN_FLIGHT", "2")
-    .env("OUTBOX_RELAY__BATCH_SIZE", "20")
-    .env("OUTBOX_RELAY__SHUTDOWN_TIMEOUT", "2s")
-    .env("OUTBOX_HTTP__ENABLED", "true")
-    .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
-    .env("OUTBOX_HTTP__STATS_INTERVAL", "200ms")
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::null());
+    c.env("DATABASE_URL", url)
+        .env("OUTBOX_DATABASE__NOTIFY", "true")
+        .env("OUTBOX_RELAY__MAX_IN_FLIGHT", "2")
+        .env("OUTBOX_RELAY__BATCH_SIZE", "20")
+        .env("OUTBOX_RELAY__SHUTDOWN_TIMEOUT", "2s")
+        .env("OUTBOX_HTTP__ENABLED", "true")
+        .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+        .env("OUTBOX_HTTP__STATS_INTERVAL", "200ms")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
     let mut child = c.spawn().unwrap();
     // Never read: the pipe fills up and the writes block.
     let _unread = child.stdout.take().unwrap();
-    let held = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{tag}' AND state = 'idle in transaction'"
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let n: i64 = sqlx::query_scalar(&held).fetch_one(&pg).await.unwrap();
-        if n >= 1 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no batch stood blocked on the write"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_held_claims(
+        &pg,
+        &tag,
+        1,
+        Duration::from_secs(60),
+        "no batch stood blocked on the write",
+    )
+    .await;
     for _ in 0..5 {
         let (code, body) = tokio::task::spawn_blocking(move || http_get(port, "/readyz"))
             .await
@@ -540,7 +525,7 @@ async fn a_stdout_nobody_reads_stalls_neither_the_endpoints_nor_the_exit() {
         assert_eq!(code, 200);
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    let n: i64 = sqlx::query_scalar(&held).fetch_one(&pg).await.unwrap();
+    let n = outbox_postgres::testing::sessions_holding_a_claim(&pg, &tag).await;
     assert!(
         n >= 1,
         "the write was still blocked while the endpoints answered"

@@ -72,28 +72,20 @@ async fn readiness_reaches_the_database_with_every_batch_in_flight_and_notify_on
     let mut c = outbox(&table, &["migrate"]);
     c.env("OUTBOX_DATABASE__NOTIFY", "true");
     assert_eq!(run(c).status.code(), Some(0));
-    let tag = format!(
-        "outbox-ready-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+    let (tag, url) = outbox_postgres::testing::database_url_named("outbox-ready");
     let port = free_port();
-    let url = outbox_postgres::testing::database_url();
-    let separator = if url.contains('?') { '&' } else { '?' };
     let mut c = outbox(&table, &["relay"]);
-    c.env(
-        "DATABASE_URL",
-        format!("{url}{separator}application_name={tag}"),
-    )
-    .env("OUTBOX_DATABASE__NOTIFY", "true")
-    .env("OUTBOX_RELAY__MAX_IN_FLIGHT", "2")
-    .env("OUTBOX_RELAY__BATCH_SIZE", "10")
-    .env("OUTBOX_DATABASE__POOL_SIZE", "5")
-    .env("OUTBOX_PUBLISHER__TYPE", "kafka")
-    .env("OUTBOX_KAFKA__BROKERS", &brokers)
-    .env("OUTBOX_KAFKA__TOPIC", &fx.topic)
-    .env("OUTBOX_HTTP__ENABLED", "true")
-    .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
-    .env("OUTBOX_HTTP__STATS_INTERVAL", "200ms");
+    c.env("DATABASE_URL", url)
+        .env("OUTBOX_DATABASE__NOTIFY", "true")
+        .env("OUTBOX_RELAY__MAX_IN_FLIGHT", "2")
+        .env("OUTBOX_RELAY__BATCH_SIZE", "10")
+        .env("OUTBOX_DATABASE__POOL_SIZE", "5")
+        .env("OUTBOX_PUBLISHER__TYPE", "kafka")
+        .env("OUTBOX_KAFKA__BROKERS", &brokers)
+        .env("OUTBOX_KAFKA__TOPIC", &fx.topic)
+        .env("OUTBOX_HTTP__ENABLED", "true")
+        .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+        .env("OUTBOX_HTTP__STATS_INTERVAL", "200ms");
     let _relay = Running::start(c);
     // The relay publishes (the broker answers), then the broker stands still.
     insert_plain(&table, "warm", 3).await;
@@ -107,21 +99,14 @@ async fn readiness_reaches_the_database_with_every_batch_in_flight_and_notify_on
         insert_plain(&table, &format!("a{a}"), 5).await;
     }
     let pg = pool(2).await;
-    let held = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{tag}' AND state = 'idle in transaction'"
-    );
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let n: i64 = sqlx::query_scalar(&held).fetch_one(&pg).await.unwrap();
-        if n >= 2 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the two batches never stood in flight together ({n})"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_held_claims(
+        &pg,
+        &tag,
+        2,
+        Duration::from_secs(20),
+        "the two batches never stood in flight together",
+    )
+    .await;
     for _ in 0..3 {
         let (_, body) = tokio::task::spawn_blocking(move || http_get(port, "/readyz"))
             .await
@@ -136,7 +121,7 @@ async fn readiness_reaches_the_database_with_every_batch_in_flight_and_notify_on
             .unwrap();
         assert_eq!(code, 200);
     }
-    let n: i64 = sqlx::query_scalar(&held).fetch_one(&pg).await.unwrap();
+    let n = outbox_postgres::testing::sessions_holding_a_claim(&pg, &tag).await;
     assert_eq!(n, 2, "both batches still held while readiness was checked");
     let _ = std::process::Command::new("kill")
         .args(["-CONT", &tansu.id().to_string()])

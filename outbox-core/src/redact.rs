@@ -34,11 +34,10 @@ pub fn redact_url(url: &str) -> String {
             Some((user, _)) => (Some(user), &rest[at..]),
             None => (None, rest),
         },
-        // `user:pa/ss@host`: what follows the `:` is no port, but the start of a cut-short password.
+        // `user:pa/ss@host`: unless the authority reads `host:port`, what follows the `:` is the
+        // start of a password cut short.
         (None, Some((user, after))) => match last_at {
-            Some(at) if !(looks_like_hosts(authority) && is_port(after)) => {
-                (Some(user), &rest[at..])
-            }
+            Some(at) if !(is_host_name(user) && is_port(after)) => (Some(user), &rest[at..]),
             _ => (None, rest),
         },
         (None, None) => (None, rest),
@@ -54,31 +53,12 @@ fn is_port(text: &str) -> bool {
     !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit())
 }
 
-/// Whether `text` reads as the host part of a URL: hosts (names, IPv4, `[IPv6]`), each with an
-/// optional port of digits, separated by commas (libpq's multi-host form); or nothing (a socket).
-fn looks_like_hosts(text: &str) -> bool {
-    text.split(',').all(|host| {
-        let (name, port) = match host.strip_prefix('[') {
-            Some(v6) => match v6.split_once(']') {
-                Some((addr, rest)) => (
-                    addr,
-                    rest.strip_prefix(':')
-                        .map(Some)
-                        .unwrap_or(if rest.is_empty() { None } else { Some("x") }),
-                ),
-                None => return false,
-            },
-            None => match host.rsplit_once(':') {
-                Some((name, port)) => (name, Some(port)),
-                None => (host, None),
-            },
-        };
-        let name_ok = name
+/// Whether `text` reads as a host name or IPv4 address.
+fn is_host_name(text: &str) -> bool {
+    !text.is_empty()
+        && text
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-._~%:".contains(&b));
-        let port_ok = port.is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
-        name_ok && port_ok
-    })
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~%".contains(&b))
 }
 
 /// `text` with the values of its secret query parameters (`name=value` pairs after the first `?`,

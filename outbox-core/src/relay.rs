@@ -16,8 +16,9 @@
 //!   readiness check passes, checking after `retry.initial_backoff`, then twice as long each time
 //!   (between 100 ms and 10 s, at most `retry.max_backoff`). While the check fails, each round sends
 //!   one event as a probe (a check can fail where publishing works); a probe that finds the broker
-//!   still unreachable counts no attempt and waits a pause, so the next probe takes another event. Events written meanwhile keep their attempts (a long outage
-//!   does not dead-letter them), and the relay neither spins nor floods its log (a warning a minute).
+//!   still unreachable counts no attempt and waits a pause, so the next probe takes another event.
+//!   Events written meanwhile keep their attempts (a long outage does not dead-letter them), and the
+//!   relay neither spins nor floods its log (a warning a minute).
 //! - **Graceful shutdown**: on cancellation the relay stops claiming, lets in-flight batches finish
 //!   until `shutdown_timeout`, then aborts the rest (their events are released, not lost).
 
@@ -316,12 +317,21 @@ struct Shared {
     config: RelayConfig,
     observer: Arc<dyn RelayObserver>,
     totals: Totals,
-    /// Set when a batch found the broker unreachable: no claim until the publisher's check passes.
-    broker_down: std::sync::atomic::AtomicBool,
-    /// The pause before the next check of an unreachable broker, in milliseconds.
-    broker_pause_ms: AtomicU64,
+    /// Whether the broker was found unreachable, and how long to wait before checking it again.
+    outage: Outage,
+}
+
+/// What the relay knows of an unreachable broker: while it is down, no batch is claimed until the
+/// publisher's readiness check passes (see [`Relay::wait_for_broker`]).
+struct Outage {
+    /// Set when a batch found the broker unreachable.
+    down: std::sync::atomic::AtomicBool,
+    /// The pause before the next check, in milliseconds.
+    pause_ms: AtomicU64,
+    /// The first pause, in milliseconds: from the retry policy's `initial_backoff`.
+    first_pause_ms: u64,
     /// When the relay last warned that the broker is unreachable.
-    broker_warned: std::sync::Mutex<Option<Instant>>,
+    warned: std::sync::Mutex<Option<Instant>>,
 }
 
 /// The longest pause between two checks of an unreachable broker (shorter when
@@ -334,12 +344,73 @@ const BROKER_CHECK_MIN_PAUSE: Duration = Duration::from_millis(100);
 /// How often the relay repeats that the broker is still unreachable.
 const BROKER_WARN_EVERY: Duration = Duration::from_secs(60);
 
-/// The first pause before checking an unreachable broker, in milliseconds.
-fn first_broker_pause(retry: &RetryPolicy) -> u64 {
-    retry
-        .initial_backoff
-        .clamp(BROKER_CHECK_MIN_PAUSE, BROKER_CHECK_MAX_PAUSE)
-        .as_millis() as u64
+impl Outage {
+    fn new(retry: &RetryPolicy) -> Self {
+        let first_pause_ms = retry
+            .initial_backoff
+            .clamp(BROKER_CHECK_MIN_PAUSE, BROKER_CHECK_MAX_PAUSE)
+            .as_millis() as u64;
+        Outage {
+            down: Default::default(),
+            pause_ms: AtomicU64::new(first_pause_ms),
+            first_pause_ms,
+            warned: Default::default(),
+        }
+    }
+
+    fn is_down(&self) -> bool {
+        self.down.load(Ordering::SeqCst)
+    }
+
+    /// The pause before the next check.
+    fn pause(&self) -> Duration {
+        Duration::from_millis(self.pause_ms.load(Ordering::SeqCst))
+    }
+
+    /// Doubles the pause before the next check (within the policy's `max_backoff`, 100 ms..10 s);
+    /// returns the new pause.
+    fn lengthen_pause(&self, retry: &RetryPolicy) -> Duration {
+        let next = (self.pause() * 2)
+            .min(retry.max_backoff)
+            .clamp(BROKER_CHECK_MIN_PAUSE, BROKER_CHECK_MAX_PAUSE);
+        self.pause_ms
+            .store(next.as_millis() as u64, Ordering::SeqCst);
+        next
+    }
+
+    /// Marks the broker down; true when it was up (the warning is then due, and given).
+    fn mark_down(&self) -> bool {
+        let was_up = !self.down.swap(true, Ordering::SeqCst);
+        if was_up {
+            *self.warned_at() = Some(Instant::now());
+        }
+        was_up
+    }
+
+    /// Marks the broker up; true when it was down. A publish that went through also resets the
+    /// pause (`reset_pause`); a passing check alone does not.
+    fn mark_up(&self, reset_pause: bool) -> bool {
+        if reset_pause {
+            self.pause_ms.store(self.first_pause_ms, Ordering::SeqCst);
+        }
+        self.down.swap(false, Ordering::SeqCst)
+    }
+
+    /// Whether a minute has passed since the last warning (and if so, counts this one as given).
+    fn warning_due(&self) -> bool {
+        let mut warned = self.warned_at();
+        let due = warned.is_none_or(|at| at.elapsed() >= BROKER_WARN_EVERY);
+        if due {
+            *warned = Some(Instant::now());
+        }
+        due
+    }
+
+    fn warned_at(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.warned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// The relay: moves events from a [`Store`] to a [`Publisher`].
@@ -384,9 +455,7 @@ impl Relay {
                 publisher,
                 observer: Arc::new(NoopObserver),
                 totals: Totals::default(),
-                broker_down: Default::default(),
-                broker_pause_ms: AtomicU64::new(first_broker_pause(&config.retry)),
-                broker_warned: Default::default(),
+                outage: Outage::new(&config.retry),
                 config,
             }),
             wake: Wake::new(),
@@ -401,9 +470,7 @@ impl Relay {
             config: self.shared.config.clone(),
             observer,
             totals: Totals::default(),
-            broker_down: Default::default(),
-            broker_pause_ms: AtomicU64::new(self.shared.broker_pause_ms.load(Ordering::SeqCst)),
-            broker_warned: Default::default(),
+            outage: Outage::new(&self.shared.config.retry),
         };
         Relay {
             shared: Arc::new(shared),
@@ -454,40 +521,29 @@ impl Relay {
     async fn wait_for_broker(&self, shutdown: &CancellationToken) -> bool {
         let cfg = &self.shared.config;
         let publisher = &self.shared.publisher;
-        let pause = Duration::from_millis(self.shared.broker_pause_ms.load(Ordering::SeqCst));
+        let outage = &self.shared.outage;
         tokio::select! {
-            _ = tokio::time::sleep(pause) => {}
+            _ = tokio::time::sleep(outage.pause()) => {}
             _ = shutdown.cancelled() => return false,
         }
         let checked = tokio::select! {
             r = tokio::time::timeout(cfg.publish_timeout, publisher.check()) => r,
             _ = shutdown.cancelled() => return false,
         };
-        let next = (pause * 2)
-            .min(cfg.retry.max_backoff)
-            .clamp(BROKER_CHECK_MIN_PAUSE, BROKER_CHECK_MAX_PAUSE);
-        self.shared
-            .broker_pause_ms
-            .store(next.as_millis() as u64, Ordering::SeqCst);
+        let next = outage.lengthen_pause(&cfg.retry);
         let error = match checked {
             Ok(Ok(())) => {
                 info!(
                     publisher = publisher.name(),
                     "the broker answers its readiness check; claiming resumes"
                 );
-                self.shared.broker_down.store(false, Ordering::SeqCst);
+                outage.mark_up(false);
                 return true;
             }
             Ok(Err(e)) => e.to_string(),
             Err(_) => "the readiness check took longer than relay.publish_timeout".to_string(),
         };
-        let mut warned = self
-            .shared
-            .broker_warned
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if warned.is_none_or(|at| at.elapsed() >= BROKER_WARN_EVERY) {
-            *warned = Some(Instant::now());
+        if outage.warning_due() {
             warn!(
                 publisher = publisher.name(),
                 error = %error,
@@ -524,7 +580,7 @@ impl Relay {
             // While the broker is unreachable: a pause and a readiness check each round; while the
             // check fails, one event goes as a probe instead of a batch.
             let mut probe = false;
-            if !until_idle && self.shared.broker_down.load(Ordering::SeqCst) {
+            if !until_idle && self.shared.outage.is_down() {
                 probe = !self.wait_for_broker(&shutdown).await;
                 if shutdown.is_cancelled() {
                     break;
@@ -538,7 +594,7 @@ impl Relay {
                 _ = shutdown.cancelled() => break,
             };
             // A batch in flight may have found the broker unreachable while this one waited.
-            if !until_idle && !probe && self.shared.broker_down.load(Ordering::SeqCst) {
+            if !until_idle && !probe && self.shared.outage.is_down() {
                 drop(permit);
                 continue;
             }
@@ -674,11 +730,10 @@ async fn process_batch(
         ..BatchReport::default()
     };
     let settlements = if probe && unreachable {
-        // Put back without an attempt, behind a delay of the current pause: the next probe takes
-        // another event, so one event whose own destination is unreachable cannot hold every probe
-        // (nor be sent again and again if its timeout hid a delivery).
-        // Twice the pause before the next probe: that probe finds this event not yet due.
-        let delay = Duration::from_millis(shared.broker_pause_ms.load(Ordering::SeqCst)) * 2;
+        // Put back without an attempt, for twice the pause before the next probe: that probe finds
+        // this event not yet due and takes another, so one event whose own destination never
+        // answers cannot hold every probe (nor be sent again and again if a timeout hid a delivery).
+        let delay = shared.outage.pause() * 2;
         report.retried = events.len();
         events
             .iter()
@@ -755,29 +810,21 @@ fn broker_unreachable(outcomes: &[PublishOutcome]) -> bool {
 /// publisher's check), and up again when a batch published something; returns whether it was found
 /// unreachable.
 fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome]) -> bool {
+    let publisher = shared.publisher.name();
     if broker_unreachable(outcomes) {
-        if !shared.broker_down.swap(true, Ordering::SeqCst) {
-            *shared
-                .broker_warned
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+        if shared.outage.mark_down() {
             warn!(
-                publisher = shared.publisher.name(),
+                publisher,
                 "the broker is unreachable: no more batches are claimed until it answers its readiness check"
             );
         }
         return true;
     }
-    if outcomes.iter().any(Result::is_ok) {
-        if shared.broker_down.swap(false, Ordering::SeqCst) {
-            info!(
-                publisher = shared.publisher.name(),
-                "the broker took an event again; claiming resumes"
-            );
-        }
-        shared
-            .broker_pause_ms
-            .store(first_broker_pause(&shared.config.retry), Ordering::SeqCst);
+    if outcomes.iter().any(Result::is_ok) && shared.outage.mark_up(true) {
+        info!(
+            publisher,
+            "the broker took an event again; claiming resumes"
+        );
     }
     false
 }

@@ -773,6 +773,22 @@ async fn a_store_that_fails_claims_and_settles_loses_nothing_and_keeps_order() {
     }
 }
 
+/// Fast polling, a 100 ms..60 s backoff without jitter and `max_attempts`: the outage tests' relay.
+fn outage_config(max_attempts: u32) -> RelayConfig {
+    RelayConfig {
+        poll_interval: Duration::from_millis(50),
+        min_poll_interval: Duration::from_millis(10),
+        retry: RetryPolicy {
+            max_attempts,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(60),
+            multiplier: 2.0,
+            jitter: 0.0,
+        },
+        ..config()
+    }
+}
+
 /// A relay over a broker that is down for ten minutes while events keep arriving, then back; with
 /// `check_failing`, its readiness check keeps failing after it is back (only a probe can tell).
 async fn outage(check_failing: bool) {
@@ -781,18 +797,7 @@ async fn outage(check_failing: bool) {
     let publisher = ScriptedPublisher::new();
     publisher.set_down(true);
     publisher.set_check_failing(check_failing);
-    let cfg = RelayConfig {
-        poll_interval: Duration::from_millis(50),
-        min_poll_interval: Duration::from_millis(10),
-        retry: RetryPolicy {
-            max_attempts: 5,
-            initial_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(60),
-            multiplier: 2.0,
-            jitter: 0.0,
-        },
-        ..config()
-    };
+    let cfg = outage_config(5);
     let store = Counting(memory.clone(), claims.clone());
     let relay = Relay::new(Arc::new(store), publisher.clone(), cfg).unwrap();
     let (task, shutdown) = spawn(relay);
@@ -849,18 +854,7 @@ async fn an_event_whose_destination_stays_down_does_not_hold_every_probe() {
     publisher.set_check_failing(true);
     let stuck = fill(&memory, 1, 1)[0];
     publisher.on_event(stuck, Behavior::FailRetryable);
-    let cfg = RelayConfig {
-        poll_interval: Duration::from_millis(50),
-        min_poll_interval: Duration::from_millis(10),
-        retry: RetryPolicy {
-            max_attempts: 1000,
-            initial_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(60),
-            multiplier: 2.0,
-            jitter: 0.0,
-        },
-        ..config()
-    };
+    let cfg = outage_config(1000);
     let relay = Relay::new(Arc::new(memory.clone()), publisher.clone(), cfg).unwrap();
     let (task, shutdown) = spawn(relay);
     // The stuck event alone failed: the relay now probes one event at a time.

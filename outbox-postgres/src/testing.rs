@@ -20,6 +20,30 @@ pub fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_string())
 }
 
+/// A name of its own for the sessions of one process under test (`<prefix>-<random>`), and the test
+/// database's URL carrying it as `application_name`, so that `pg_stat_activity` tells its sessions
+/// apart ([`sessions_holding_a_claim`]).
+pub fn database_url_named(prefix: &str) -> (String, String) {
+    let name = format!("{prefix}-{}", &Uuid::new_v4().simple().to_string()[..12]);
+    let url = database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let named = format!("{url}{separator}application_name={name}");
+    (name, named)
+}
+
+/// How many sessions named `name` hold a claim while its batch is published: the claim's
+/// transaction stays open, idle, until the batch is settled (`idle in transaction`). A statement
+/// running on its own (a claim query, an empty claim) does not count.
+pub async fn sessions_holding_a_claim(pg: &PgPool, name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle in transaction'",
+    )
+    .bind(name)
+    .fetch_one(pg)
+    .await
+    .unwrap()
+}
+
 /// A pool to the test database; panics with how to start the server when it is unreachable.
 pub async fn pool(max_connections: u32) -> PgPool {
     let url = database_url();

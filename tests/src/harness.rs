@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox_core::testkit::sample_event;
 use outbox_core::Publisher;
-use outbox_postgres::testing::{database_url, pool};
+use outbox_postgres::testing::{database_url_named, pool, sessions_holding_a_claim};
 use outbox_postgres::{OutboxTable, Writer};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
@@ -163,19 +163,7 @@ impl Sink {
     /// for a second (late re-deliveries included).
     pub async fn received_settled(&self) -> Vec<Uuid> {
         self.drained(Duration::from_secs(120)).await;
-        let mut last = self.received(usize::MAX, Duration::ZERO).await;
-        let mut quiet = 0;
-        while quiet < 4 {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-            let now = self.received(usize::MAX, Duration::ZERO).await;
-            quiet = if now.len() == last.len() {
-                quiet + 1
-            } else {
-                0
-            };
-            last = now;
-        }
-        last
+        outbox_core::testkit::read_until_quiet(|| self.received(usize::MAX, Duration::ZERO)).await
     }
 
     /// What the consumer's own reads failed with: surfaced next to a verdict, so that a consumer
@@ -367,24 +355,16 @@ impl RelayProcess {
                 c.env_remove(k);
             }
         }
-        let tag = format!(
-            "outbox-test-relay-{}",
-            &Uuid::new_v4().simple().to_string()[..12]
-        );
-        let url = database_url();
-        let separator = if url.contains('?') { '&' } else { '?' };
-        c.env(
-            "DATABASE_URL",
-            format!("{url}{separator}application_name={tag}"),
-        )
-        .env("OUTBOX_DATABASE__SCHEMA", table.schema())
-        .env("OUTBOX_HTTP__ENABLED", "false")
-        .env("OUTBOX_RELAY__BATCH_SIZE", "100")
-        .env("OUTBOX_RELAY__RETRY__INITIAL_BACKOFF", "200ms")
-        .env("OUTBOX_RELAY__RETRY__MAX_BACKOFF", "2s")
-        .env("OUTBOX_RELAY__RETRY__MAX_ATTEMPTS", "1000")
-        .env("OUTBOX_LOG__LEVEL", "warn")
-        .env_remove("RUST_LOG");
+        let (tag, url) = database_url_named("outbox-test-relay");
+        c.env("DATABASE_URL", url)
+            .env("OUTBOX_DATABASE__SCHEMA", table.schema())
+            .env("OUTBOX_HTTP__ENABLED", "false")
+            .env("OUTBOX_RELAY__BATCH_SIZE", "100")
+            .env("OUTBOX_RELAY__RETRY__INITIAL_BACKOFF", "200ms")
+            .env("OUTBOX_RELAY__RETRY__MAX_BACKOFF", "2s")
+            .env("OUTBOX_RELAY__RETRY__MAX_ATTEMPTS", "1000")
+            .env("OUTBOX_LOG__LEVEL", "warn")
+            .env_remove("RUST_LOG");
         sink.configure(&mut c);
         for (k, v) in extra {
             c.env(k, v);
@@ -407,18 +387,10 @@ impl RelayProcess {
             .is_some_and(|mask| mask & (1 << (15 - 1)) != 0)
     }
 
-    /// Whether one of its database sessions holds a claim while its batch is published: the claim's
-    /// transaction stays open, idle, until the batch is settled (`idle in transaction`). A statement
-    /// running on its own (a claim query, an empty claim) does not count.
+    /// Whether one of its database sessions holds a claim while its batch is published
+    /// ([`sessions_holding_a_claim`]).
     pub async fn in_transaction(&self, pg: &sqlx::PgPool) -> bool {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle in transaction'",
-        )
-        .bind(&self.tag)
-        .fetch_one(pg)
-        .await
-        .unwrap()
-            > 0
+        sessions_holding_a_claim(pg, &self.tag).await > 0
     }
 
     /// Waits (at most `within`) until the relay holds a claim while publishing

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_amqp::testing::Fixture;
-use outbox_core::testkit::sample_event;
+use outbox_core::testkit::{read_until_quiet, sample_event};
 use outbox_core::{Relay, RelayConfig, Store};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{DeadLetterFilter, PostgresStore, Writer};
@@ -18,23 +18,6 @@ fn config() -> RelayConfig {
         min_poll_interval: Duration::from_millis(5),
         ..RelayConfig::default()
     }
-}
-
-/// Everything the consumer received, once nothing more arrived for a second.
-async fn settled(fx: &Fixture) -> Vec<outbox_amqp::testing::Delivered> {
-    let mut last = fx.wait_for(usize::MAX, Duration::ZERO).await;
-    let mut quiet = 0;
-    while quiet < 4 {
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        let now = fx.wait_for(usize::MAX, Duration::ZERO).await;
-        quiet = if now.len() == last.len() {
-            quiet + 1
-        } else {
-            0
-        };
-        last = now;
-    }
-    last
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -58,7 +41,7 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
     let relay = Relay::new(Arc::new(store.clone()), fx.publisher(), config()).unwrap();
     relay.drain().await;
     fx.wait_for(20, Duration::from_secs(30)).await;
-    let got = settled(&fx).await;
+    let got = read_until_quiet(|| fx.wait_for(usize::MAX, Duration::ZERO)).await;
     let mut ids: Vec<_> = got.iter().filter_map(|d| d.received.event_id).collect();
     ids.sort();
     let mut want: Vec<_> = healthy.iter().map(|e| e.id).collect();

@@ -212,3 +212,23 @@ impl Drop for Running {
         let _ = self.child.wait();
     }
 }
+
+/// Waits (at most `within`) until at least `count` sessions named `name` hold a claim while their
+/// batch is published (`outbox_postgres::testing::sessions_holding_a_claim`); panics with `what`.
+pub async fn wait_for_held_claims(
+    pg: &sqlx::PgPool,
+    name: &str,
+    count: i64,
+    within: Duration,
+    what: &str,
+) {
+    let deadline = Instant::now() + within;
+    loop {
+        let n = outbox_postgres::testing::sessions_holding_a_claim(pg, name).await;
+        if n >= count {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what} ({n} held)");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

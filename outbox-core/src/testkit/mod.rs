@@ -109,6 +109,28 @@ pub async fn wait_for_items<T: Clone>(
     }
 }
 
+/// What `read` returns once it stopped growing: read again every 250 ms until four reads in a row
+/// found the same length (a quiet second), so that late arrivals are included.
+pub async fn read_until_quiet<T, F, Fut>(mut read: F) -> Vec<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Vec<T>>,
+{
+    let mut last = read().await;
+    let mut quiet = 0;
+    while quiet < 4 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = read().await;
+        quiet = if now.len() == last.len() {
+            quiet + 1
+        } else {
+            0
+        };
+        last = now;
+    }
+    last
+}
+
 /// Starts a server program of the test's own, found as `$<env_var>` or else as `.tools/bin/<name>`
 /// (where `scripts/test-env.sh` installs it), with `args`, standard output discarded and standard
 /// error going to `stderr`. Panics, saying how to install it, when the program is missing.
