@@ -27,7 +27,7 @@ pub use ports::{
 pub use redact::redact_url;
 pub use relay::{
     BatchReport, FailureDecision, NoopObserver, Relay, RelayConfig, RelayObserver, RelaySummary,
-    Wake,
+    Wake, DEFAULT_MAX_BATCH_BYTES,
 };
 pub use tokio_util::sync::CancellationToken;
 pub use uuid::Uuid;

@@ -24,6 +24,10 @@ pub struct ClaimRequest {
     /// at least this long (PostgreSQL: the claim transaction outlives any shorter
     /// `idle_in_transaction_session_timeout` of the role or database).
     pub hold_for: Duration,
+    /// The most payload bytes to return, summed over the batch's events: a batch stops before the
+    /// event that would take it past this budget, except that a first event larger than the budget
+    /// is still returned, alone (so it can be published or dead-lettered). `usize::MAX`: no budget.
+    pub max_bytes: usize,
 }
 
 /// A claimed batch: the events, and the lease that holds them until it is settled or released.
@@ -37,13 +41,20 @@ pub struct Batch {
 
 impl ClaimRequest {
     /// A request with `hold_for` = [`ClaimRequest::DEFAULT_HOLD`] (the relay derives its own from
-    /// `relay.publish_timeout`: see `RelayConfig::claim_request`).
+    /// `relay.publish_timeout`: see `RelayConfig::claim_request`) and no byte budget.
     pub fn new(limit: usize, ordering: OrderingPolicy) -> Self {
         ClaimRequest {
             limit,
             ordering,
             hold_for: Self::DEFAULT_HOLD,
+            max_bytes: usize::MAX,
         }
+    }
+
+    /// The same request with a byte budget ([`ClaimRequest::max_bytes`]).
+    pub fn with_max_bytes(mut self, max_bytes: usize) -> Self {
+        self.max_bytes = max_bytes;
+        self
     }
 
     /// The default of [`ClaimRequest::hold_for`]: two minutes.

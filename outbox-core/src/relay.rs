@@ -39,12 +39,21 @@ use crate::event::Event;
 use crate::policy::{OrderingPolicy, RetryPolicy};
 use crate::ports::{Action, Batch, ClaimRequest, PublishOutcome, Publisher, Settlement, Store};
 
+/// The default of [`RelayConfig::max_batch_bytes`]: 8 MiB.
+pub const DEFAULT_MAX_BATCH_BYTES: usize = 8 * 1024 * 1024;
+
 /// Settings of the relay engine. Every field has a documented default.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RelayConfig {
     /// Most events claimed and published per batch. Default 500.
     pub batch_size: usize,
+    /// Most payload bytes claimed per batch: a batch stops before the event that would exceed it (an
+    /// event larger than this is claimed alone). With `max_in_flight` batches in flight, each payload
+    /// held about three times (the database's rows, the events, the broker client's copy), the relay's
+    /// payload memory stays under about `3 x max_in_flight x max_batch_bytes`. Default 8 MiB (about
+    /// 48 MiB of payloads at the default two batches in flight).
+    pub max_batch_bytes: usize,
     /// Batches in flight at once (claim of the next overlaps the publish of the current). Default 2.
     pub max_in_flight: usize,
     /// Longest pause between polls of an idle outbox. Default 500 ms.
@@ -78,6 +87,7 @@ impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
             batch_size: 500,
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
             max_in_flight: 2,
             poll_interval: Duration::from_millis(500),
             min_poll_interval: Duration::from_millis(10),
@@ -100,6 +110,12 @@ impl RelayConfig {
             return Err(Error::config(format!(
                 "relay.batch_size = {}: expected 1 to 100000",
                 self.batch_size
+            )));
+        }
+        if self.max_batch_bytes < 1024 {
+            return Err(Error::config(format!(
+                "relay.max_batch_bytes = {}: expected at least 1024 (bytes of payload per batch; default {DEFAULT_MAX_BATCH_BYTES})",
+                self.max_batch_bytes
             )));
         }
         if !(1..=64).contains(&self.max_in_flight) {
@@ -160,12 +176,14 @@ impl RelayConfig {
             .saturating_add(Duration::from_secs(10))
     }
 
-    /// The claim request this relay sends: `batch_size`, `ordering` and [`RelayConfig::hold_for`].
+    /// The claim request this relay sends: `batch_size`, `max_batch_bytes`, `ordering` and
+    /// [`RelayConfig::hold_for`].
     pub fn claim_request(&self) -> ClaimRequest {
         ClaimRequest {
             limit: self.batch_size,
             ordering: self.ordering,
             hold_for: self.hold_for(),
+            max_bytes: self.max_batch_bytes,
         }
     }
 }
@@ -1186,6 +1204,19 @@ mod tests {
             .unwrap_err()
             .message()
             .contains("relay.min_poll_interval"));
+        let c = RelayConfig {
+            max_batch_bytes: 100,
+            ..RelayConfig::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .message()
+            .contains("relay.max_batch_bytes = 100"));
+        assert_eq!(
+            RelayConfig::default().claim_request().max_bytes,
+            DEFAULT_MAX_BATCH_BYTES
+        );
         RelayConfig::default().validate().unwrap();
     }
 }

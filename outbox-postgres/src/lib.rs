@@ -18,7 +18,7 @@ pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATO
 pub use migrate::{migrate, schema_sql};
 pub use settings::{redact_url, DatabaseConfig, DEFAULT_DATABASE_URL};
 pub use store::{DeadLetter, DeadLetterFilter, PostgresStore, Retention};
-pub use writer::Writer;
+pub use writer::{Writer, DEFAULT_MAX_PAYLOAD_BYTES};
 
 /// Re-exported so users need not depend on sqlx versions by hand.
 pub use sqlx;

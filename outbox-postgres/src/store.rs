@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::{FromRow, PgPool, Postgres, Row, Transaction};
+use sqlx::{Connection, FromRow, PgPool, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use outbox_core::{
@@ -59,6 +59,15 @@ fn claim_begin(hold_for: std::time::Duration) -> String {
     let ms = hold_for.as_millis().clamp(1_000, i32::MAX as u128);
     format!("BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL idle_in_transaction_session_timeout = {ms}")
 }
+
+/// A row's payload size in bytes, as the byte budget counts it: recorded at insert (migration
+/// `20261205000001_payload_size.sql`), else (rows written before it) the payload's stored size, which
+/// for a compressed JSON payload is smaller than the payload itself.
+const PAYLOAD_SIZE: &str =
+    "COALESCE(e.payload_size, octet_length(e.payload_bytes), pg_column_size(e.payload))::bigint";
+
+/// Claims that read more payload bytes than this give their connection's grown buffers back.
+const SHRINK_BUFFERS_ABOVE: usize = 1024 * 1024;
 
 const READY: &str = "e.processed_at IS NULL AND e.dead_lettered_at IS NULL
       AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())";
@@ -171,28 +180,54 @@ impl Sql {
         // spreads over as many aggregates as it can (a publisher that sends an aggregate's later
         // events one call apart then sends most batches in one call). The store puts the rows back
         // in seq order.
+        // The byte budget ($5) is applied before any payload is read: the rows are first chosen by
+        // their recorded sizes (`PAYLOAD_SIZE`), then only the chosen ones are fetched by address.
+        // The cut keeps the rows up to the last whose running total stays within the budget (the
+        // first row always: an event larger than the budget goes alone), in the batch's order, so
+        // each aggregate keeps a prefix of its run.
         let claim_runs = format!(
-            "SELECT r.* FROM UNNEST($1::text[], $2::text[]) AS h(aggregate_type, aggregate_id)
-            CROSS JOIN LATERAL (
-                SELECT {EVENT_COLUMNS}, e.seq,
-                    (e.dead_lettered_at IS NULL AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())) AS ready,
-                    row_number() OVER (ORDER BY e.seq) AS run_pos
-                FROM {t} e
-                WHERE e.aggregate_type = h.aggregate_type AND e.aggregate_id = h.aggregate_id
-                  AND e.processed_at IS NULL
-                ORDER BY e.seq
-                LIMIT $4
-            ) r
-            ORDER BY r.run_pos, r.seq
-            LIMIT $3"
+            "WITH m AS MATERIALIZED (
+                SELECT r.tid, r.seq, r.ready, r.run_pos, r.size
+                FROM UNNEST($1::text[], $2::text[]) AS h(aggregate_type, aggregate_id)
+                CROSS JOIN LATERAL (
+                    SELECT e.ctid AS tid, e.seq, {PAYLOAD_SIZE} AS size,
+                        (e.dead_lettered_at IS NULL AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())) AS ready,
+                        row_number() OVER (ORDER BY e.seq) AS run_pos
+                    FROM {t} e
+                    WHERE e.aggregate_type = h.aggregate_type AND e.aggregate_id = h.aggregate_id
+                      AND e.processed_at IS NULL
+                    ORDER BY e.seq
+                    LIMIT $4
+                ) r
+                ORDER BY r.run_pos, r.seq
+                LIMIT $3),
+            c AS (
+                SELECT m.*, sum(m.size) OVER (ORDER BY m.run_pos, m.seq ROWS UNBOUNDED PRECEDING) AS upto,
+                    row_number() OVER (ORDER BY m.run_pos, m.seq) AS n
+                FROM m)
+            SELECT {EVENT_COLUMNS}, c.seq, c.ready, c.run_pos
+            FROM c CROSS JOIN LATERAL (SELECT * FROM {t} x WHERE x.ctid = c.tid) e
+            WHERE c.n = 1 OR c.upto <= $5
+            ORDER BY c.run_pos, c.seq"
         );
+        // Unordered claims lock up to $1 ready rows and return those within the byte budget ($2);
+        // rows locked past the budget stay with this lease, unpublished, until it ends.
         let claim_unordered = format!(
-            "SELECT {EVENT_COLUMNS}
-            FROM {t} e
-            WHERE {READY}
-            ORDER BY e.seq
-            LIMIT $1
-            FOR UPDATE SKIP LOCKED"
+            "WITH m AS MATERIALIZED (
+                SELECT e.ctid AS tid, e.seq, {PAYLOAD_SIZE} AS size
+                FROM {t} e
+                WHERE {READY}
+                ORDER BY e.seq
+                LIMIT $1
+                FOR UPDATE SKIP LOCKED),
+            c AS (
+                SELECT m.*, sum(m.size) OVER (ORDER BY m.seq ROWS UNBOUNDED PRECEDING) AS upto,
+                    row_number() OVER (ORDER BY m.seq) AS n
+                FROM m)
+            SELECT {EVENT_COLUMNS}
+            FROM c CROSS JOIN LATERAL (SELECT * FROM {t} x WHERE x.ctid = c.tid) e
+            WHERE c.n = 1 OR c.upto <= $2
+            ORDER BY c.seq"
         );
         let published = match retention {
             Retention::Delete => format!("DELETE FROM {t} WHERE id = ANY($1::uuid[])"),
@@ -295,9 +330,10 @@ pub(crate) fn decode_event(row: &PgRow) -> Result<Event, Error> {
 }
 
 /// Keeps, per aggregate, the rows from its locked head on while they are ready. `rows` hold every
-/// unprocessed row of the locked aggregates (or a seq-ordered prefix of them), in seq order.
+/// unprocessed row of the locked aggregates (or a seq-ordered prefix of them), in seq order. Each row
+/// is dropped once decoded, so a batch's payloads are held about once, not twice.
 fn runs_from_heads(
-    rows: &[PgRow],
+    rows: Vec<PgRow>,
     head_seq: &HashMap<(String, String), i64>,
 ) -> Result<Vec<Event>, Error> {
     #[derive(PartialEq)]
@@ -322,7 +358,7 @@ fn runs_from_heads(
         };
         state.insert(key, if take { Run::Taking } else { Run::Stopped });
         if take {
-            events.push(decode_event(row)?);
+            events.push(decode_event(&row)?);
         }
     }
     Ok(events)
@@ -542,6 +578,7 @@ impl PostgresStore {
 impl Store for PostgresStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error> {
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
+        let max_bytes = i64::try_from(request.max_bytes).unwrap_or(i64::MAX);
         let mut tx = self
             .pool
             .begin_with(claim_begin(request.hold_for))
@@ -551,11 +588,12 @@ impl Store for PostgresStore {
             OrderingPolicy::Unordered => {
                 let rows = sqlx::query(&self.sql.claim_unordered)
                     .bind(limit)
+                    .bind(max_bytes)
                     .fetch_all(&mut *tx)
                     .await
                     .map_err(|e| map_sqlx("claim", e))?;
-                rows.iter()
-                    .map(decode_event)
+                rows.into_iter()
+                    .map(|row| decode_event(&row))
                     .collect::<Result<Vec<_>, _>>()?
             }
             OrderingPolicy::PerAggregate => {
@@ -575,6 +613,7 @@ impl Store for PostgresStore {
                         .bind(&ids)
                         .bind(limit)
                         .bind(run_cap(limit, heads.len()))
+                        .bind(max_bytes)
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(|e| map_sqlx("claim", e))?;
@@ -585,10 +624,16 @@ impl Store for PostgresStore {
                     }
                     keyed.sort_by_key(|(seq, _)| *seq);
                     let rows: Vec<PgRow> = keyed.into_iter().map(|(_, row)| row).collect();
-                    runs_from_heads(&rows, &head_seq)?
+                    runs_from_heads(rows, &head_seq)?
                 }
             }
         };
+        // The connection's read buffer grew to the largest row it read and would keep that size for
+        // the life of the connection (one per pool slot): a few large events would otherwise pin
+        // the pool's buffers at their size for good, outside the byte budget.
+        if events.iter().map(|e| e.payload.len()).sum::<usize>() > SHRINK_BUFFERS_ABOVE {
+            tx.shrink_buffers();
+        }
         if events.is_empty() {
             tx.rollback().await.map_err(|e| map_sqlx("claim", e))?;
             return Ok(Batch {

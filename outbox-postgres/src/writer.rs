@@ -5,7 +5,7 @@ use std::sync::Arc;
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
-use outbox_core::{Error, NewEvent, Payload, Wake};
+use outbox_core::{Error, ErrorKind, NewEvent, Payload, Wake};
 
 use crate::config::OutboxTable;
 use crate::error::map_sqlx;
@@ -25,12 +25,21 @@ use crate::error::map_sqlx;
 /// writer.commit(tx).await?; // commits, then wakes an in-process relay
 /// # Ok(()) }
 /// ```
+///
+/// Payloads larger than [`Writer::max_payload_bytes`] (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB)
+/// are refused before anything is written: no broker takes an event of any size (Kafka's default
+/// `message.max.bytes` is 1 MB, SQS's maximum 1 MiB), and an outbox of huge rows slows every relay.
 #[derive(Debug, Clone)]
 pub struct Writer {
     insert_sql: Arc<str>,
     insert_one_sql: Arc<str>,
     wake: Option<Wake>,
+    max_payload_bytes: usize,
 }
+
+/// The default of [`Writer::max_payload_bytes`]: 1 MiB (1,048,576 bytes), SQS's maximum message size
+/// and about Kafka's default one (1,000,000 bytes).
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
 impl Writer {
     /// A writer for `table`.
@@ -54,7 +63,36 @@ impl Writer {
             insert_sql: insert_sql.into(),
             insert_one_sql: insert_one_sql.into(),
             wake: None,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
         }
+    }
+
+    /// Sets the largest payload this writer accepts, in bytes (of the JSON text, or of an opaque
+    /// payload). Match it to the smallest limit of the brokers your events go to: the relay
+    /// dead-letters an event its broker refuses as too large.
+    pub fn with_max_payload_bytes(mut self, max_payload_bytes: usize) -> Self {
+        self.max_payload_bytes = max_payload_bytes;
+        self
+    }
+
+    /// The largest payload this writer accepts, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
+    }
+
+    fn check_size(&self, size: usize, id: Uuid, event_type: &str) -> Result<(), Error> {
+        if size <= self.max_payload_bytes {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::PayloadTooLarge,
+            format!(
+                "the payload of event {id} ({event_type}) is {size} bytes, over the writer's limit of {} bytes: \
+                 store large data elsewhere and put a reference in the event, or raise the limit with \
+                 Writer::with_max_payload_bytes (within what the broker accepts)",
+                self.max_payload_bytes
+            ),
+        ))
     }
 
     /// Wakes this relay after each [`Writer::commit`] (for a relay running in the same process).
@@ -66,8 +104,9 @@ impl Writer {
     /// Enqueues one event in `tx` and returns its id.
     ///
     /// # Errors
-    /// [`outbox_core::ErrorKind::InvalidInput`] when the event does not validate; a database error
-    /// otherwise. Either way the caller's transaction decides: roll it back and nothing was written.
+    /// [`outbox_core::ErrorKind::InvalidInput`] when the event does not validate,
+    /// [`outbox_core::ErrorKind::PayloadTooLarge`] when its payload exceeds
+    /// [`Writer::max_payload_bytes`]; a database error otherwise. Either way the caller's transaction decides: roll it back and nothing was written.
     pub async fn enqueue(
         &self,
         tx: &mut Transaction<'_, Postgres>,
@@ -115,16 +154,14 @@ impl Writer {
             e.validate()?;
             ids.push(e.id);
             content_types.push(e.payload.content_type().to_string());
-            match e.payload {
-                Payload::Json(v) => {
-                    payloads.push(v.to_string());
-                    payload_bytes.push(None);
-                }
-                Payload::Binary { data, .. } => {
-                    payloads.push("null".to_string());
-                    payload_bytes.push(Some(data));
-                }
-            }
+            let (text, data) = match e.payload {
+                Payload::Json(v) => (v.to_string(), None),
+                Payload::Binary { data, .. } => ("null".to_string(), Some(data)),
+            };
+            let size = data.as_ref().map_or(text.len(), Vec::len);
+            self.check_size(size, e.id, &e.event_type)?;
+            payloads.push(text);
+            payload_bytes.push(data);
             headers.push(serde_json::to_string(&e.headers).unwrap_or_else(|_| "{}".into()));
             aggregate_types.push(e.aggregate_type);
             aggregate_ids.push(e.aggregate_id);

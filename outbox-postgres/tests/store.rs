@@ -406,3 +406,119 @@ async fn stats_and_check_report_missing_schema_clearly() {
     assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
     assert!(err.to_string().contains("run `outbox migrate`"), "{err}");
 }
+
+#[tokio::test]
+async fn the_writer_refuses_payloads_over_its_limit_and_writes_nothing() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let writer = Writer::new(table.clone());
+    assert_eq!(
+        writer.max_payload_bytes(),
+        outbox_postgres::DEFAULT_MAX_PAYLOAD_BYTES
+    );
+    let big = NewEvent::new(
+        "order",
+        "1",
+        "order.big",
+        serde_json::json!({ "blob": "x".repeat(1024 * 1024) }),
+    );
+    let mut tx = pool.begin().await.unwrap();
+    let err = writer
+        .enqueue_many(&mut tx, vec![sample_event("1", 0), big.clone()])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), outbox_core::ErrorKind::PayloadTooLarge);
+    let text = err.to_string();
+    assert!(
+        text.contains("1048587 bytes")
+            && text.contains("limit of 1048576 bytes")
+            && text.contains("order.big")
+            && text.contains("with_max_payload_bytes"),
+        "{text}"
+    );
+    tx.commit().await.unwrap();
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "nothing of a refused batch is written");
+
+    // An opaque payload of exactly the limit passes; one byte more does not.
+    let at = |n: usize| {
+        NewEvent::binary(
+            "order",
+            "2",
+            "order.blob",
+            "application/octet-stream",
+            vec![0u8; n],
+        )
+    };
+    let mut tx = pool.begin().await.unwrap();
+    writer.enqueue(&mut tx, at(1024 * 1024)).await.unwrap();
+    let err = writer
+        .enqueue(&mut tx, at(1024 * 1024 + 1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), outbox_core::ErrorKind::PayloadTooLarge);
+    tx.rollback().await.unwrap();
+
+    // A raised limit takes the large event.
+    let raised = writer.clone().with_max_payload_bytes(4 * 1024 * 1024);
+    let mut tx = pool.begin().await.unwrap();
+    raised.enqueue(&mut tx, big).await.unwrap();
+    tx.commit().await.unwrap();
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    let b = store.claim(strict(10)).await.unwrap();
+    assert_eq!(b.events.len(), 1);
+    assert!(b.events[0].payload.len() > 1024 * 1024);
+    b.lease.release().await.unwrap();
+}
+
+/// The byte budget counts a payload's real size, also for rows copied by plain SQL from compressed
+/// rows (whose stored size is a hundredth of the payload).
+#[tokio::test]
+async fn the_byte_budget_counts_compressed_payloads_at_their_real_size() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let t = table.qualified();
+    sqlx::query(&format!(
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'doc', 'seed', 'doc.big', jsonb_build_object('text', repeat('abcdefgh', 500000))"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Copies of the stored (compressed) payload, each 4 MB as JSON, on three aggregates.
+    sqlx::query(&format!(
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'doc', g::text, 'doc.big', (SELECT payload FROM {t} WHERE aggregate_id = 'seed')
+         FROM generate_series(1, 3) g"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (stored, recorded): (i32, i32) = sqlx::query_as(&format!(
+        "SELECT pg_column_size(payload), payload_size FROM {t} WHERE aggregate_id = '1'"
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(stored < 200_000, "the copy is stored compressed: {stored}");
+    assert!(
+        recorded >= 4_000_000,
+        "its recorded size is the real one: {recorded}"
+    );
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    for ordering in [OrderingPolicy::PerAggregate, OrderingPolicy::Unordered] {
+        let b = store
+            .claim(ClaimRequest::new(10, ordering).with_max_bytes(10_000_000))
+            .await
+            .unwrap();
+        assert_eq!(
+            b.events.len(),
+            2,
+            "{ordering:?}: two 4 MB payloads fit a 10 MB budget, three do not"
+        );
+        b.lease.release().await.unwrap();
+    }
+}

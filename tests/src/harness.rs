@@ -431,6 +431,17 @@ impl RelayProcess {
         self.child.try_wait().unwrap().is_none()
     }
 
+    /// The process's peak resident memory so far (`VmHWM` in /proc), in bytes.
+    pub fn peak_rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .expect("VmHWM in /proc/<pid>/status")
+            * 1024
+    }
+
     /// CPU time the process has used so far (user + system), from /proc.
     pub fn cpu_time(&self) -> Duration {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
@@ -749,7 +760,12 @@ pub fn assert_clean_verdict(v: &Verdict) {
 /// (`scripts/test.sh` sets it and prints the file at the end, since cargo hides a passing test's
 /// output).
 pub fn report(scenario: &str, broker: Broker, v: &Verdict) {
-    let line = format!("scenario={scenario} broker={} {v}", broker.name());
+    report_with(scenario, broker, v, "");
+}
+
+/// [`report`], with `extra` figures (`name=value` pairs) at the end of the summary line.
+pub fn report_with(scenario: &str, broker: Broker, v: &Verdict, extra: &str) {
+    let line = format!("scenario={scenario} broker={} {v}{extra}", broker.name());
     println!("{line}");
     if let Some(first) = v.consumer_errors.first() {
         println!(

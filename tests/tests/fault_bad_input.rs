@@ -111,7 +111,7 @@ async fn write(
     sink: &Sink,
     with_bad: bool,
 ) -> Written {
-    let writer = Writer::new(table.clone());
+    let writer = Writer::new(table.clone()).with_max_payload_bytes(4 * 1024 * 1024);
     let mut tx = pg.begin().await.unwrap();
     let mut bad = HashMap::new();
     let mut followers = Vec::new();

@@ -160,9 +160,16 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let mut st = lock(&self.state);
         let mut blocked: HashSet<(String, String)> = HashSet::new();
-        let mut events = Vec::new();
+        let mut events: Vec<Event> = Vec::new();
+        let mut bytes = 0usize;
         for row in st.rows.values() {
             if events.len() >= request.limit {
+                break;
+            }
+            // The byte budget: stop before the event that would exceed it (a first event is taken
+            // whatever its size). Stopping keeps every aggregate's events a prefix of its run.
+            let size = row.event.payload.len();
+            if !events.is_empty() && bytes.saturating_add(size) > request.max_bytes {
                 break;
             }
             if row.status == EventStatus::Processed {
@@ -174,6 +181,7 @@ impl Store for MemoryStore {
             match request.ordering {
                 OrderingPolicy::Unordered => {
                     if ready {
+                        bytes = bytes.saturating_add(size);
                         events.push(row.event.clone());
                     }
                 }
@@ -186,6 +194,7 @@ impl Store for MemoryStore {
                         continue;
                     }
                     if ready {
+                        bytes = bytes.saturating_add(size);
                         events.push(row.event.clone());
                     } else {
                         blocked.insert(key);

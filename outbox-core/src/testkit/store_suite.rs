@@ -53,6 +53,7 @@ pub async fn run_all(fx: &dyn StoreFixture) {
     empty_outbox_claims_nothing(fx).await;
     claim_returns_every_field(fx).await;
     claim_respects_limit_and_insertion_order(fx).await;
+    claim_respects_the_byte_budget(fx).await;
     published_events_are_not_claimed_again(fx).await;
     released_and_dropped_leases_give_events_back(fx).await;
     retry_records_attempts_error_and_delay(fx).await;
@@ -147,6 +148,73 @@ pub async fn claim_respects_limit_and_insertion_order(fx: &dyn StoreFixture) {
         written[..3].to_vec(),
         "claim must return the 3 oldest events, oldest first"
     );
+    b.lease.release().await.expect("release");
+}
+
+fn sized(aggregate: &str, bytes: usize) -> NewEvent {
+    NewEvent::binary(
+        "order",
+        aggregate,
+        "order.sized",
+        "application/octet-stream",
+        vec![b'x'; bytes],
+    )
+}
+
+/// The byte budget cuts a batch before the event that would exceed it, keeps every aggregate's
+/// events a prefix of its run, and still hands out a first event larger than the budget, alone.
+pub async fn claim_respects_the_byte_budget(fx: &dyn StoreFixture) {
+    let store = fx.store().await;
+    let big = insert(&store, vec![sized("big", 5_000)]).await;
+    let run = insert(
+        &store,
+        (0..3).map(|_| sized("run", 1_000)).collect::<Vec<_>>(),
+    )
+    .await;
+    let other = insert(&store, vec![sized("other", 1_000)]).await;
+    let b = store
+        .claim(strict(10).with_max_bytes(2_500))
+        .await
+        .expect("claim");
+    assert_eq!(
+        ids(&b),
+        big,
+        "an event larger than the budget comes alone, and nothing joins it"
+    );
+    settle_all(b, Action::Published).await;
+    let b = store
+        .claim(strict(10).with_max_bytes(2_500))
+        .await
+        .expect("claim");
+    let got = ids(&b);
+    assert_eq!(
+        got.len(),
+        2,
+        "2 x 1000 bytes fit a 2500-byte budget, 3 do not"
+    );
+    assert!(
+        got.iter().all(|id| run.contains(id) || other.contains(id)),
+        "{got:?}"
+    );
+    let from_run: Vec<Uuid> = run.iter().copied().filter(|id| got.contains(id)).collect();
+    assert_eq!(
+        from_run,
+        run[..from_run.len()].to_vec(),
+        "an aggregate's events in a cut batch are the head of its run"
+    );
+    b.lease.release().await.expect("release");
+    let b = store
+        .claim(unordered(10).with_max_bytes(2_500))
+        .await
+        .expect("claim");
+    assert_eq!(
+        ids(&b),
+        run[..2].to_vec(),
+        "unordered claims honour the budget too"
+    );
+    b.lease.release().await.expect("release");
+    let b = store.claim(strict(10)).await.expect("claim");
+    assert_eq!(b.events.len(), 4, "no budget: everything pending");
     b.lease.release().await.expect("release");
 }
 

@@ -1,0 +1,181 @@
+//! Scenario: large payloads. A backlog of hundreds of events of several megabytes (hundreds of MB in
+//! all), some larger than the relay's byte budget, some larger than the broker takes, for a relay on
+//! its default settings: every event is published in order or dead-lettered with an error
+//! naming the limit, the relay's peak memory stays within what its byte budget promises, and it never
+//! restarts.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::Duration;
+
+use outbox_core::{NewEvent, Uuid, DEFAULT_MAX_BATCH_BYTES};
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::Writer;
+use outbox_tests::harness::{
+    assert_clean_verdict, one_at_a_time, relay_log_dir, report_with, rng, wait_until, Broker,
+    RelayProcess, Sink,
+};
+
+const MIB: usize = 1024 * 1024;
+
+/// The largest message the relay may send in this scenario (`amqp.max_message_bytes`).
+const BROKER_LIMIT: usize = 12 * MIB;
+
+async fn pending(pg: &sqlx::PgPool, table: &outbox_postgres::OutboxTable) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {} WHERE processed_at IS NULL AND dead_lettered_at IS NULL",
+        table.qualified()
+    ))
+    .fetch_one(pg)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_megabytes_of_large_events_stay_within_the_byte_budget() {
+    let _serial = one_at_a_time().await;
+    let pg = pool(4).await;
+    let table = fresh_table(&pg).await;
+    let sink = Sink::new(Broker::Amqp).await;
+    let mut relay = RelayProcess::start(
+        &table,
+        &sink,
+        &[
+            // The defaults a user runs (the harness lowers the batch size for other scenarios).
+            ("OUTBOX_RELAY__BATCH_SIZE", "500"),
+            ("OUTBOX_AMQP__MAX_MESSAGE_BYTES", &BROKER_LIMIT.to_string()),
+        ],
+    );
+    let tag = relay.tag.clone();
+    wait_until(Duration::from_secs(60), "the relay connects", || {
+        let pg = pg.clone();
+        let tag = tag.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            )
+            .bind(tag)
+            .fetch_one(&pg)
+            .await
+            .unwrap()
+                > 0
+        }
+    })
+    .await;
+    let baseline = relay.peak_rss();
+    // A backlog, as after an outage or a deployment: the relay stands still while it is written.
+    relay.pause();
+
+    // 200 events of 0.5 to 2.5 MiB over 20 aggregates, three of 10 MiB (over the 8 MiB budget: each
+    // goes alone) and two of 13 MiB (over the broker's limit: dead-lettered), all incompressible,
+    // written in transactions of ten.
+    let mut r = rng("large payloads");
+    let mut sizes: Vec<(String, usize)> = (0..200)
+        .map(|i| (format!("doc-{}", i % 20), r.usize(MIB / 2..=5 * MIB / 2)))
+        .collect();
+    for i in 0..3 {
+        sizes.insert(r.usize(..sizes.len()), (format!("huge-{i}"), 10 * MIB));
+    }
+    for i in 0..2 {
+        sizes.insert(r.usize(..sizes.len()), (format!("refused-{i}"), 13 * MIB));
+    }
+    let writer = Writer::new(table.clone()).with_max_payload_bytes(16 * MIB);
+    let (mut deliverable, mut refused) = (Vec::new(), Vec::new());
+    let mut total = 0usize;
+    for chunk in sizes.chunks(10) {
+        let mut tx = pg.begin().await.unwrap();
+        for (aggregate, size) in chunk {
+            let mut data = vec![0u8; *size];
+            r.fill(&mut data);
+            total += size;
+            let event = NewEvent::binary(
+                "doc",
+                aggregate.clone(),
+                "doc.stored",
+                "application/octet-stream",
+                data,
+            );
+            if *size > BROKER_LIMIT {
+                refused.push(event.id);
+            } else {
+                deliverable.push((aggregate.clone(), event.id));
+            }
+            writer.enqueue(&mut tx, event).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    relay.resume();
+
+    wait_until(
+        Duration::from_secs(300),
+        "every large event is published or dead-lettered",
+        || {
+            let pg = pg.clone();
+            let table = table.clone();
+            async move { pending(&pg, &table).await == 0 }
+        },
+    )
+    .await;
+    assert!(
+        relay.alive(),
+        "the relay must not crash (see {})",
+        relay_log_dir(&table).display()
+    );
+    let peak = relay.peak_rss();
+
+    let dead: Vec<(Uuid, String)> = sqlx::query_as(&format!(
+        "SELECT id, last_error FROM {} WHERE dead_lettered_at IS NOT NULL ORDER BY seq",
+        table.qualified()
+    ))
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    let dead_ids: Vec<Uuid> = dead.iter().map(|(id, _)| *id).collect();
+    assert_eq!(
+        dead_ids, refused,
+        "exactly the events over the broker's limit are dead-lettered"
+    );
+    for (id, error) in &dead {
+        assert!(
+            error.contains(&format!("amqp.max_message_bytes is {BROKER_LIMIT}")),
+            "{id}: {error}"
+        );
+    }
+    assert_eq!(
+        relay.terminate(Duration::from_secs(60)),
+        Some(0),
+        "a clean exit on SIGTERM"
+    );
+    let v = sink.judge(&deliverable).await;
+    // The budget's promise: payloads held about three times per batch in flight (rows, events, the
+    // client's frames), a batch at most the budget or one larger event; plus the process's own
+    // memory at start and a fixed allowance for buffers that grow with use (allocator, runtime).
+    let largest = sizes
+        .iter()
+        .map(|(_, s)| *s)
+        .max()
+        .unwrap()
+        .max(DEFAULT_MAX_BATCH_BYTES) as u64;
+    let bound = baseline + 3 * 2 * largest + 32 * MIB as u64;
+    report_with(
+        "large_payloads",
+        Broker::Amqp,
+        &v,
+        &format!(
+            " events={} total_mb={} dead_lettered={} start_rss_mb={} peak_rss_mb={} rss_bound_mb={}",
+            sizes.len(),
+            total / MIB,
+            dead.len(),
+            baseline / MIB as u64,
+            peak / MIB as u64,
+            bound / MIB as u64
+        ),
+    );
+    assert_clean_verdict(&v);
+    assert!(
+        peak <= bound,
+        "peak RSS {} MiB exceeds the byte budget's bound {} MiB (start {} MiB)",
+        peak / MIB as u64,
+        bound / MIB as u64,
+        baseline / MIB as u64
+    );
+}
