@@ -2,6 +2,8 @@
 //! waiting per message, one outcome per event from its own confirm.
 
 use std::collections::{HashMap, HashSet};
+
+use outbox_core::cache::{BoundedCache, DEFAULT_DESTINATION_CACHE};
 use std::sync::Mutex as StdMutex;
 use std::task::Poll;
 use std::time::Duration;
@@ -54,7 +56,8 @@ pub struct AmqpPublisher {
     config: AmqpConfig,
     routing_key: Template,
     state: Mutex<LinkState>,
-    known_exchanges: StdMutex<HashSet<String>>,
+    /// Exchanges (event destinations) found to exist, the most recently used ones.
+    known_exchanges: StdMutex<BoundedCache<String, ()>>,
 }
 
 impl std::fmt::Debug for AmqpPublisher {
@@ -124,8 +127,23 @@ impl AmqpPublisher {
                 backoff,
                 last_error: None,
             }),
-            known_exchanges: StdMutex::new(HashSet::new()),
+            known_exchanges: StdMutex::new(BoundedCache::new(DEFAULT_DESTINATION_CACHE)),
         })
+    }
+
+    /// Remembers at most `capacity` exchanges found to exist (default
+    /// [`outbox_core::cache::DEFAULT_DESTINATION_CACHE`]); the least recently used is checked again
+    /// when next named.
+    pub fn with_exchange_cache(self, capacity: usize) -> Self {
+        AmqpPublisher {
+            known_exchanges: StdMutex::new(BoundedCache::new(capacity)),
+            ..self
+        }
+    }
+
+    /// How many exchanges are remembered as existing now.
+    pub fn cached_exchanges(&self) -> usize {
+        self.known_exchanges.lock().map_or(0, |k| k.len())
     }
 
     /// The settings in force.
@@ -354,11 +372,14 @@ impl AmqpPublisher {
     async fn check_exchanges(&self, names: HashSet<String>) -> HashMap<String, Error> {
         let mut missing = HashMap::new();
         let unknown: Vec<String> = {
-            let known = match self.known_exchanges.lock() {
+            let mut known = match self.known_exchanges.lock() {
                 Ok(k) => k,
                 Err(p) => p.into_inner(),
             };
-            names.into_iter().filter(|n| !known.contains(n)).collect()
+            names
+                .into_iter()
+                .filter(|n| known.get(n).is_none())
+                .collect()
         };
         if unknown.is_empty() {
             return missing;
@@ -393,7 +414,7 @@ impl AmqpPublisher {
                 Ok(()) => {
                     let _ = probe.close(200, "ok".into()).await;
                     if let Ok(mut k) = self.known_exchanges.lock() {
-                        k.insert(name);
+                        k.insert(name, ());
                     }
                 }
                 Err(e) => {

@@ -206,3 +206,37 @@ async fn a_missing_configured_exchange_is_reported_and_retryable() {
     assert!(out[0].as_ref().unwrap_err().is_retryable());
     fx.cleanup().await;
 }
+
+/// The exchanges known to exist are remembered up to a bound, however many destinations writers
+/// name; a forgotten one is checked again and still published to.
+#[tokio::test]
+async fn the_known_exchanges_stay_bounded() {
+    let home = Fixture::new().await;
+    let mut others = Vec::new();
+    for _ in 0..10 {
+        others.push(Fixture::new().await);
+    }
+    let publisher = AmqpPublisher::new(home.config())
+        .unwrap()
+        .with_exchange_cache(4);
+    for round in 0..2 {
+        for (i, fx) in others.iter().enumerate() {
+            let mut e = event(&format!("agg-{i}"), round);
+            e.destination = Some(fx.exchange.clone());
+            let outcomes = publisher.publish(&[e]).await;
+            assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
+            assert!(
+                publisher.cached_exchanges() <= 4,
+                "{} exchanges remembered",
+                publisher.cached_exchanges()
+            );
+        }
+    }
+    for fx in &others {
+        assert_eq!(fx.wait_for(2, WAIT).await.len(), 2, "{}", fx.exchange);
+    }
+    for fx in others {
+        fx.cleanup().await;
+    }
+    home.cleanup().await;
+}

@@ -2,6 +2,8 @@
 //! one outcome per event from the per-entry results.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+
+use outbox_core::cache::{BoundedCache, DEFAULT_DESTINATION_CACHE};
 use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 
@@ -52,7 +54,8 @@ pub struct SqsPublisher {
     client: Client,
     config: SqsConfig,
     queue: Template,
-    urls: Mutex<HashMap<String, String>>,
+    /// Queue names resolved to URLs, the most recently used ones (any writer can name any queue).
+    urls: Mutex<BoundedCache<String, String>>,
 }
 
 impl std::fmt::Debug for SqsPublisher {
@@ -252,8 +255,23 @@ impl SqsPublisher {
             client,
             config,
             queue,
-            urls: Mutex::new(HashMap::new()),
+            urls: Mutex::new(BoundedCache::new(DEFAULT_DESTINATION_CACHE)),
         })
+    }
+
+    /// Remembers at most `capacity` resolved queue URLs (default
+    /// [`outbox_core::cache::DEFAULT_DESTINATION_CACHE`]); the least recently used is resolved again
+    /// when next needed.
+    pub fn with_queue_url_cache(self, capacity: usize) -> Self {
+        SqsPublisher {
+            urls: Mutex::new(BoundedCache::new(capacity)),
+            ..self
+        }
+    }
+
+    /// How many queue URLs are remembered now.
+    pub fn cached_queue_urls(&self) -> usize {
+        self.urls.lock().map_or(0, |m| m.len())
     }
 
     /// The SDK client (for tests and tools).
@@ -274,7 +292,12 @@ impl SqsPublisher {
         if queue.starts_with("https://") || queue.starts_with("http://") {
             return Ok(queue.to_string());
         }
-        if let Some(url) = self.urls.lock().ok().and_then(|m| m.get(queue).cloned()) {
+        if let Some(url) = self
+            .urls
+            .lock()
+            .ok()
+            .and_then(|mut m| m.get(&queue.to_string()))
+        {
             return Ok(url);
         }
         let out = self

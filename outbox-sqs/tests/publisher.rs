@@ -173,3 +173,36 @@ async fn oversized_events_and_missing_queues_are_permanent() {
     .unwrap();
     assert!(missing.check().await.is_err());
 }
+
+/// Queue URLs are remembered up to a bound, however many queues writers name; a forgotten one is
+/// resolved again and still sent to.
+#[tokio::test]
+async fn the_queue_url_cache_stays_bounded() {
+    let home = Fixture::new(false).await;
+    let mut others = Vec::new();
+    for _ in 0..10 {
+        others.push(Fixture::new(false).await);
+    }
+    let publisher = SqsPublisher::from_client(
+        outbox_sqs::testing::client_at(&home.endpoint),
+        home.config(),
+    )
+    .unwrap()
+    .with_queue_url_cache(4);
+    for round in 0..2 {
+        for (i, fx) in others.iter().enumerate() {
+            let mut e = event(&format!("agg-{i}"), round);
+            e.destination = Some(fx.queue_name.clone());
+            let outcomes = publisher.publish(&[e]).await;
+            assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
+            assert!(
+                publisher.cached_queue_urls() <= 4,
+                "{} queue URLs remembered",
+                publisher.cached_queue_urls()
+            );
+        }
+    }
+    for fx in &others {
+        assert_eq!(fx.wait_for(2, WAIT).await.len(), 2, "{}", fx.queue_name);
+    }
+}
