@@ -261,11 +261,10 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
 
 async fn store(config: &Config, table: OutboxTable) -> Result<PostgresStore, Failure> {
     let pool = connect_config(&config.database).await?;
-    Ok(PostgresStore::with_retention(
-        pool,
-        table,
-        config.database.retention(),
-    ))
+    Ok(
+        PostgresStore::with_retention(pool, table, config.database.retention())
+            .with_stats_max_rows(config.database.stats_max_rows),
+    )
 }
 
 /// Builds the configured publisher.
@@ -463,6 +462,12 @@ async fn cmd_status(config: &Config, table: OutboxTable, json: bool) -> Result<(
         return Ok(());
     }
     println!("outbox {}", table.qualified());
+    if stats.estimated {
+        println!(
+            "(counts estimated: more rows than database.stats_max_rows = {})",
+            config.database.stats_max_rows
+        );
+    }
     match stats.oldest_pending_age_seconds {
         Some(age) => println!("pending:      {} (oldest {:.1} s)", stats.pending, age),
         None => println!("pending:      {}", stats.pending),

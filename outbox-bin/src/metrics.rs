@@ -53,6 +53,7 @@ pub struct Metrics {
     pending: Gauge,
     oldest_pending_age: Gauge<f64, AtomicU64>,
     dead_letters: Gauge,
+    stats_estimated: Gauge,
     pending_by_type: Family<EventTypeLabel, Gauge>,
     batch_duration: Histogram,
     publish_duration: Histogram,
@@ -85,6 +86,7 @@ impl Metrics {
         let pending = Gauge::default();
         let oldest_pending_age = Gauge::<f64, AtomicU64>::default();
         let dead_letters = Gauge::default();
+        let stats_estimated = Gauge::default();
         let pending_by_type = Family::<EventTypeLabel, Gauge>::default();
         let seconds = || Histogram::new(exponential_buckets(0.0005, 2.0, 18));
         let batch_duration = seconds();
@@ -125,6 +127,11 @@ impl Metrics {
             "outbox_oldest_pending_age_seconds",
             "Age of the oldest pending event",
             oldest_pending_age.clone(),
+        );
+        registry.register(
+            "outbox_stats_estimated",
+            "1 when the pending and dead-letter counts are estimates (more rows than database.stats_max_rows)",
+            stats_estimated.clone(),
         );
         registry.register(
             "outbox_dead_letters",
@@ -168,6 +175,7 @@ impl Metrics {
             pending,
             oldest_pending_age,
             dead_letters,
+            stats_estimated,
             pending_by_type,
             batch_duration,
             publish_duration,
@@ -183,6 +191,7 @@ impl Metrics {
             .set(stats.dead_letters.min(i64::MAX as u64) as i64);
         self.oldest_pending_age
             .set(stats.oldest_pending_age_seconds.unwrap_or(0.0));
+        self.stats_estimated.set(i64::from(stats.estimated));
         self.pending_by_type.clear();
         let mut by_type: Vec<(&str, u64)> = stats
             .by_event_type
@@ -299,6 +308,7 @@ mod tests {
             oldest_pending_age_seconds: Some(1.5),
             dead_letters: 2,
             by_event_type: vec![],
+            estimated: true,
         });
         let text = m.render();
         for needle in [
@@ -306,6 +316,7 @@ mod tests {
             "outbox_events_pending 7",
             "outbox_oldest_pending_age_seconds 1.5",
             "outbox_dead_letters 2",
+            "outbox_stats_estimated 1",
             "outbox_batch_duration_seconds_bucket",
             "outbox_publish_duration_seconds_count 1",
         ] {

@@ -140,6 +140,16 @@ pub struct EventTypeStats {
     pub oldest_pending_age_seconds: Option<f64>,
 }
 
+impl EventTypeStats {
+    /// Zero counts for `event_type`.
+    pub fn new(event_type: impl Into<String>) -> Self {
+        EventTypeStats {
+            event_type: event_type.into(),
+            ..EventTypeStats::default()
+        }
+    }
+}
+
 /// What the outbox holds, for metrics and the `status` command.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct StoreStats {
@@ -151,6 +161,9 @@ pub struct StoreStats {
     pub dead_letters: u64,
     /// The same figures per event type, sorted by event type.
     pub by_event_type: Vec<EventTypeStats>,
+    /// Whether the counts are estimates (a store may bound what one call reads, as the PostgreSQL
+    /// store does above `database.stats_max_rows` rows).
+    pub estimated: bool,
 }
 
 /// The relay's view of the outbox.

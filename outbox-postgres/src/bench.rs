@@ -344,6 +344,12 @@ pub struct ClaimFigures {
     pub p95_ms: f64,
     /// `median / median of the first state`.
     pub vs_first: f64,
+    /// Median time of one statistics refresh ([`Store::stats`], what each relay runs every 5 s for
+    /// `/metrics`), in milliseconds: bounded by `database.stats_max_rows`, estimated above it.
+    pub stats_ms: f64,
+    /// Time of one exact count of the unpublished rows (what statistics cost without the bound),
+    /// in milliseconds.
+    pub exact_count_ms: f64,
 }
 
 /// The target's publisher alone, without the database: the broker's ceiling for this publisher.
@@ -611,14 +617,28 @@ impl BenchReport {
             let _ = writeln!(s, "\nclaim cost (batch of {})", o.relay.batch_size);
             let _ = writeln!(
                 s,
-                "  {:<34} {:>11} {:>11} {:>9} {:>9} {:>9}",
-                "table state", "pending", "processed", "median ms", "p95 ms", "vs first"
+                "  {:<34} {:>11} {:>11} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                "table state",
+                "pending",
+                "processed",
+                "median ms",
+                "p95 ms",
+                "vs first",
+                "stats ms",
+                "count ms"
             );
             for c in &self.claim {
                 let _ = writeln!(
                     s,
-                    "  {:<34} {:>11} {:>11} {:>9.2} {:>9.2} {:>8.2}x",
-                    c.state, c.pending_rows, c.processed_rows, c.median_ms, c.p95_ms, c.vs_first
+                    "  {:<34} {:>11} {:>11} {:>9.2} {:>9.2} {:>8.2}x {:>9.2} {:>9.2}",
+                    c.state,
+                    c.pending_rows,
+                    c.processed_rows,
+                    c.median_ms,
+                    c.p95_ms,
+                    c.vs_first,
+                    c.stats_ms,
+                    c.exact_count_ms
                 );
             }
         }
@@ -1593,9 +1613,15 @@ async fn claim_phase(
     let store = PostgresStore::with_retention(admin.clone(), table.clone(), Retention::Keep);
     let small = 10_000u64;
     let mut out: Vec<ClaimFigures> = Vec::new();
-    let mut push = |state: &str, pending, processed, (median, p95): (f64, f64)| {
+    let mut push = |state: &str,
+                    pending,
+                    processed,
+                    (median, p95): (f64, f64),
+                    (stats_ms, exact_count_ms): (f64, f64)| {
         let first = out.first().map_or(median, |f| f.median_ms);
-        progress(&format!("claim: {state}: median {median:.2} ms"));
+        progress(&format!(
+            "claim: {state}: median {median:.2} ms; statistics {stats_ms:.2} ms (exact count {exact_count_ms:.2} ms)"
+        ));
         out.push(ClaimFigures {
             state: state.into(),
             pending_rows: pending,
@@ -1603,11 +1629,19 @@ async fn claim_phase(
             median_ms: median,
             p95_ms: p95,
             vs_first: ratio(median, first).unwrap_or(1.0),
+            stats_ms,
+            exact_count_ms,
         });
     };
     progress(&format!("claim: {small} pending rows, no history"));
     prefill(admin, &table, small, o, false, 100).await?;
-    push("pending only", small, 0, time_claims(&store, o).await?);
+    push(
+        "pending only",
+        small,
+        0,
+        time_claims(&store, o).await?,
+        time_stats(admin, &store).await?,
+    );
     progress(&format!(
         "claim: adding {} processed rows (keep-processed mode); this takes a while",
         o.claim_processed_rows
@@ -1618,6 +1652,7 @@ async fn claim_phase(
         small,
         o.claim_processed_rows,
         time_claims(&store, o).await?,
+        time_stats(admin, &store).await?,
     );
     truncate(admin, &table).await?;
     progress(&format!("claim: {} pending rows", o.claim_pending_rows));
@@ -1627,8 +1662,35 @@ async fn claim_phase(
         o.claim_pending_rows,
         0,
         time_claims(&store, o).await?,
+        time_stats(admin, &store).await?,
     );
     Ok(out)
+}
+
+/// Times five statistics refreshes (after one for warm-up) and one exact count of the unpublished
+/// rows; returns the median refresh and the count, in milliseconds.
+async fn time_stats(admin: &PgPool, store: &PostgresStore) -> Result<(f64, f64), Error> {
+    let mut ms = Vec::with_capacity(5);
+    for i in 0..6 {
+        let started = Instant::now();
+        store.stats().await?;
+        if i > 0 {
+            ms.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    ms.sort_by(f64::total_cmp);
+    let started = Instant::now();
+    sqlx::query(&format!(
+        "SELECT count(*) FROM {} WHERE processed_at IS NULL",
+        store.table().qualified()
+    ))
+    .execute(admin)
+    .await
+    .map_err(|e| map_sqlx("bench exact count", e))?;
+    Ok((
+        percentile(&ms, 50.0),
+        started.elapsed().as_secs_f64() * 1000.0,
+    ))
 }
 
 /// Times `claim_samples` claims of a batch (each released again), after a few for warm-up; returns

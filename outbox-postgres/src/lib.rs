@@ -17,7 +17,7 @@ pub use error::{classify_sqlstate, map_sqlx};
 pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATOR};
 pub use migrate::{migrate, schema_sql};
 pub use settings::{redact_url, DatabaseConfig, DEFAULT_DATABASE_URL};
-pub use store::{DeadLetter, DeadLetterFilter, PostgresStore, Retention};
+pub use store::{DeadLetter, DeadLetterFilter, PostgresStore, Retention, DEFAULT_STATS_MAX_ROWS};
 pub use writer::{Writer, DEFAULT_MAX_PAYLOAD_BYTES};
 
 /// Re-exported so users need not depend on sqlx versions by hand.

@@ -38,6 +38,11 @@ pub struct DatabaseConfig {
     /// Time allowed to get a connection from the pool. Default 10 s.
     #[serde(with = "duration::serde_str")]
     pub acquire_timeout: Duration,
+    /// The most rows of each kind (pending, dead letters) one statistics refresh reads (`/metrics`
+    /// every 5 s, `outbox status`); above it the counts are estimated from the outbox's `seq` range
+    /// and `outbox_stats_estimated` is 1. Bounds the cost of statistics on a large backlog. At least
+    /// 1000. Default 100000.
+    pub stats_max_rows: u64,
 }
 
 mod optional_duration {
@@ -66,6 +71,7 @@ impl Default for DatabaseConfig {
             keep_processed_for: None,
             notify: false,
             acquire_timeout: Duration::from_secs(10),
+            stats_max_rows: crate::store::DEFAULT_STATS_MAX_ROWS,
         }
     }
 }
@@ -82,6 +88,7 @@ impl std::fmt::Debug for DatabaseConfig {
             .field("keep_processed_for", &self.keep_processed_for)
             .field("notify", &self.notify)
             .field("acquire_timeout", &self.acquire_timeout)
+            .field("stats_max_rows", &self.stats_max_rows)
             .finish()
     }
 }
@@ -102,6 +109,13 @@ impl DatabaseConfig {
             return Err(Error::config(format!(
                 "database.pool_size = {}: expected 1 to 1000",
                 self.pool_size
+            )));
+        }
+        if self.stats_max_rows < 1000 {
+            return Err(Error::config(format!(
+                "database.stats_max_rows = {}: expected at least 1000 (default {})",
+                self.stats_max_rows,
+                crate::store::DEFAULT_STATS_MAX_ROWS
             )));
         }
         if self.acquire_timeout.is_zero() {

@@ -299,7 +299,13 @@ pub struct PostgresStore {
     /// to take (other relays hold them all), so that claims bound to find nothing beyond the window
     /// do not keep walking the aggregates (the window still runs on every claim).
     skip_rest_until: Arc<Mutex<Option<std::time::Instant>>>,
+    /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
+    stats_max_rows: i64,
 }
+
+/// The default of [`PostgresStore::with_stats_max_rows`] (`database.stats_max_rows`): 100,000 rows,
+/// tens of milliseconds per statistics refresh.
+pub const DEFAULT_STATS_MAX_ROWS: u64 = 100_000;
 
 impl std::fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -405,7 +411,15 @@ impl PostgresStore {
             sql,
             skip_cursor: Arc::new(Mutex::new(None)),
             skip_rest_until: Arc::new(Mutex::new(None)),
+            stats_max_rows: DEFAULT_STATS_MAX_ROWS as i64,
         }
+    }
+
+    /// Reads at most `rows` rows of each kind (pending, dead letters) per [`Store::stats`] call, the
+    /// rest estimated (default [`DEFAULT_STATS_MAX_ROWS`]; at least 1,000).
+    pub fn with_stats_max_rows(mut self, rows: u64) -> Self {
+        self.stats_max_rows = i64::try_from(rows).unwrap_or(i64::MAX).max(1_000);
+        self
     }
 
     /// The pool.
@@ -473,7 +487,98 @@ fn head_of(row: &PgRow) -> Result<Option<Head>, Error> {
     }))
 }
 
+/// Counts of one kind of rows (pending or dead letters) by event type, exact up to the store's
+/// `stats_max_rows`, estimated above.
+struct Counts {
+    /// `(event_type, rows, age of the oldest in seconds)`.
+    by_type: Vec<(String, u64, Option<f64>)>,
+    estimated: bool,
+}
+
+/// Scales the counts of a sample of the first `sampled` rows in seq order, the last of which has
+/// seq `sample_last`, to every row from seq `first` to `last`: rows are written in seq order, so the
+/// sample's density holds for the whole range (gaps left by published rows show in both).
+fn scale_sample(sampled: u64, first: i64, sample_last: i64, last: i64) -> f64 {
+    let span = |a: i64, b: i64| (b.saturating_sub(a).saturating_add(1)).max(1) as f64;
+    let density = sampled as f64 / span(first, sample_last);
+    (density * span(first, last)).max(sampled as f64) / (sampled.max(1) as f64)
+}
+
 impl PostgresStore {
+    /// Pending rows (`dead = false`) or dead letters by event type. At most `stats_max_rows` rows are
+    /// read, the oldest by seq, through the partial index of that kind; when there are more, the
+    /// sample's counts are scaled to the kind's whole seq range (two index look-ups). The cost of a
+    /// statistics refresh is thus bounded whatever the backlog, and exact below the bound.
+    async fn sampled_counts(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        dead: bool,
+    ) -> Result<Counts, Error> {
+        let t = self.table.qualified();
+        let kind = if dead {
+            "e.dead_lettered_at IS NOT NULL AND e.processed_at IS NULL"
+        } else {
+            "e.processed_at IS NULL AND e.dead_lettered_at IS NULL"
+        };
+        // The bound is written into the statement (not bound), so that a generic plan cannot
+        // mistake it for an unknown share of the table and choose a scan of all of it.
+        let cap = self.stats_max_rows;
+        let sample = format!(
+            "SELECT s.event_type, count(*) AS n, max(s.seq) AS last_seq,
+                    EXTRACT(EPOCH FROM (now() - min(s.created_at)))::float8 AS oldest
+             FROM (SELECT e.event_type, e.seq, e.created_at FROM {t} e WHERE {kind}
+                   ORDER BY e.seq LIMIT {cap}) s
+             GROUP BY s.event_type ORDER BY s.event_type"
+        );
+        let rows = sqlx::query(&sample)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("stats", e))?;
+        let mut by_type = Vec::with_capacity(rows.len());
+        let (mut sampled, mut sample_last) = (0u64, i64::MIN);
+        for r in rows {
+            let get = |e: sqlx::Error| map_sqlx("stats", e);
+            let n: i64 = r.try_get("n").map_err(get)?;
+            let last: i64 = r.try_get("last_seq").map_err(get)?;
+            let oldest: Option<f64> = r.try_get("oldest").map_err(get)?;
+            sampled += n.max(0) as u64;
+            sample_last = sample_last.max(last);
+            by_type.push((
+                r.try_get::<String, _>("event_type").map_err(get)?,
+                n.max(0) as u64,
+                oldest.map(|o| o.max(0.0)),
+            ));
+        }
+        if sampled < cap as u64 {
+            return Ok(Counts {
+                by_type,
+                estimated: false,
+            });
+        }
+        let range = format!(
+            "SELECT (SELECT e.seq FROM {t} e WHERE {kind} ORDER BY e.seq LIMIT 1) AS first,
+                    (SELECT e.seq FROM {t} e WHERE {kind} ORDER BY e.seq DESC LIMIT 1) AS last"
+        );
+        let row = sqlx::query(&range)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("stats", e))?;
+        let get = |e: sqlx::Error| map_sqlx("stats", e);
+        let first: Option<i64> = row.try_get("first").map_err(get)?;
+        let last: Option<i64> = row.try_get("last").map_err(get)?;
+        let factor = match (first, last) {
+            (Some(first), Some(last)) => scale_sample(sampled, first, sample_last, last),
+            _ => 1.0,
+        };
+        for (_, n, _) in &mut by_type {
+            *n = (*n as f64 * factor).round() as u64;
+        }
+        Ok(Counts {
+            by_type,
+            estimated: true,
+        })
+    }
+
     /// Step 1 of an ordered claim: locks up to `limit` ready heads, oldest first. The window over the
     /// first ready rows finds them in the common case; when it was full and yielded fewer than
     /// `limit` (other relays hold the heads in it, or it holds one aggregate's backlog behind a
@@ -655,39 +760,44 @@ impl Store for PostgresStore {
     }
 
     async fn stats(&self) -> Result<StoreStats, Error> {
-        let sql = format!(
-            "SELECT event_type,
-                    count(*) FILTER (WHERE dead_lettered_at IS NULL) AS pending,
-                    count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) AS dead,
-                    EXTRACT(EPOCH FROM (now() - min(created_at) FILTER (WHERE dead_lettered_at IS NULL)))::float8 AS oldest
-             FROM {} WHERE processed_at IS NULL
-             GROUP BY event_type ORDER BY event_type",
-            self.table.qualified()
-        );
-        let rows = sqlx::query(&sql)
-            .fetch_all(&self.pool)
+        // One read-only transaction (one snapshot), in which every statement must read through the
+        // partial indexes in seq order: a plan chosen on stale estimates (a bitmap scan and a sort
+        // of every dead letter, a full index pass for a min/max) would read the whole backlog.
+        let mut tx = self
+            .pool
+            .begin_with(
+                "BEGIN READ ONLY; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off",
+            )
             .await
             .map_err(|e| map_sqlx("stats", e))?;
-        let mut stats = StoreStats::default();
-        for r in rows {
-            let get = |e: sqlx::Error| map_sqlx("stats", e);
-            let pending: i64 = r.try_get("pending").map_err(get)?;
-            let dead: i64 = r.try_get("dead").map_err(get)?;
-            let oldest: Option<f64> = r.try_get("oldest").map_err(get)?;
-            let t = EventTypeStats {
-                event_type: r.try_get("event_type").map_err(get)?,
-                pending: pending.max(0) as u64,
-                dead_letters: dead.max(0) as u64,
-                oldest_pending_age_seconds: oldest.map(|o| o.max(0.0)),
-            };
-            stats.pending += t.pending;
-            stats.dead_letters += t.dead_letters;
-            if let Some(o) = t.oldest_pending_age_seconds {
+        let pending = self.sampled_counts(&mut tx, false).await?;
+        let dead = self.sampled_counts(&mut tx, true).await?;
+        tx.rollback().await.map_err(|e| map_sqlx("stats", e))?;
+        let mut by_type: BTreeMap<String, EventTypeStats> = BTreeMap::new();
+        let mut stats = StoreStats {
+            estimated: pending.estimated || dead.estimated,
+            ..StoreStats::default()
+        };
+        for (event_type, n, oldest) in pending.by_type {
+            stats.pending += n;
+            if let Some(o) = oldest {
                 stats.oldest_pending_age_seconds =
                     Some(stats.oldest_pending_age_seconds.unwrap_or(0.0).max(o));
             }
-            stats.by_event_type.push(t);
+            let t = by_type
+                .entry(event_type.clone())
+                .or_insert_with(|| EventTypeStats::new(event_type));
+            t.pending = n;
+            t.oldest_pending_age_seconds = oldest;
         }
+        for (event_type, n, _) in dead.by_type {
+            stats.dead_letters += n;
+            by_type
+                .entry(event_type.clone())
+                .or_insert_with(|| EventTypeStats::new(event_type))
+                .dead_letters = n;
+        }
+        stats.by_event_type = by_type.into_values().collect();
         Ok(stats)
     }
 

@@ -522,3 +522,107 @@ async fn the_byte_budget_counts_compressed_payloads_at_their_real_size() {
         b.lease.release().await.unwrap();
     }
 }
+
+/// Rows of `table` read so far (sequential reads and index fetches), as the server's statistics
+/// count them, after flushing this connection's own counts.
+async fn rows_read(conn: &mut sqlx::PgConnection, table: &OutboxTable) -> i64 {
+    // The counts of a session reach the shared statistics when it ends a transaction, at most once a
+    // second unless forced; the statistics store answers from a snapshot per transaction.
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query("SELECT 1").execute(&mut *conn).await.unwrap();
+    sqlx::query_scalar(
+        "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables
+         WHERE relid = $1::regclass",
+    )
+    .bind(table.qualified())
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap()
+}
+
+/// Statistics over a backlog larger than `stats_max_rows` read about that many rows of each kind,
+/// not the backlog, and estimate the counts closely (rows are written in seq order).
+#[tokio::test]
+async fn statistics_read_a_bounded_number_of_rows_and_estimate_the_rest() {
+    let admin = pool(4).await;
+    let table = fresh_table(&admin).await;
+    let t = table.qualified();
+    let mut setup = admin.acquire().await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', (g % 500)::text, CASE WHEN g % 4 = 0 THEN 'order.paid' ELSE 'order.created' END, '{{}}'
+         FROM generate_series(1, 60000) g"
+    ))
+    .execute(&mut *setup)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {t} SET dead_lettered_at = now() WHERE seq % 10 = 0"
+    ))
+    .execute(&mut *setup)
+    .await
+    .unwrap();
+    // The set-up's own reads reach the statistics now, not during the measurement.
+    rows_read(&mut setup, &table).await;
+    drop(setup);
+    // One connection: the statistics run on it, and it then reports what it read.
+    let one = pool(1).await;
+    let store = PostgresStore::new(one.clone(), table.clone()).with_stats_max_rows(2_000);
+    let mut conn = one.acquire().await.unwrap();
+    let before = rows_read(&mut conn, &table).await;
+    drop(conn);
+    let stats = store.stats().await.unwrap();
+    let mut conn = one.acquire().await.unwrap();
+    let read = rows_read(&mut conn, &table).await - before;
+    assert!(
+        read <= 2 * 2_000 + 100,
+        "one statistics call read {read} rows of a 60,000-row outbox; expected about 2 x 2,000"
+    );
+    assert!(stats.estimated);
+    let truth: (i64, i64, i64) = sqlx::query_as(&format!(
+        "SELECT count(*) FILTER (WHERE dead_lettered_at IS NULL),
+                count(*) FILTER (WHERE dead_lettered_at IS NOT NULL),
+                count(*) FILTER (WHERE dead_lettered_at IS NULL AND event_type = 'order.paid')
+         FROM {t}"
+    ))
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    let near = |got: u64, want: i64| (got as f64 - want as f64).abs() <= want as f64 * 0.05;
+    assert!(
+        near(stats.pending, truth.0),
+        "pending {} of {}",
+        stats.pending,
+        truth.0
+    );
+    assert!(
+        near(stats.dead_letters, truth.1),
+        "dead {} of {}",
+        stats.dead_letters,
+        truth.1
+    );
+    let paid = stats
+        .by_event_type
+        .iter()
+        .find(|s| s.event_type == "order.paid")
+        .unwrap();
+    assert!(
+        near(paid.pending, truth.2),
+        "paid pending {} of {}",
+        paid.pending,
+        truth.2
+    );
+    assert!(stats.oldest_pending_age_seconds.is_some());
+
+    // Below the bound the counts are exact.
+    let exact = PostgresStore::new(admin.clone(), table.clone()).with_stats_max_rows(100_000);
+    let stats = exact.stats().await.unwrap();
+    assert!(!stats.estimated);
+    assert_eq!(
+        (stats.pending as i64, stats.dead_letters as i64),
+        (truth.0, truth.1)
+    );
+}
