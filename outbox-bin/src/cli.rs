@@ -338,7 +338,9 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
         }
     };
     let store: Arc<dyn Store> = Arc::new(pg.clone());
-    let metrics = Arc::new(Metrics::new(config.http.max_event_type_labels));
+    let liveness = Arc::new(crate::health::Liveness::new(config.http.liveness_timeout));
+    let metrics =
+        Arc::new(Metrics::new(config.http.max_event_type_labels).with_liveness(liveness.clone()));
     let relay = Relay::new(store.clone(), publisher.clone(), config.relay.clone())?
         .with_observer(metrics.clone());
     {
@@ -360,9 +362,12 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     let server = if config.http.enabled {
         let ops = crate::http::Ops {
             metrics: metrics.clone(),
-            store: store.clone(),
-            publisher: publisher.clone(),
-            ready_timeout: config.http.ready_timeout,
+            liveness,
+            readiness: crate::health::Readiness::new(
+                store.clone(),
+                publisher.clone(),
+                config.http.ready_timeout,
+            ),
         };
         let serve = crate::http::serve(config.http.listen, ops, shutdown.clone()).await?;
         info!(listen = %config.http.listen, "serving /metrics, /healthz and /readyz");

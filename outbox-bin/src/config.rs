@@ -54,9 +54,16 @@ pub struct HttpConfig {
     /// How often the outbox is counted for the pending / age / dead-letter gauges. Default 5 s.
     #[serde(with = "duration::serde_str")]
     pub stats_interval: Duration,
-    /// Time a readiness check may take. Default 2 s.
+    /// Time a `/readyz` probe waits for the readiness check (one check runs at a time, its result
+    /// reused for 1 s). Default 2 s.
     #[serde(with = "duration::serde_str")]
     pub ready_timeout: Duration,
+    /// `/healthz` answers 503 once the relay has, for this long, neither settled a batch nor found
+    /// nothing to claim nor checked an unreachable broker, while the oldest pending event is older
+    /// than this: a wedged relay, for the orchestrator to restart. Must exceed the relay's hold time
+    /// (2 x `relay.publish_timeout` + 10 s), the longest a healthy batch may take. Default 5 min.
+    #[serde(with = "duration::serde_str")]
+    pub liveness_timeout: Duration,
     /// Distinct `event_type` label values per metric (`outbox_events_failed`,
     /// `outbox_events_pending_by_type`); further types count under `event_type="other"`, so that
     /// writers inserting ever new types cannot grow `/metrics` without bound. Default 100.
@@ -70,6 +77,7 @@ impl Default for HttpConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
             stats_interval: Duration::from_secs(5),
             ready_timeout: Duration::from_secs(2),
+            liveness_timeout: Duration::from_secs(300),
             max_event_type_labels: crate::metrics::DEFAULT_MAX_EVENT_TYPE_LABELS,
         }
     }
@@ -248,6 +256,14 @@ impl Config {
             return Err(Error::config(
                 "http.stats_interval and http.ready_timeout must be positive durations such as 5s",
             ));
+        }
+        if self.http.liveness_timeout <= self.relay.hold_for() {
+            return Err(Error::config(format!(
+                "http.liveness_timeout = {} does not exceed the relay's hold time, {} (2 x relay.publish_timeout + 10s): \
+                 a healthy relay may take that long over a batch; raise http.liveness_timeout above it",
+                outbox_core::duration::format(self.http.liveness_timeout),
+                outbox_core::duration::format(self.relay.hold_for()),
+            )));
         }
         let needed = self.pool_connections_needed();
         if needed > self.database.pool_size {

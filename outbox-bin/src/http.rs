@@ -1,8 +1,8 @@
-//! The operations endpoint: `/metrics` (Prometheus text), `/healthz` (the process is alive) and
-//! `/readyz` (the database and the broker answer).
+//! The operations endpoint: `/metrics` (Prometheus text), `/healthz` (the relay makes progress, see
+//! [`crate::health::Liveness`]) and `/readyz` (the database and the broker answer, see
+//! [`crate::health::Readiness`]).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -11,8 +11,9 @@ use axum::routing::get;
 use axum::Router;
 use tokio::net::TcpListener;
 
-use outbox_core::{CancellationToken, Error, ErrorKind, Publisher, Store};
+use outbox_core::{CancellationToken, Error, ErrorKind};
 
+use crate::health::{ready_text, Liveness, Readiness};
 use crate::metrics::Metrics;
 
 /// What the endpoints look at.
@@ -20,12 +21,10 @@ use crate::metrics::Metrics;
 pub struct Ops {
     /// The metrics rendered by `/metrics`.
     pub metrics: Arc<Metrics>,
+    /// Judged by `/healthz`.
+    pub liveness: Arc<Liveness>,
     /// Checked by `/readyz`.
-    pub store: Arc<dyn Store>,
-    /// Checked by `/readyz`.
-    pub publisher: Arc<dyn Publisher>,
-    /// Time each readiness check may take.
-    pub ready_timeout: Duration,
+    pub readiness: Arc<Readiness>,
 }
 
 async fn metrics(State(ops): State<Ops>) -> impl IntoResponse {
@@ -38,39 +37,21 @@ async fn metrics(State(ops): State<Ops>) -> impl IntoResponse {
     )
 }
 
-async fn healthz() -> &'static str {
-    "ok\n"
-}
-
-async fn check<F: std::future::Future<Output = Result<(), Error>>>(
-    what: &str,
-    timeout: Duration,
-    f: F,
-) -> Result<(), String> {
-    match tokio::time::timeout(timeout, f).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(format!("{what}: {e}")),
-        Err(_) => Err(format!(
-            "{what}: no answer within {} ms",
-            timeout.as_millis()
-        )),
+async fn healthz(State(ops): State<Ops>) -> impl IntoResponse {
+    match ops.liveness.verdict_at(tokio::time::Instant::now()) {
+        Ok(()) => (StatusCode::OK, "ok\n".to_string()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("stalled: {why}\n")),
     }
 }
 
 async fn readyz(State(ops): State<Ops>) -> impl IntoResponse {
-    let (db, broker) = tokio::join!(
-        check("database", ops.ready_timeout, ops.store.check()),
-        check("broker", ops.ready_timeout, ops.publisher.check()),
-    );
-    let problems: Vec<String> = [db, broker].into_iter().filter_map(Result::err).collect();
-    if problems.is_empty() {
-        (StatusCode::OK, "ready\n".to_string())
+    let problems = ops.readiness.check().await;
+    let status = if problems.is_empty() {
+        StatusCode::OK
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready\n{}\n", problems.join("\n")),
-        )
-    }
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, ready_text(&problems))
 }
 
 /// The router of the endpoints.

@@ -5,5 +5,6 @@
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod health;
 pub mod http;
 pub mod metrics;

@@ -59,6 +59,7 @@ pub struct Metrics {
     publish_duration: Histogram,
     claim_duration: Histogram,
     batch_size: Histogram,
+    liveness: Option<std::sync::Arc<crate::health::Liveness>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -176,6 +177,7 @@ impl Metrics {
             oldest_pending_age,
             dead_letters,
             stats_estimated,
+            liveness: None,
             pending_by_type,
             batch_duration,
             publish_duration,
@@ -184,8 +186,23 @@ impl Metrics {
         }
     }
 
+    /// Reports the relay's progress and the statistics to `liveness` too.
+    pub fn with_liveness(mut self, liveness: std::sync::Arc<crate::health::Liveness>) -> Self {
+        self.liveness = Some(liveness);
+        self
+    }
+
+    fn progressed(&self) {
+        if let Some(l) = &self.liveness {
+            l.progressed();
+        }
+    }
+
     /// Updates the gauges from the store's statistics.
     pub fn record_stats(&self, stats: &StoreStats) {
+        if let Some(l) = &self.liveness {
+            l.saw_stats(stats.oldest_pending_age_seconds);
+        }
         self.pending.set(stats.pending.min(i64::MAX as u64) as i64);
         self.dead_letters
             .set(stats.dead_letters.min(i64::MAX as u64) as i64);
@@ -255,6 +272,8 @@ impl RelayObserver for Metrics {
         self.claim_duration.observe(secs(duration));
         if count > 0 {
             self.batch_size.observe(count as f64);
+        } else {
+            self.progressed();
         }
     }
 
@@ -279,7 +298,12 @@ impl RelayObserver for Metrics {
         self.publish_duration.observe(secs(report.publish_duration));
         if report.settle_error.is_none() {
             self.published.inc_by(report.published as u64);
+            self.progressed();
         }
+    }
+
+    fn broker_checked(&self, _reachable: bool) {
+        self.progressed();
     }
 
     fn store_error(&self, operation: &'static str, _error: &Error) {

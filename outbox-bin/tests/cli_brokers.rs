@@ -127,3 +127,102 @@ async fn readiness_reaches_the_database_with_every_batch_in_flight_and_notify_on
         .args(["-CONT", &tansu.id().to_string()])
         .status();
 }
+
+/// `/healthz` stays 200 through a broker outage longer than `http.liveness_timeout` (the relay keeps
+/// checking the broker: waiting, not stuck), turns 503 once the relay is wedged (its claims hang on
+/// a lock held on the outbox table) while events are due, and 200 again once the lock goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_fails_on_a_wedged_relay_and_not_on_a_broker_outage() {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    insert_plain(&table, "due", 3).await;
+    let port = free_port();
+    let dead_endpoint = free_port();
+    let mut c = outbox(&table, &["relay"]);
+    c.env("OUTBOX_PUBLISHER__TYPE", "sqs")
+        .env("OUTBOX_SQS__QUEUE", "outbox-liveness")
+        .env("OUTBOX_SQS__REGION", "us-east-1")
+        .env(
+            "OUTBOX_SQS__ENDPOINT_URL",
+            format!("http://127.0.0.1:{dead_endpoint}"),
+        )
+        .env("OUTBOX_SQS__OPERATION_TIMEOUT", "1s")
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("OUTBOX_RELAY__PUBLISH_TIMEOUT", "2s")
+        .env("OUTBOX_RELAY__RETRY__INITIAL_BACKOFF", "200ms")
+        .env("OUTBOX_RELAY__RETRY__MAX_BACKOFF", "2s")
+        .env("OUTBOX_HTTP__LIVENESS_TIMEOUT", "15s")
+        .env("OUTBOX_HTTP__STATS_INTERVAL", "500ms")
+        .env("OUTBOX_HTTP__ENABLED", "true")
+        .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"));
+    let mut relay = Running::start(c);
+    relay.wait_log("serving /metrics", Duration::from_secs(30));
+    let get = move |path: &'static str| tokio::task::spawn_blocking(move || http_get(port, path));
+    let oldest_age = || async {
+        sqlx::query_scalar::<_, f64>(&format!(
+            "SELECT EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM {} WHERE processed_at IS NULL",
+            table.qualified()
+        ))
+        .fetch_one(&pg)
+        .await
+        .unwrap()
+    };
+    // The outage: the events stay pending longer than the liveness timeout; the relay stays live.
+    while oldest_age().await < 17.0 {
+        let (code, body) = get("/healthz").await.unwrap();
+        assert_eq!(code, 200, "a broker outage is not a wedge: {body}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The wedge: every statement on the outbox waits for this transaction's lock.
+    let mut lock = pg.begin().await.unwrap();
+    sqlx::query(&format!(
+        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+        table.qualified()
+    ))
+    .execute(&mut *lock)
+    .await
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let body = loop {
+        let (code, body) = get("/healthz").await.unwrap();
+        if code == 503 {
+            break body;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "/healthz never failed for a relay whose claims hang: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert!(
+        body.contains("stalled") && body.contains("http.liveness_timeout = 15s"),
+        "{body}"
+    );
+    lock.rollback().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let (code, body) = get("/healthz").await.unwrap();
+        if code == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "/healthz stayed failed after the lock went: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    relay.signal("-TERM");
+    assert_eq!(relay.wait_exit(Duration::from_secs(60)), 0);
+    let pending: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {} WHERE processed_at IS NULL AND dead_lettered_at IS NULL",
+        table.qualified()
+    ))
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    assert_eq!(
+        pending, 3,
+        "the events wait for the broker, none lost or dead-lettered"
+    );
+}

@@ -263,6 +263,12 @@ pub trait RelayObserver: Send + Sync {
     fn store_error(&self, operation: &'static str, error: &Error) {
         let _ = (operation, error);
     }
+    /// While the broker is unreachable, the relay checked it again (readiness check): it answered
+    /// (`reachable`, claiming resumes) or not. A relay waiting out an outage calls this every pause
+    /// (at most 10 s apart): it is waiting, not stuck.
+    fn broker_checked(&self, reachable: bool) {
+        let _ = reachable;
+    }
 }
 
 /// An observer that does nothing.
@@ -549,6 +555,9 @@ impl Relay {
             _ = shutdown.cancelled() => return false,
         };
         let next = outage.lengthen_pause(&cfg.retry);
+        self.shared
+            .observer
+            .broker_checked(matches!(checked, Ok(Ok(()))));
         let error = match checked {
             Ok(Ok(())) => {
                 info!(
