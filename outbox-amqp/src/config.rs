@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use outbox_core::routing::Template;
+use outbox_core::routing::{AllowList, Template};
 use outbox_core::{duration, Error};
 
 /// The default broker URL (a local RabbitMQ with its default account).
@@ -70,6 +70,13 @@ pub struct AmqpConfig {
     /// Longest pause between reconnection attempts. Default 30 s.
     #[serde(with = "duration::serde_str")]
     pub reconnect_max_backoff: Duration,
+    /// Destinations events may name besides the configured exchange: names or patterns where `*`
+    /// matches any run of characters (`["*"]` allows every exchange). An event whose destination is
+    /// neither is dead-lettered with an error naming this setting (permission denied), never sent:
+    /// anyone who can write to the outbox could otherwise reach any exchange the relay's credentials
+    /// reach. Default: none (the configured exchange only).
+    #[serde(default)]
+    pub allowed_destinations: Vec<String>,
 }
 
 impl Default for AmqpConfig {
@@ -88,6 +95,7 @@ impl Default for AmqpConfig {
             confirm_timeout: Duration::from_secs(30),
             reconnect_initial_backoff: Duration::from_millis(500),
             reconnect_max_backoff: Duration::from_secs(30),
+            allowed_destinations: Vec::new(),
         }
     }
 }
@@ -110,11 +118,24 @@ impl std::fmt::Debug for AmqpConfig {
             .field("confirm_timeout", &self.confirm_timeout)
             .field("reconnect_initial_backoff", &self.reconnect_initial_backoff)
             .field("reconnect_max_backoff", &self.reconnect_max_backoff)
+            .field("allowed_destinations", &self.allowed_destinations)
             .finish()
     }
 }
 
 impl AmqpConfig {
+    /// The destinations this publisher may send to: the configured exchange and `allowed_destinations`.
+    ///
+    /// # Errors
+    /// A config error naming `amqp.allowed_destinations` when a pattern is empty.
+    pub fn allow_list(&self) -> Result<AllowList, Error> {
+        AllowList::new(
+            "amqp.allowed_destinations",
+            self.exchange.clone(),
+            &self.allowed_destinations,
+        )
+    }
+
     /// Checks the values and parses the routing key template.
     ///
     /// # Errors
@@ -161,6 +182,7 @@ impl AmqpConfig {
                 "amqp.reconnect_max_backoff is below amqp.reconnect_initial_backoff: expected max >= initial",
             ));
         }
+        self.allow_list()?;
         Template::parse("amqp.routing_key", &self.routing_key)
     }
 }

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use outbox_core::publishers::{finish, Fence};
-use outbox_core::routing::Template;
+use outbox_core::routing::{AllowList, Template};
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 
 use crate::config::{redact_url, AmqpConfig, ExchangeType};
@@ -55,6 +55,8 @@ struct LinkState {
 pub struct AmqpPublisher {
     config: AmqpConfig,
     routing_key: Template,
+    /// Which exchanges events may name (`amqp.allowed_destinations`).
+    allowed: AllowList,
     state: Mutex<LinkState>,
     /// Exchanges (event destinations) found to exist, the most recently used ones.
     known_exchanges: StdMutex<BoundedCache<String, ()>>,
@@ -117,10 +119,12 @@ impl AmqpPublisher {
     /// A config error naming the key when `config` does not validate.
     pub fn new(config: AmqpConfig) -> Result<Self, Error> {
         let routing_key = config.validate()?;
+        let allowed = config.allow_list()?;
         let backoff = config.reconnect_initial_backoff;
         Ok(AmqpPublisher {
             config,
             routing_key,
+            allowed,
             state: Mutex::new(LinkState {
                 link: None,
                 next_attempt: None,
@@ -331,6 +335,9 @@ impl AmqpPublisher {
             .destination
             .clone()
             .unwrap_or_else(|| self.config.exchange.clone());
+        self.allowed
+            .check(&exchange)
+            .map_err(|e| e.with_context("adapter", "amqp"))?;
         let exchange = short("exchange name", &exchange)?;
         let routing_key = short("routing key", &self.routing_key.render(event))?;
         let mut headers = FieldTable::default();
@@ -468,7 +475,7 @@ impl Publisher for AmqpPublisher {
         let destinations: HashSet<String> = events
             .iter()
             .filter_map(|e| e.destination.clone())
-            .filter(|d| *d != self.config.exchange)
+            .filter(|d| *d != self.config.exchange && self.allowed.allows(d))
             .collect();
         // Bounded by amqp.connect_timeout: on a timeout nothing is reported missing, and a missing
         // exchange then shows as a channel error of the publish itself.

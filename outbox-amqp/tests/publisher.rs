@@ -110,6 +110,7 @@ async fn bad_events_fail_alone() {
     let fx = Fixture::new().await;
     let p = AmqpPublisher::new(outbox_amqp::AmqpConfig {
         max_message_bytes: 1000,
+        allowed_destinations: vec![format!("{}.does-not-exist", fx.exchange)],
         ..fx.config()
     })
     .unwrap();
@@ -216,9 +217,12 @@ async fn the_known_exchanges_stay_bounded() {
     for _ in 0..10 {
         others.push(Fixture::new().await);
     }
-    let publisher = AmqpPublisher::new(home.config())
-        .unwrap()
-        .with_exchange_cache(4);
+    let publisher = AmqpPublisher::new(outbox_amqp::AmqpConfig {
+        allowed_destinations: vec!["*".into()],
+        ..home.config()
+    })
+    .unwrap()
+    .with_exchange_cache(4);
     for round in 0..2 {
         for (i, fx) in others.iter().enumerate() {
             let mut e = event(&format!("agg-{i}"), round);
@@ -238,5 +242,54 @@ async fn the_known_exchanges_stay_bounded() {
     for fx in others {
         fx.cleanup().await;
     }
+    home.cleanup().await;
+}
+
+/// By default events may name only the configured exchange: another one, however real, is refused
+/// (permission denied, naming the setting) and never probed nor sent to; a pattern in
+/// `amqp.allowed_destinations` lets it through.
+#[tokio::test]
+async fn destinations_outside_the_allow_list_are_refused() {
+    let home = Fixture::new().await;
+    let other = Fixture::new().await;
+    let strict = AmqpPublisher::new(home.config()).unwrap();
+    let mut e = event("elsewhere", 0);
+    e.destination = Some(other.exchange.clone());
+    let out = strict.publish(std::slice::from_ref(&e)).await;
+    let err = out[0].as_ref().unwrap_err();
+    assert_eq!(
+        (err.kind(), err.is_retryable()),
+        (ErrorKind::PermissionDenied, false),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("amqp.allowed_destinations")
+            && err.to_string().contains(&other.exchange),
+        "{err}"
+    );
+    assert_eq!(
+        strict.cached_exchanges(),
+        0,
+        "a refused exchange is not even probed"
+    );
+    let mut mine = event("home", 0);
+    mine.destination = Some(home.exchange.clone());
+    assert!(
+        strict.publish(&[mine]).await[0].is_ok(),
+        "the configured exchange stays allowed"
+    );
+    assert_eq!(home.wait_for(1, WAIT).await.len(), 1);
+    assert!(
+        other.wait_for(1, Duration::from_secs(1)).await.is_empty(),
+        "nothing reached the other exchange"
+    );
+    let open = AmqpPublisher::new(outbox_amqp::AmqpConfig {
+        allowed_destinations: vec!["outbox.test.*".into()],
+        ..home.config()
+    })
+    .unwrap();
+    assert!(open.publish(&[e]).await[0].is_ok());
+    assert_eq!(other.wait_for(1, WAIT).await.len(), 1);
+    other.cleanup().await;
     home.cleanup().await;
 }

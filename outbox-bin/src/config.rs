@@ -381,6 +381,22 @@ fn deserialize(
                 let from_env = sources.iter().find(|(p, _)| *p == keys);
                 if let Some((p, _)) = from_env {
                     if let Some(v) = lookup(&root, p) {
+                        // A list from the environment: comma-separated (`a.*,b`).
+                        if err.inner().to_string().contains("expected a sequence") {
+                            let text = match v {
+                                Value::String(t) => t.clone(),
+                                other => other.to_string(),
+                            };
+                            let items: Vec<Value> = if text.trim().is_empty() {
+                                Vec::new()
+                            } else {
+                                text.split(',')
+                                    .map(|i| Value::String(i.trim().to_string()))
+                                    .collect()
+                            };
+                            set_path(&mut root, p, Value::Array(items));
+                            continue;
+                        }
                         if !v.is_string() && err.inner().to_string().contains("invalid type") {
                             let text = match v {
                                 Value::Number(n) => n.to_string(),
@@ -454,6 +470,18 @@ mod tests {
         assert_eq!(c.relay.retry.max_attempts, 3);
         assert_eq!(c.relay.poll_interval, Duration::from_secs(2));
         assert_eq!(c.database.url, "postgres://b@h/db");
+        let c = load_str(
+            "[publisher]\ntype = \"kafka\"\n",
+            &[("OUTBOX_KAFKA__ALLOWED_DESTINATIONS", "audit.*, orders.v2")],
+        );
+        #[cfg(feature = "kafka")]
+        assert_eq!(
+            c.unwrap().kafka.allowed_destinations,
+            vec!["audit.*".to_string(), "orders.v2".to_string()],
+            "a list from the environment is comma-separated"
+        );
+        #[cfg(not(feature = "kafka"))]
+        drop(c);
         let c = load_str(
             "",
             &[

@@ -3,7 +3,7 @@
 //! A template is text with placeholders `{aggregate_type}`, `{aggregate_id}` and `{event_type}`;
 //! `{{` and `}}` stand for literal braces. It is parsed (and so validated) once, at configuration time.
 
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 use crate::event::Event;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,6 +126,112 @@ impl Template {
     }
 }
 
+impl Template {
+    /// The destinations this template can produce, as an [`AllowList`] pattern: its text with each
+    /// placeholder as `*`.
+    pub fn pattern(&self) -> String {
+        self.parts
+            .iter()
+            .map(|p| match p {
+                Part::Text(t) => t.as_str(),
+                _ => "*",
+            })
+            .collect()
+    }
+}
+
+/// Which destinations (topics, exchanges, queues) a publisher may send to.
+///
+/// Anyone who can insert into the outbox can set an event's `destination`; without a rule, an event
+/// could reach any topic, exchange or queue the relay's credentials reach. A publisher allows its
+/// configured routing (its fixed destination, or its template with each placeholder as `*`) and the
+/// patterns of its `allowed_destinations` setting, where `*` matches any run of characters (`"*"`
+/// alone allows every destination). An event routed elsewhere fails permanently
+/// ([`ErrorKind::PermissionDenied`], so it is dead-lettered) with an error naming the setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowList {
+    key: String,
+    patterns: Vec<String>,
+}
+
+impl AllowList {
+    /// The configured routing `routing` (a pattern, see [`Template::pattern`]) plus `extra`, from
+    /// the setting `key` (such as `kafka.allowed_destinations`).
+    ///
+    /// # Errors
+    /// A config error naming `key` when a pattern is empty.
+    pub fn new(key: &str, routing: String, extra: &[String]) -> Result<Self, Error> {
+        let mut patterns = vec![routing];
+        for p in extra {
+            if p.trim().is_empty() {
+                return Err(Error::config(format!(
+                    "{key} holds an empty pattern: expected names or patterns such as \"orders.*\" (\"*\" allows every destination)"
+                )));
+            }
+            if !patterns.contains(p) {
+                patterns.push(p.clone());
+            }
+        }
+        Ok(AllowList {
+            key: key.to_string(),
+            patterns,
+        })
+    }
+
+    /// Whether `destination` matches a pattern.
+    pub fn allows(&self, destination: &str) -> bool {
+        self.patterns.iter().any(|p| glob(p, destination))
+    }
+
+    /// `Ok` when `destination` is allowed; otherwise a permanent error naming the rule.
+    ///
+    /// # Errors
+    /// [`ErrorKind::PermissionDenied`] naming the destination, the setting and its patterns.
+    pub fn check(&self, destination: &str) -> Result<(), Error> {
+        if self.allows(destination) {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "destination {destination:?} is not allowed: {} allows {} (the configured routing first); \
+                 add the destination or a pattern such as \"prefix.*\" to {} (\"*\" allows every destination)",
+                self.key,
+                self.patterns
+                    .iter()
+                    .map(|p| format!("{p:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                self.key
+            ),
+        ))
+    }
+}
+
+/// Whether `text` matches `pattern`, where `*` matches any run of characters (none included).
+fn glob(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    let (mut pi, mut ti) = (0, 0);
+    let (mut star, mut mark) = (None, 0);
+    while ti < t.len() {
+        if pi < p.len() && p[pi] != '*' && p[pi] == t[ti] {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ti;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ti = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,5 +272,50 @@ mod tests {
             let err = Template::parse("amqp.routing_key", bad).unwrap_err();
             assert!(err.message().starts_with("amqp.routing_key"), "{err}");
         }
+    }
+
+    #[test]
+    fn the_allow_list_takes_the_routing_and_the_patterns() {
+        let t = Template::parse("kafka.topic", "outbox.event.{aggregate_type}").unwrap();
+        assert_eq!(t.pattern(), "outbox.event.*");
+        let a = AllowList::new("kafka.allowed_destinations", t.pattern(), &[]).unwrap();
+        assert!(a.allows("outbox.event.order"));
+        assert!(a.allows("outbox.event."));
+        assert!(!a.allows("payments.ledger"));
+        assert!(!a.allows("outbox.events"));
+        let e = a.check("payments.ledger").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PermissionDenied);
+        assert!(!e.is_retryable());
+        assert!(
+            e.message().contains("\"payments.ledger\" is not allowed")
+                && e.message()
+                    .contains("kafka.allowed_destinations allows \"outbox.event.*\""),
+            "{e}"
+        );
+        let a = AllowList::new(
+            "k",
+            "fixed".into(),
+            &["audit.*.v?".into(), "*.dlq".into(), "exact".into()],
+        )
+        .unwrap();
+        for ok in [
+            "fixed",
+            "audit.x.v?",
+            "audit..v?",
+            "orders.dlq",
+            ".dlq",
+            "exact",
+        ] {
+            assert!(a.allows(ok), "{ok}");
+        }
+        for no in ["fixed2", "audit.x.v1", "orders.dlq2", "exactly", ""] {
+            assert!(!a.allows(no), "{no}");
+        }
+        let all = AllowList::new("k", "fixed".into(), &["*".into()]).unwrap();
+        assert!(all.allows("anything at all") && all.allows(""));
+        assert!(AllowList::new("k", "fixed".into(), &[" ".into()])
+            .unwrap_err()
+            .message()
+            .starts_with("k holds an empty pattern"));
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use outbox_core::routing::Template;
+use outbox_core::routing::{AllowList, Template};
 use outbox_core::{duration, Error};
 
 /// The default bootstrap servers: a local broker.
@@ -46,6 +46,13 @@ pub struct KafkaConfig {
     /// `sasl.mechanisms`, `sasl.username`, `sasl.password`, `ssl.ca.location`... Values of keys that
     /// look secret (`password`, `secret`, `key`) are never logged.
     pub properties: BTreeMap<String, String>,
+    /// Destinations events may name besides the configured topic: names or patterns where `*`
+    /// matches any run of characters (`["*"]` allows every topic). An event whose destination is
+    /// neither is dead-lettered with an error naming this setting (permission denied), never sent:
+    /// anyone who can write to the outbox could otherwise reach any topic the relay's credentials
+    /// reach. Default: none (the configured topic only).
+    #[serde(default)]
+    pub allowed_destinations: Vec<String>,
 }
 
 impl Default for KafkaConfig {
@@ -62,6 +69,7 @@ impl Default for KafkaConfig {
             delivery_timeout: Duration::from_secs(30),
             enqueue_timeout: Duration::from_secs(5),
             properties: BTreeMap::new(),
+            allowed_destinations: Vec::new(),
         }
     }
 }
@@ -91,6 +99,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("delivery_timeout", &self.delivery_timeout)
             .field("enqueue_timeout", &self.enqueue_timeout)
             .field("properties", &props)
+            .field("allowed_destinations", &self.allowed_destinations)
             .finish()
     }
 }
@@ -114,6 +123,18 @@ const OWNED: &[(&str, &str)] = &[
 ];
 
 impl KafkaConfig {
+    /// The destinations this publisher may send to: the configured topic and `allowed_destinations`.
+    ///
+    /// # Errors
+    /// A config error naming `kafka.allowed_destinations` when a pattern is empty.
+    pub fn allow_list(&self) -> Result<AllowList, Error> {
+        AllowList::new(
+            "kafka.allowed_destinations",
+            Template::parse("kafka.topic", &self.topic)?.pattern(),
+            &self.allowed_destinations,
+        )
+    }
+
     /// Checks the values and parses the topic template.
     ///
     /// # Errors
@@ -166,6 +187,7 @@ impl KafkaConfig {
                 )));
             }
         }
+        self.allow_list()?;
         Template::parse("kafka.topic", &self.topic)
     }
 

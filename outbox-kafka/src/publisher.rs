@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tracing::{error, warn};
 
 use outbox_core::publishers::{finish, Fence};
-use outbox_core::routing::Template;
+use outbox_core::routing::{AllowList, Template};
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 
 use crate::config::KafkaConfig;
@@ -43,6 +43,8 @@ const MAX_TOPIC_LEN: usize = 249;
 pub struct KafkaPublisher {
     producer: std::sync::Mutex<FutureProducer>,
     topic: Template,
+    /// Where events may go (`kafka.allowed_destinations`).
+    allowed: AllowList,
     config: KafkaConfig,
     /// Publish calls in a row whose every delivery timed out.
     stalled_batches: AtomicU32,
@@ -147,10 +149,12 @@ impl KafkaPublisher {
     /// A config error naming the key when `config` does not validate or librdkafka refuses a property.
     pub fn new(config: KafkaConfig) -> Result<Self, Error> {
         let topic = config.validate()?;
+        let allowed = config.allow_list()?;
         let producer = create_producer(&config)?;
         Ok(KafkaPublisher {
             producer: std::sync::Mutex::new(producer),
             topic,
+            allowed,
             config,
             stalled_batches: AtomicU32::new(0),
         })
@@ -268,6 +272,13 @@ impl Publisher for KafkaPublisher {
                 continue;
             }
             let topic = self.topic.destination(event);
+            if let Err(e) = self.allowed.check(&topic) {
+                outcomes[i] = Some(Err(e
+                    .with_context("adapter", "kafka")
+                    .with_context("event_id", event.id)));
+                fence.close(event);
+                continue;
+            }
             if let Err(e) = check_topic(&topic) {
                 outcomes[i] = Some(Err(e.with_context("event_id", event.id)));
                 fence.close(event);

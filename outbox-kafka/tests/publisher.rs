@@ -79,7 +79,11 @@ async fn key_headers_and_order_across_partitions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_and_illegal_events_fail_alone() {
     let fx = Fixture::new(1).await;
-    let p = fx.publisher();
+    let p = outbox_kafka::KafkaPublisher::new(outbox_kafka::KafkaConfig {
+        allowed_destinations: vec!["no spaces allowed".into()],
+        ..fx.config()
+    })
+    .unwrap();
     let mut big = event("big", 0);
     big.payload = vec![b'x'; 2_000_000];
     let mut bad_topic = event("bad", 0);
@@ -167,4 +171,46 @@ async fn admin_creates_a_topic_and_reads_its_partition_count() {
     outbox_kafka::admin::delete_topic(&config, &topic)
         .await
         .unwrap();
+}
+
+/// By default events may name only topics of the configured template: another topic, however real,
+/// is refused (permission denied, naming the setting) and never sent to; a pattern in
+/// `kafka.allowed_destinations` lets it through.
+#[tokio::test]
+async fn destinations_outside_the_allow_list_are_refused() {
+    let home = Fixture::new(1).await;
+    let other = Fixture::create_at(
+        &home.brokers,
+        &format!("audit.{}", uuid::Uuid::new_v4().simple()),
+        1,
+    )
+    .await;
+    let strict = KafkaPublisher::new(home.config()).unwrap();
+    let mut e = event("elsewhere", 0);
+    e.destination = Some(other.topic.clone());
+    let out = strict.publish(std::slice::from_ref(&e)).await;
+    let err = out[0].as_ref().unwrap_err();
+    assert_eq!(
+        (err.kind(), err.is_retryable()),
+        (ErrorKind::PermissionDenied, false),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("kafka.allowed_destinations")
+            && err.to_string().contains(&other.topic),
+        "{err}"
+    );
+    assert!(strict.publish(&[event("home", 0)]).await[0].is_ok());
+    assert_eq!(home.wait_for(1, WAIT).await.len(), 1);
+    assert!(
+        other.wait_for(1, Duration::from_secs(1)).await.is_empty(),
+        "nothing reached the other topic"
+    );
+    let open = KafkaPublisher::new(outbox_kafka::KafkaConfig {
+        allowed_destinations: vec!["audit.*".into()],
+        ..home.config()
+    })
+    .unwrap();
+    assert!(open.publish(&[e]).await[0].is_ok());
+    assert_eq!(other.wait_for(1, WAIT).await.len(), 1);
 }

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use outbox_core::routing::Template;
+use outbox_core::routing::{AllowList, Template};
 use outbox_core::{duration, Error};
 
 /// The default queue template.
@@ -41,6 +41,13 @@ pub struct SqsConfig {
     pub connect_timeout: Duration,
     /// Attempts the SDK makes per request (1 = no SDK retry; the relay retries anyway). Default 3.
     pub sdk_max_attempts: u32,
+    /// Destinations events may name besides the configured queue: names or patterns where `*`
+    /// matches any run of characters (`["*"]` allows every queue). An event whose destination is
+    /// neither is dead-lettered with an error naming this setting (permission denied), never sent:
+    /// anyone who can write to the outbox could otherwise reach any queue the relay's credentials
+    /// reach. Default: none (the configured queue only).
+    #[serde(default)]
+    pub allowed_destinations: Vec<String>,
 }
 
 impl Default for SqsConfig {
@@ -55,11 +62,24 @@ impl Default for SqsConfig {
             attempt_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(3),
             sdk_max_attempts: 3,
+            allowed_destinations: Vec::new(),
         }
     }
 }
 
 impl SqsConfig {
+    /// The destinations this publisher may send to: the configured queue and `allowed_destinations`.
+    ///
+    /// # Errors
+    /// A config error naming `sqs.allowed_destinations` when a pattern is empty.
+    pub fn allow_list(&self) -> Result<AllowList, Error> {
+        AllowList::new(
+            "sqs.allowed_destinations",
+            Template::parse("sqs.queue", &self.queue)?.pattern(),
+            &self.allowed_destinations,
+        )
+    }
+
     /// Checks the values and parses the queue template.
     ///
     /// # Errors
@@ -106,6 +126,7 @@ impl SqsConfig {
                 "sqs.region is empty: expected a region such as \"eu-west-1\" (or leave it unset)",
             ));
         }
+        self.allow_list()?;
         Template::parse("sqs.queue", &self.queue)
     }
 }

@@ -19,7 +19,7 @@ use futures::future::join_all;
 use tracing::debug;
 
 use outbox_core::publishers::{finish, Fence};
-use outbox_core::routing::Template;
+use outbox_core::routing::{AllowList, Template};
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 
 use crate::config::{SqsConfig, SQS_MAX_BYTES};
@@ -54,6 +54,8 @@ pub struct SqsPublisher {
     client: Client,
     config: SqsConfig,
     queue: Template,
+    /// Which queues events may name (`sqs.allowed_destinations`).
+    allowed: AllowList,
     /// Queue names resolved to URLs, the most recently used ones (any writer can name any queue).
     urls: Mutex<BoundedCache<String, String>>,
 }
@@ -251,10 +253,12 @@ impl SqsPublisher {
     /// A config error naming the key when `config` does not validate.
     pub fn from_client(client: Client, config: SqsConfig) -> Result<Self, Error> {
         let queue = config.validate()?;
+        let allowed = config.allow_list()?;
         Ok(SqsPublisher {
             client,
             config,
             queue,
+            allowed,
             urls: Mutex::new(BoundedCache::new(DEFAULT_DESTINATION_CACHE)),
         })
     }
@@ -524,7 +528,12 @@ impl Publisher for SqsPublisher {
         let started = tokio::time::Instant::now();
         let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
         // Resolve every queue once.
-        let queues: HashSet<String> = events.iter().map(|e| self.queue.destination(e)).collect();
+        // Only queues events may go to are looked up: the others are refused below, unresolved.
+        let queues: HashSet<String> = events
+            .iter()
+            .map(|e| self.queue.destination(e))
+            .filter(|q| self.allowed.allows(q))
+            .collect();
         let resolved = join_all(queues.into_iter().map(|q| async move {
             let url = self.queue_url(&q).await;
             (q, url)
@@ -541,10 +550,13 @@ impl Publisher for SqsPublisher {
                 continue;
             }
             let queue = self.queue.destination(event);
-            let prepared = match urls.get(&queue) {
-                Some(Ok(url)) => self.prepare(i, event, url.clone()),
-                Some(Err(e)) => Err(e.clone()),
-                None => Err(Error::new(ErrorKind::Unexpected, "queue not resolved").temporary()),
+            let prepared = match (self.allowed.check(&queue), urls.get(&queue)) {
+                (Err(refused), _) => Err(refused),
+                (Ok(()), Some(Ok(url))) => self.prepare(i, event, url.clone()),
+                (Ok(()), Some(Err(e))) => Err(e.clone()),
+                (Ok(()), None) => {
+                    Err(Error::new(ErrorKind::Unexpected, "queue not resolved").temporary())
+                }
             };
             match prepared {
                 Ok(p) => {

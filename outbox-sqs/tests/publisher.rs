@@ -140,6 +140,7 @@ async fn oversized_events_and_missing_queues_are_permanent() {
         outbox_sqs::testing::client(),
         SqsConfig {
             max_message_bytes: 2048,
+            allowed_destinations: vec!["outbox-test-no-such-queue".into()],
             ..fx.config()
         },
     )
@@ -185,7 +186,10 @@ async fn the_queue_url_cache_stays_bounded() {
     }
     let publisher = SqsPublisher::from_client(
         outbox_sqs::testing::client_at(&home.endpoint),
-        home.config(),
+        SqsConfig {
+            allowed_destinations: vec!["*".into()],
+            ..home.config()
+        },
     )
     .unwrap()
     .with_queue_url_cache(4);
@@ -205,4 +209,49 @@ async fn the_queue_url_cache_stays_bounded() {
     for fx in &others {
         assert_eq!(fx.wait_for(2, WAIT).await.len(), 2, "{}", fx.queue_name);
     }
+}
+
+/// By default events may name only the configured queue: another queue, however real, is refused
+/// (permission denied, naming the setting), never resolved nor sent to; a pattern in
+/// `sqs.allowed_destinations` lets it through.
+#[tokio::test]
+async fn destinations_outside_the_allow_list_are_refused() {
+    let home = Fixture::new(false).await;
+    let other = Fixture::new(false).await;
+    let strict = home.publisher();
+    let mut e = event("elsewhere", 0);
+    e.destination = Some(other.queue_name.clone());
+    let out = strict.publish(std::slice::from_ref(&e)).await;
+    let err = out[0].as_ref().unwrap_err();
+    assert_eq!(
+        (err.kind(), err.is_retryable()),
+        (ErrorKind::PermissionDenied, false),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("sqs.allowed_destinations")
+            && err.to_string().contains(&other.queue_name),
+        "{err}"
+    );
+    assert_eq!(
+        strict.cached_queue_urls(),
+        0,
+        "a refused queue is not even resolved"
+    );
+    assert!(strict.publish(&[event("home", 0)]).await[0].is_ok());
+    assert_eq!(home.wait_for(1, WAIT).await.len(), 1);
+    assert!(
+        other.wait_for(1, Duration::from_secs(1)).await.is_empty(),
+        "nothing reached the other queue"
+    );
+    let open = SqsPublisher::from_client(
+        outbox_sqs::testing::client_at(&home.endpoint),
+        SqsConfig {
+            allowed_destinations: vec!["outbox-test-*".into()],
+            ..home.config()
+        },
+    )
+    .unwrap();
+    assert!(open.publish(&[e]).await[0].is_ok());
+    assert_eq!(other.wait_for(1, WAIT).await.len(), 1);
 }

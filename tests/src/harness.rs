@@ -223,6 +223,37 @@ impl Sink {
         }
     }
 
+    /// A publisher to this sink that also lets events name the `allowed` destinations
+    /// (`allowed_destinations`), for scenarios where the broker itself must refuse a destination.
+    pub fn publisher_allowing(&self, allowed: Vec<String>) -> Arc<dyn Publisher> {
+        match self {
+            Sink::Amqp(fx) => Arc::new(
+                outbox_amqp::AmqpPublisher::new(outbox_amqp::AmqpConfig {
+                    allowed_destinations: allowed,
+                    ..fx.config()
+                })
+                .unwrap(),
+            ),
+            Sink::Kafka(fx) => Arc::new(
+                outbox_kafka::KafkaPublisher::new(outbox_kafka::KafkaConfig {
+                    allowed_destinations: allowed,
+                    ..fx.config()
+                })
+                .unwrap(),
+            ),
+            Sink::Sqs(fx) => Arc::new(
+                outbox_sqs::SqsPublisher::from_client(
+                    outbox_sqs::testing::client_at(&fx.endpoint),
+                    outbox_sqs::SqsConfig {
+                        allowed_destinations: allowed,
+                        ..fx.config()
+                    },
+                )
+                .unwrap(),
+            ),
+        }
+    }
+
     /// Event ids received so far, in reception order, waiting up to `timeout` for `count`.
     pub async fn received(&self, count: usize, timeout: Duration) -> Vec<Uuid> {
         match self {

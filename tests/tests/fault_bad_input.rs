@@ -1,6 +1,7 @@
-//! Scenario 5: bad input. Oversized payloads, destinations that cannot exist, non-text payloads,
-//! oversized header values, event types the broker refuses: each is classified, dead-lettered (or
-//! delivered, when the broker can carry it) with a clear error on the row, and the relay keeps going.
+//! Scenario 5: bad input. Oversized payloads, destinations that cannot exist or are not allowed,
+//! non-text payloads, oversized header values, event types the broker refuses: each is classified,
+//! dead-lettered (or delivered, when the broker can carry it) with a clear error on the row, and the
+//! relay keeps going.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::collections::HashMap;
@@ -26,13 +27,19 @@ enum Expect {
     DeadLettered(&'static str, fn(Broker) -> &'static [&'static str]),
 }
 
-fn cases(broker: Broker, sink: &Sink) -> Vec<(&'static str, NewEvent, Expect)> {
-    let big = serde_json::json!({ "blob": "x".repeat(2 * 1024 * 1024) });
-    let nowhere = match sink {
+/// A destination that does not exist (or cannot) on the sink's broker; the scenario's publisher
+/// allows it (`allowed_destinations`), so that the broker's own refusal is what gets classified.
+fn nowhere(sink: &Sink) -> String {
+    match sink {
         Sink::Amqp(fx) => format!("{}.nowhere", fx.exchange),
         Sink::Kafka(_) => "not a topic!".to_string(),
         Sink::Sqs(_) => "outbox-test-no-such-queue".to_string(),
-    };
+    }
+}
+
+fn cases(broker: Broker, sink: &Sink) -> Vec<(&'static str, NewEvent, Expect)> {
+    let big = serde_json::json!({ "blob": "x".repeat(2 * 1024 * 1024) });
+    let nowhere = nowhere(sink);
     let long_type = "t".repeat(300);
     vec![
         (
@@ -51,6 +58,24 @@ fn cases(broker: Broker, sink: &Sink) -> Vec<(&'static str, NewEvent, Expect)> {
                 Broker::Amqp => &["exchange", ".nowhere"],
                 Broker::Kafka => &["\"not a topic!\"", "topic name"],
                 Broker::Sqs => &["queue=outbox-test-no-such-queue"],
+            }),
+        ),
+        (
+            "destination outside the allow-list",
+            sample_event("elsewhere", 0).with_destination("outbox-test-not-allowed"),
+            Expect::DeadLettered("permission_denied", |b| match b {
+                Broker::Amqp => &[
+                    "\"outbox-test-not-allowed\" is not allowed",
+                    "amqp.allowed_destinations",
+                ],
+                Broker::Kafka => &[
+                    "\"outbox-test-not-allowed\" is not allowed",
+                    "kafka.allowed_destinations",
+                ],
+                Broker::Sqs => &[
+                    "\"outbox-test-not-allowed\" is not allowed",
+                    "sqs.allowed_destinations",
+                ],
             }),
         ),
         (
@@ -158,15 +183,33 @@ async fn run(broker: Broker, with_bad: bool) -> (Written, PostgresStore, Sink, D
     let pg = pool(4).await;
     let table = fresh_table(&pg).await;
     let sink = Sink::new(broker).await;
+    let allowed = vec![nowhere(&sink)];
     let publisher: Arc<dyn Publisher> = match &sink {
         Sink::Amqp(fx) => Arc::new(
             outbox_amqp::AmqpPublisher::new(outbox_amqp::AmqpConfig {
                 max_message_bytes: 1024 * 1024,
+                allowed_destinations: allowed,
                 ..fx.config()
             })
             .unwrap(),
         ),
-        _ => sink.publisher(),
+        Sink::Kafka(fx) => Arc::new(
+            outbox_kafka::KafkaPublisher::new(outbox_kafka::KafkaConfig {
+                allowed_destinations: allowed,
+                ..fx.config()
+            })
+            .unwrap(),
+        ),
+        Sink::Sqs(fx) => Arc::new(
+            outbox_sqs::SqsPublisher::from_client(
+                outbox_sqs::testing::client_at(&fx.endpoint),
+                outbox_sqs::SqsConfig {
+                    allowed_destinations: allowed,
+                    ..fx.config()
+                },
+            )
+            .unwrap(),
+        ),
     };
     let written = write(&pg, &table, broker, &sink, with_bad).await;
     let store = PostgresStore::new(pg.clone(), table.clone());

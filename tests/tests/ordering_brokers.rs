@@ -84,6 +84,7 @@ async fn held_back_behind_a_refused_event(sink: &Sink, bad: NewEvent, error_name
     let pg = pool(4).await;
     let table = fresh_table(&pg).await;
     let writer = Writer::new(table.clone());
+    let allowed = bad.destination.iter().cloned().collect();
     let mut tx = pg.begin().await.unwrap();
     let ids = writer
         .enqueue_many(
@@ -96,7 +97,12 @@ async fn held_back_behind_a_refused_event(sink: &Sink, bad: NewEvent, error_name
     let (x1, x2, y1) = (ids[0], ids[1], ids[2]);
 
     let store = PostgresStore::new(pool(4).await, table.clone());
-    let relay = Relay::new(Arc::new(store.clone()), sink.publisher(), config()).unwrap();
+    let relay = Relay::new(
+        Arc::new(store.clone()),
+        sink.publisher_allowing(allowed),
+        config(),
+    )
+    .unwrap();
     let shutdown = CancellationToken::new();
     let s = shutdown.clone();
     let task = tokio::spawn(async move { relay.run(s).await });

@@ -27,7 +27,8 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
     let fx = Fixture::new().await;
     let writer = Writer::new(table.clone());
     let mut tx = pg.begin().await.unwrap();
-    let poisoned = sample_event("poisoned", 0).with_destination(format!("{}.nowhere", fx.exchange));
+    let nowhere = format!("{}.nowhere", fx.exchange);
+    let poisoned = sample_event("poisoned", 0).with_destination(nowhere.clone());
     let held_back = sample_event("poisoned", 1);
     let healthy: Vec<_> = (0..20)
         .map(|i| sample_event(&format!("ok-{i}"), 0))
@@ -38,7 +39,13 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
     writer.commit(tx).await.unwrap();
 
     let store = PostgresStore::new(pg.clone(), table.clone());
-    let relay = Relay::new(Arc::new(store.clone()), fx.publisher(), config()).unwrap();
+    // The exchange is allowed, so that RabbitMQ's own refusal is what the relay classifies.
+    let publisher = outbox_amqp::AmqpPublisher::new(outbox_amqp::AmqpConfig {
+        allowed_destinations: vec![nowhere],
+        ..fx.config()
+    })
+    .unwrap();
+    let relay = Relay::new(Arc::new(store.clone()), Arc::new(publisher), config()).unwrap();
     relay.drain().await;
     fx.wait_for(20, Duration::from_secs(30)).await;
     let got = read_until_quiet(|| fx.wait_for(usize::MAX, Duration::ZERO)).await;
