@@ -338,7 +338,7 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
         }
     };
     let store: Arc<dyn Store> = Arc::new(pg.clone());
-    let liveness = Arc::new(crate::health::Liveness::new(config.http.liveness_timeout));
+    let liveness = Arc::new(crate::health::Liveness::new(config.liveness_timeout()));
     let metrics =
         Arc::new(Metrics::new(config.http.max_event_type_labels).with_liveness(liveness.clone()));
     let relay = Relay::new(store.clone(), publisher.clone(), config.relay.clone())?
@@ -348,9 +348,13 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
         let every = config.http.stats_interval;
         tokio::spawn(async move {
             loop {
+                metrics.stats_refreshing();
                 match store.stats().await {
                     Ok(s) => metrics.record_stats(&s),
-                    Err(e) => warn!(error = %e, "cannot count the outbox for metrics"),
+                    Err(e) => {
+                        metrics.stats_failed();
+                        warn!(error = %e, "cannot count the outbox for metrics");
+                    }
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(every) => {}

@@ -61,9 +61,14 @@ pub struct HttpConfig {
     /// `/healthz` answers 503 once the relay has, for this long, neither settled a batch nor found
     /// nothing to claim nor checked an unreachable broker, while the oldest pending event is older
     /// than this: a wedged relay, for the orchestrator to restart. Must exceed the relay's hold time
-    /// (2 x `relay.publish_timeout` + 10 s), the longest a healthy batch may take. Default 5 min.
-    #[serde(with = "duration::serde_str")]
-    pub liveness_timeout: Duration,
+    /// (2 x `relay.publish_timeout` + 10 s), the longest a healthy batch may take. Default (unset):
+    /// the larger of 5 min and the hold time + 1 min ([`Config::liveness_timeout`]).
+    #[serde(
+        default,
+        with = "duration::serde_opt",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub liveness_timeout: Option<Duration>,
     /// Distinct `event_type` label values per metric (`outbox_events_failed`,
     /// `outbox_events_pending_by_type`); further types count under `event_type="other"`, so that
     /// writers inserting ever new types cannot grow `/metrics` without bound. Default 100.
@@ -77,7 +82,7 @@ impl Default for HttpConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
             stats_interval: Duration::from_secs(5),
             ready_timeout: Duration::from_secs(2),
-            liveness_timeout: Duration::from_secs(300),
+            liveness_timeout: None,
             max_event_type_labels: crate::metrics::DEFAULT_MAX_EVENT_TYPE_LABELS,
         }
     }
@@ -240,6 +245,14 @@ impl Config {
         Ok(config)
     }
 
+    /// The liveness timeout in force: `http.liveness_timeout`, or when unset the larger of 5 min and
+    /// the relay's hold time + 1 min.
+    pub fn liveness_timeout(&self) -> Duration {
+        self.http.liveness_timeout.unwrap_or_else(|| {
+            Duration::from_secs(300).max(self.relay.hold_for() + Duration::from_secs(60))
+        })
+    }
+
     /// Checks every section.
     ///
     /// # Errors
@@ -257,13 +270,16 @@ impl Config {
                 "http.stats_interval and http.ready_timeout must be positive durations such as 5s",
             ));
         }
-        if self.http.liveness_timeout <= self.relay.hold_for() {
-            return Err(Error::config(format!(
-                "http.liveness_timeout = {} does not exceed the relay's hold time, {} (2 x relay.publish_timeout + 10s): \
-                 a healthy relay may take that long over a batch; raise http.liveness_timeout above it",
-                outbox_core::duration::format(self.http.liveness_timeout),
-                outbox_core::duration::format(self.relay.hold_for()),
-            )));
+        if let Some(timeout) = self.http.liveness_timeout {
+            if timeout <= self.relay.hold_for() {
+                return Err(Error::config(format!(
+                    "http.liveness_timeout = {} does not exceed the relay's hold time, {} (2 x relay.publish_timeout + 10s): \
+                     a healthy relay may take that long over a batch; raise http.liveness_timeout above it, \
+                     or leave it unset (then it is the larger of 5m and the hold time + 1m)",
+                    outbox_core::duration::format(timeout),
+                    outbox_core::duration::format(self.relay.hold_for()),
+                )));
+            }
         }
         let needed = self.pool_connections_needed();
         if needed > self.database.pool_size {
@@ -443,6 +459,27 @@ mod tests {
         let r = Config::load(Some(&path), env);
         let _ = std::fs::remove_dir_all(&dir);
         r
+    }
+
+    #[test]
+    fn the_liveness_timeout_follows_the_hold_time_unless_set() {
+        let c = Config::load(None, Vec::new()).unwrap();
+        assert_eq!(c.liveness_timeout(), Duration::from_secs(300));
+        // A long publish timeout (as a Kafka delivery timeout of 300 s needs) still loads.
+        let c = load_str("[relay]\npublish_timeout = \"320s\"\n", &[]).unwrap();
+        assert_eq!(c.liveness_timeout(), Duration::from_secs(650 + 60));
+        let e = load_str(
+            "[relay]\npublish_timeout = \"320s\"\n[http]\nliveness_timeout = \"10m\"\n",
+            &[],
+        )
+        .unwrap_err();
+        assert!(
+            e.message().contains("http.liveness_timeout = 10m")
+                && e.message().contains("hold time, 650s"),
+            "{e}"
+        );
+        let c = load_str("[http]\nliveness_timeout = \"20m\"\n", &[]).unwrap();
+        assert_eq!(c.liveness_timeout(), Duration::from_secs(1200));
     }
 
     #[test]

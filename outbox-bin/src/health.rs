@@ -1,11 +1,12 @@
 //! What `/healthz` and `/readyz` answer.
 //!
 //! - **Liveness** ([`Liveness`]): the relay is wedged when, for `http.liveness_timeout`, it has
-//!   neither settled a batch, nor found nothing to claim, nor checked an unreachable broker again,
-//!   while work is due: the oldest pending event (as the last statistics refresh saw it, aged since)
-//!   is older than the timeout. A relay waiting out a broker outage checks the broker every few
-//!   seconds and stays live (a restart would not help); one whose claims hang on a lock, whose loop
-//!   has died, or whose runtime is starved, does not.
+//!   neither settled a batch, nor found nothing to claim, nor seen a claim fail, nor checked an
+//!   unreachable broker again, while work is due: the oldest pending event (as the last statistics
+//!   refresh saw it, aged since) is older than the timeout, or the statistics query itself has hung
+//!   that long. A relay waiting out a broker or database outage keeps trying every few seconds and
+//!   stays live (a restart would not help); one whose claims hang on a lock, whose loop has died, or
+//!   whose runtime is starved, does not.
 //! - **Readiness** ([`Readiness`]): the database and the broker answer their checks. One check runs
 //!   at a time whatever the number of probes, its result is kept for [`READY_CACHE`], and a probe
 //!   waits at most `http.ready_timeout` for it. The answer names what is not ready, never the
@@ -40,6 +41,8 @@ struct LiveState {
     progress: Instant,
     /// The last statistics refresh: when, and the oldest pending event's age then.
     stats: Option<(Instant, Option<f64>)>,
+    /// When the statistics refresh in flight started (`None`: none in flight).
+    refreshing: Option<Instant>,
 }
 
 impl Liveness {
@@ -50,6 +53,7 @@ impl Liveness {
             state: Mutex::new(LiveState {
                 progress: Instant::now(),
                 stats: None,
+                refreshing: None,
             }),
         }
     }
@@ -65,9 +69,22 @@ impl Liveness {
         self.lock().progress = Instant::now();
     }
 
+    /// A statistics refresh starts.
+    pub fn refreshing(&self) {
+        let mut st = self.lock();
+        st.refreshing.get_or_insert_with(Instant::now);
+    }
+
+    /// A statistics refresh failed (it ended: the database answered, with an error).
+    pub fn refresh_failed(&self) {
+        self.lock().refreshing = None;
+    }
+
     /// A statistics refresh saw the oldest pending event at `oldest_pending_age_seconds`.
     pub fn saw_stats(&self, oldest_pending_age_seconds: Option<f64>) {
-        self.lock().stats = Some((Instant::now(), oldest_pending_age_seconds));
+        let mut st = self.lock();
+        st.stats = Some((Instant::now(), oldest_pending_age_seconds));
+        st.refreshing = None;
     }
 
     /// `Err` with the reason when the relay is wedged at `now`.
@@ -79,6 +96,20 @@ impl Liveness {
         let still = now.saturating_duration_since(st.progress);
         if still <= self.timeout {
             return Ok(());
+        }
+        // Claims and the statistics both hanging: whether work is due cannot be known, and the
+        // relay is stuck either way.
+        if let Some(started) = st.refreshing {
+            let hung = now.saturating_duration_since(started);
+            if hung > self.timeout {
+                return Err(format!(
+                    "no batch settled and no claim completed for {} s, and the statistics query has hung for {} s \
+                     (http.liveness_timeout = {})",
+                    still.as_secs(),
+                    hung.as_secs(),
+                    outbox_core::duration::format(self.timeout)
+                ));
+            }
         }
         let Some((seen, Some(age))) = st.stats else {
             return Ok(());
@@ -131,7 +162,7 @@ pub struct Readiness {
     store: Arc<dyn Store>,
     publisher: Arc<dyn Publisher>,
     timeout: Duration,
-    state: tokio::sync::Mutex<ReadyState>,
+    state: Mutex<ReadyState>,
 }
 
 impl std::fmt::Debug for Readiness {
@@ -150,7 +181,22 @@ struct ReadyState {
     logged: Option<Vec<String>>,
 }
 
+/// Clears the check in flight when its task ends, normally or not.
+struct Finished(Arc<Readiness>);
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        self.0.lock().running = None;
+    }
+}
+
 impl Readiness {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReadyState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Checks `store` and `publisher`; a probe waits at most `timeout` for the answer.
     pub fn new(
         store: Arc<dyn Store>,
@@ -161,7 +207,7 @@ impl Readiness {
             store,
             publisher,
             timeout,
-            state: tokio::sync::Mutex::new(ReadyState::default()),
+            state: Mutex::new(ReadyState::default()),
         })
     }
 
@@ -170,7 +216,7 @@ impl Readiness {
     /// component still checking counts as not ready (the check goes on, and the next probe joins it).
     pub async fn check(self: &Arc<Self>) -> Problems {
         let mut rx = {
-            let mut st = self.state.lock().await;
+            let mut st = self.lock();
             if let Some((at, outcomes)) = &st.last {
                 if at.elapsed() < READY_CACHE {
                     return outcomes.problems();
@@ -182,7 +228,12 @@ impl Readiness {
                     let (tx, rx) = watch::channel(Outcomes::default());
                     st.running = Some(rx.clone());
                     let this = self.clone();
-                    tokio::spawn(async move { this.run_checks(tx).await });
+                    tokio::spawn(async move {
+                        // However the check ends (a panic in a client included), the next probe
+                        // starts a new one.
+                        let _done = Finished(this.clone());
+                        this.run_checks(tx).await;
+                    });
                     rx
                 }
             }
@@ -222,9 +273,8 @@ impl Readiness {
         tokio::join!(db, broker);
         let mut errors = errors.into_inner().unwrap_or_default();
         errors.sort();
-        let mut st = self.state.lock().await;
+        let mut st = self.lock();
         st.last = Some((Instant::now(), *tx.borrow()));
-        st.running = None;
         if st.logged.as_ref() != Some(&errors) {
             if errors.is_empty() {
                 if st.logged.is_some() {
@@ -290,6 +340,16 @@ mod tests {
         assert!(
             l.verdict_at(later(12)).is_err(),
             "statistics that stopped coming age with the clock"
+        );
+        let l = Liveness::new(Duration::from_secs(10));
+        l.refreshing();
+        assert!(l.verdict_at(later(9)).is_ok());
+        let e = l.verdict_at(later(12)).unwrap_err();
+        assert!(e.contains("statistics query has hung"), "{e}");
+        l.refresh_failed();
+        assert!(
+            l.verdict_at(later(12)).is_ok(),
+            "a refresh that fails ended: nothing known due"
         );
     }
 
@@ -410,6 +470,44 @@ mod tests {
         );
         for secret in ["alice", "db.internal", "5432", "password"] {
             assert!(!text.contains(secret), "{secret:?} in {text}");
+        }
+    }
+
+    /// A publisher whose check panics.
+    struct Panics(AtomicUsize);
+
+    #[async_trait]
+    impl Publisher for Panics {
+        async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+            events.iter().map(|_| Ok(())).collect()
+        }
+        async fn check(&self) -> Result<(), Error> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            panic!("a client library panicked");
+        }
+        fn name(&self) -> &str {
+            "panics"
+        }
+    }
+
+    #[tokio::test]
+    async fn a_check_that_panics_is_not_ready_and_does_not_wedge_readiness() {
+        let publisher = Arc::new(Panics(AtomicUsize::new(0)));
+        let store = Arc::new(Checked {
+            inner: MemoryStore::new(),
+            fail: false,
+        });
+        let r = Readiness::new(store, publisher.clone(), Duration::from_secs(5));
+        let problems = r.check().await;
+        assert!(
+            problems.iter().any(|(what, _)| *what == "broker"),
+            "{problems:?}"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while publisher.0.load(Ordering::SeqCst) < 2 {
+            assert!(Instant::now() < deadline, "no new check after the panic");
+            let problems = r.check().await;
+            assert!(!problems.is_empty());
         }
     }
 }

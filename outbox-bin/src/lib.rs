@@ -1,5 +1,6 @@
 //! The `outbox` command, as a library: configuration loading, Prometheus metrics, the operations
 //! endpoint and the subcommands. `main.rs` only parses the arguments and calls [`cli::run`].
+#![forbid(unsafe_code)]
 #![doc = include_str!("../README.md")]
 
 pub mod bench;

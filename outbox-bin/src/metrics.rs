@@ -192,6 +192,20 @@ impl Metrics {
         self
     }
 
+    /// A statistics refresh starts (for the liveness check: one that never ends is a sign of a wedge).
+    pub fn stats_refreshing(&self) {
+        if let Some(l) = &self.liveness {
+            l.refreshing();
+        }
+    }
+
+    /// A statistics refresh failed.
+    pub fn stats_failed(&self) {
+        if let Some(l) = &self.liveness {
+            l.refresh_failed();
+        }
+    }
+
     fn progressed(&self) {
         if let Some(l) = &self.liveness {
             l.progressed();
@@ -307,6 +321,8 @@ impl RelayObserver for Metrics {
     }
 
     fn store_error(&self, operation: &'static str, _error: &Error) {
+        // A store call that failed came back: the relay is waiting for its database, not stuck.
+        self.progressed();
         self.store_errors
             .get_or_create(&OperationLabel {
                 operation: operation.to_string(),

@@ -108,3 +108,22 @@ mod tests {
         }
     }
 }
+
+/// `#[serde(default, with = "outbox_core::duration::serde_opt", skip_serializing_if = "Option::is_none")]`
+/// for optional `Duration` fields written as text (absent: `None`).
+pub mod serde_opt {
+    use super::*;
+
+    /// Serialises `Some` as text; `None` as nothing.
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => serde_str::serialize(d, s),
+            None => s.serialize_none(),
+        }
+    }
+
+    /// Deserialises as [`serde_str`] does, into `Some`.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        serde_str::deserialize(d).map(Some)
+    }
+}

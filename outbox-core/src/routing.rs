@@ -146,8 +146,12 @@ impl Template {
 /// could reach any topic, exchange or queue the relay's credentials reach. A publisher allows its
 /// configured routing (its fixed destination, or its template with each placeholder as `*`) and the
 /// patterns of its `allowed_destinations` setting, where `*` matches any run of characters (`"*"`
-/// alone allows every destination). An event routed elsewhere fails permanently
+/// alone allows every destination name). An event routed elsewhere fails permanently
 /// ([`ErrorKind::PermissionDenied`], so it is dead-lettered) with an error naming the setting.
+///
+/// The routing itself is a rule too: writers choose the aggregate and event types, so a template
+/// made only of placeholders (`{event_type}`) already lets them reach any destination its pattern
+/// matches (`*`); prefix such templates (`events.{event_type}`) to keep them apart from the rest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllowList {
     key: String,
@@ -178,9 +182,18 @@ impl AllowList {
         })
     }
 
-    /// Whether `destination` matches a pattern.
+    /// Whether `destination` matches a pattern. An empty destination (AMQP's default exchange, which
+    /// delivers to any queue named by the routing key) matches only an empty configured routing, never
+    /// a pattern; a URL (an SQS queue URL, possibly of another account) matches only patterns that are
+    /// URLs themselves.
     pub fn allows(&self, destination: &str) -> bool {
-        self.patterns.iter().any(|p| glob(p, destination))
+        if destination.is_empty() {
+            return self.patterns[0].is_empty();
+        }
+        let url = destination.contains("://");
+        self.patterns
+            .iter()
+            .any(|p| p.contains("://") == url && glob(p, destination))
     }
 
     /// `Ok` when `destination` is allowed; otherwise a permanent error naming the rule.
@@ -312,7 +325,21 @@ mod tests {
             assert!(!a.allows(no), "{no}");
         }
         let all = AllowList::new("k", "fixed".into(), &["*".into()]).unwrap();
-        assert!(all.allows("anything at all") && all.allows(""));
+        assert!(all.allows("anything at all"));
+        assert!(!all.allows(""), "the default exchange only when configured");
+        assert!(AllowList::new("k", String::new(), &[]).unwrap().allows(""));
+        assert!(
+            !all.allows("https://sqs.us-east-1.amazonaws.com/999/other"),
+            "a URL only by a URL pattern"
+        );
+        let urls = AllowList::new(
+            "k",
+            "q".into(),
+            &["https://sqs.us-east-1.amazonaws.com/123/*".into()],
+        )
+        .unwrap();
+        assert!(urls.allows("https://sqs.us-east-1.amazonaws.com/123/orders"));
+        assert!(!urls.allows("https://sqs.us-east-1.amazonaws.com/999/orders"));
         assert!(AllowList::new("k", "fixed".into(), &[" ".into()])
             .unwrap_err()
             .message()

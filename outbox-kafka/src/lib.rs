@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 #![doc = include_str!("../README.md")]
 
 pub mod admin;

@@ -29,7 +29,7 @@ pub struct DatabaseConfig {
     pub table: String,
     /// Keep published rows this long (then `outbox cleanup` removes them) instead of deleting them
     /// at once. Default: unset, published rows are deleted.
-    #[serde(with = "optional_duration", skip_serializing_if = "Option::is_none")]
+    #[serde(with = "duration::serde_opt", skip_serializing_if = "Option::is_none")]
     pub keep_processed_for: Option<Duration>,
     /// Wake the relay with LISTEN/NOTIFY: `outbox migrate` installs a statement trigger that sends one
     /// payload-free notification per inserting transaction. Costs the writers a server-wide lock
@@ -43,22 +43,6 @@ pub struct DatabaseConfig {
     /// and `outbox_stats_estimated` is 1. Bounds the cost of statistics on a large backlog. At least
     /// 1000. Default 100000.
     pub stats_max_rows: u64,
-}
-
-mod optional_duration {
-    use super::*;
-    use serde::{Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => duration::serde_str::serialize(d, s),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        duration::serde_str::deserialize(d).map(Some)
-    }
 }
 
 impl Default for DatabaseConfig {

@@ -39,6 +39,10 @@ struct Sql {
     lock_free: String,
     /// The same for unordered claims: locks the lost lease's rows no other lease holds.
     lock_free_rows: String,
+    /// Locks again the heads a budget-cut batch keeps (see [`CLAIM_LOCKS`]).
+    relock_heads: String,
+    /// Locks again the rows a budget-cut unordered batch keeps.
+    relock_rows: String,
 }
 
 pub(crate) const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
@@ -57,7 +61,10 @@ pub(crate) const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, 
 /// transactions) cannot end a lease in the middle of a publish.
 fn claim_begin(hold_for: std::time::Duration) -> String {
     let ms = hold_for.as_millis().clamp(1_000, i32::MAX as u128);
-    format!("BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL idle_in_transaction_session_timeout = {ms}")
+    format!(
+        "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
+         SAVEPOINT {CLAIM_LOCKS}"
+    )
 }
 
 /// A row's payload size in bytes, as the byte budget counts it: recorded at insert (migration
@@ -65,6 +72,11 @@ fn claim_begin(hold_for: std::time::Duration) -> String {
 /// for a compressed JSON payload is smaller than the payload itself.
 const PAYLOAD_SIZE: &str =
     "COALESCE(e.payload_size, octet_length(e.payload_bytes), pg_column_size(e.payload))::bigint";
+
+/// The savepoint taken before a claim locks anything: when the byte budget leaves locked rows out of
+/// the batch, the claim rolls back to it (releasing every lock) and locks again only the rows it keeps,
+/// so that no row is held by a lease that will not publish it.
+const CLAIM_LOCKS: &str = "claim_locks";
 
 /// Claims that read more payload bytes than this give their connection's grown buffers back.
 const SHRINK_BUFFERS_ABOVE: usize = 1024 * 1024;
@@ -210,8 +222,8 @@ impl Sql {
             WHERE c.n = 1 OR c.upto <= $5
             ORDER BY c.run_pos, c.seq"
         );
-        // Unordered claims lock up to $1 ready rows and return those within the byte budget ($2);
-        // rows locked past the budget stay with this lease, unpublished, until it ends.
+        // Unordered claims lock up to $1 ready rows and return those within the byte budget ($2),
+        // with the number locked (the store then releases the rows it does not return).
         let claim_unordered = format!(
             "WITH m AS MATERIALIZED (
                 SELECT e.ctid AS tid, e.seq, {PAYLOAD_SIZE} AS size
@@ -224,7 +236,7 @@ impl Sql {
                 SELECT m.*, sum(m.size) OVER (ORDER BY m.seq ROWS UNBOUNDED PRECEDING) AS upto,
                     row_number() OVER (ORDER BY m.seq) AS n
                 FROM m)
-            SELECT {EVENT_COLUMNS}
+            SELECT {EVENT_COLUMNS}, (SELECT count(*) FROM m) AS locked
             FROM c CROSS JOIN LATERAL (SELECT * FROM {t} x WHERE x.ctid = c.tid) e
             WHERE c.n = 1 OR c.upto <= $2
             ORDER BY c.seq"
@@ -268,11 +280,22 @@ impl Sql {
             SELECT e.id FROM {t} e JOIN heads USING (aggregate_type, aggregate_id)
             WHERE e.id = ANY($1::uuid[]) AND e.processed_at IS NULL"
         );
+        // After the byte budget left some locked rows out of a batch (and the claim rolled back to its
+        // savepoint): lock again the heads (ordered) or rows (unordered) the batch keeps, if still
+        // ready and free. One that is not (another relay took it in between) leaves the batch.
+        let relock_heads = format!(
+            "SELECT e.seq FROM {t} e WHERE e.seq = ANY($1::bigint[]) AND {READY} FOR UPDATE SKIP LOCKED"
+        );
+        let relock_rows = format!(
+            "SELECT e.id FROM {t} e WHERE e.id = ANY($1::uuid[]) AND {READY} FOR UPDATE SKIP LOCKED"
+        );
         // Under unordered claims a lease locks its rows themselves; so does the lost lease's settle.
         let lock_free_rows = format!(
             "SELECT id FROM {t} WHERE id = ANY($1::uuid[]) AND processed_at IS NULL FOR UPDATE SKIP LOCKED"
         );
         Sql {
+            relock_heads,
+            relock_rows,
             lock_free,
             lock_free_rows,
             claim_heads,
@@ -505,6 +528,26 @@ fn scale_sample(sampled: u64, first: i64, sample_last: i64, last: i64) -> f64 {
 }
 
 impl PostgresStore {
+    /// Releases every lock the claim took (back to [`CLAIM_LOCKS`]) and takes again those of `query`
+    /// (a relock statement); returns what it locked.
+    async fn relock<T>(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        query: sqlx::query::QueryScalar<'_, Postgres, T, sqlx::postgres::PgArguments>,
+    ) -> Result<Vec<T>, Error>
+    where
+        T: Send + Unpin + for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+    {
+        sqlx::query(&format!("ROLLBACK TO SAVEPOINT {CLAIM_LOCKS}"))
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("claim", e))?;
+        query
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("claim", e))
+    }
+
     /// Pending rows (`dead = false`) or dead letters by event type. At most `stats_max_rows` rows are
     /// read, the oldest by seq, through the partial index of that kind; when there are more, the
     /// sample's counts are scaled to the kind's whole seq range (two index look-ups). The cost of a
@@ -697,9 +740,25 @@ impl Store for PostgresStore {
                     .fetch_all(&mut *tx)
                     .await
                     .map_err(|e| map_sqlx("claim", e))?;
-                rows.into_iter()
-                    .map(|row| decode_event(&row))
-                    .collect::<Result<Vec<_>, _>>()?
+                let mut locked = 0i64;
+                let mut events = Vec::with_capacity(rows.len());
+                for row in rows {
+                    locked = row.try_get("locked").map_err(|e| map_sqlx("claim", e))?;
+                    events.push(decode_event(&row)?);
+                }
+                if (events.len() as i64) < locked {
+                    let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
+                    let kept: HashSet<Uuid> = self
+                        .relock(
+                            &mut tx,
+                            sqlx::query_scalar(&self.sql.relock_rows).bind(&ids),
+                        )
+                        .await?
+                        .into_iter()
+                        .collect();
+                    events.retain(|e| kept.contains(&e.id));
+                }
+                events
             }
             OrderingPolicy::PerAggregate => {
                 let heads = self.claim_heads(&mut tx, limit).await?;
@@ -729,7 +788,32 @@ impl Store for PostgresStore {
                     }
                     keyed.sort_by_key(|(seq, _)| *seq);
                     let rows: Vec<PgRow> = keyed.into_iter().map(|(_, row)| row).collect();
-                    runs_from_heads(rows, &head_seq)?
+                    let mut events = runs_from_heads(rows, &head_seq)?;
+                    let used: HashSet<(String, String)> = events
+                        .iter()
+                        .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
+                        .collect();
+                    if used.len() < heads.len() {
+                        let seqs: Vec<i64> = heads
+                            .iter()
+                            .filter(|h| used.contains(&h.key))
+                            .map(|h| h.seq)
+                            .collect();
+                        let kept: HashSet<i64> = self
+                            .relock(
+                                &mut tx,
+                                sqlx::query_scalar(&self.sql.relock_heads).bind(&seqs),
+                            )
+                            .await?
+                            .into_iter()
+                            .collect();
+                        events.retain(|e| {
+                            head_seq
+                                .get(&(e.aggregate_type.clone(), e.aggregate_id.clone()))
+                                .is_some_and(|seq| kept.contains(seq))
+                        });
+                    }
+                    events
                 }
             }
         };

@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 #![doc = include_str!("../README.md")]
 //! End-to-end and fault tests of the outbox toolkit against real servers; see `tests/*.rs`.
 //!

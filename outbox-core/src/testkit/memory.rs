@@ -169,9 +169,7 @@ impl Store for MemoryStore {
             // The byte budget: stop before the event that would exceed it (a first event is taken
             // whatever its size). Stopping keeps every aggregate's events a prefix of its run.
             let size = row.event.payload.len();
-            if !events.is_empty() && bytes.saturating_add(size) > request.max_bytes {
-                break;
-            }
+            let over = !events.is_empty() && bytes.saturating_add(size) > request.max_bytes;
             if row.status == EventStatus::Processed {
                 continue;
             }
@@ -181,6 +179,9 @@ impl Store for MemoryStore {
             match request.ordering {
                 OrderingPolicy::Unordered => {
                     if ready {
+                        if over {
+                            break;
+                        }
                         bytes = bytes.saturating_add(size);
                         events.push(row.event.clone());
                     }
@@ -194,6 +195,9 @@ impl Store for MemoryStore {
                         continue;
                     }
                     if ready {
+                        if over {
+                            break;
+                        }
                         bytes = bytes.saturating_add(size);
                         events.push(row.event.clone());
                     } else {
