@@ -464,19 +464,13 @@ async fn watch_signals(mut signals: Signals, shutdown: CancellationToken) {
 
 async fn cmd_status(config: &Config, table: OutboxTable, json: bool) -> Result<(), Failure> {
     let pg = store(config, table.clone()).await?;
-    let stats = pg.stats().await?;
+    let stats = pg.stats_complete().await?;
     if json {
         let v = serde_json::json!({ "table": table.qualified(), "stats": stats });
         println!("{v}");
         return Ok(());
     }
     println!("outbox {}", table.qualified());
-    if stats.estimated {
-        println!(
-            "(counts estimated: more rows than database.stats_max_rows = {})",
-            config.database.stats_max_rows
-        );
-    }
     match stats.oldest_pending_age_seconds {
         Some(age) => println!("pending:      {} (oldest {:.1} s)", stats.pending, age),
         None => println!("pending:      {}", stats.pending),

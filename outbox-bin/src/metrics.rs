@@ -131,7 +131,7 @@ impl Metrics {
         );
         registry.register(
             "outbox_stats_estimated",
-            "1 when the pending and dead-letter counts are estimates (more rows than database.stats_max_rows)",
+            "1 when the pending and dead-letter counts come from a count taken over several refreshes (more rows than database.stats_max_rows)",
             stats_estimated.clone(),
         );
         registry.register(

@@ -39,9 +39,10 @@ pub struct DatabaseConfig {
     #[serde(with = "duration::serde_str")]
     pub acquire_timeout: Duration,
     /// The most rows of each kind (pending, dead letters) one statistics refresh reads (`/metrics`
-    /// every 5 s, `outbox status`); above it the counts are estimated from the outbox's `seq` range
-    /// and `outbox_stats_estimated` is 1. Bounds the cost of statistics on a large backlog. At least
-    /// 1000. Default 100000.
+    /// every `http.stats_interval`, `outbox status`): a larger backlog is counted over several
+    /// refreshes, each going on from where the last stopped, and shows the last complete count
+    /// (`outbox_stats_estimated` is then 1). Bounds the cost of statistics on a large backlog. At
+    /// least 1000. Default 100000.
     pub stats_max_rows: u64,
 }
 

@@ -81,6 +81,12 @@ const CLAIM_LOCKS: &str = "claim_locks";
 /// Claims that read more payload bytes than this give their connection's grown buffers back.
 const SHRINK_BUFFERS_ABOVE: usize = 1024 * 1024;
 
+/// Pending rows (the statistics' first kind), as the partial index `<table>_pending_idx` holds them.
+const PENDING: &str = "e.processed_at IS NULL AND e.dead_lettered_at IS NULL";
+
+/// Dead letters, as the partial index `<table>_dead_idx` holds them.
+const DEAD: &str = "e.dead_lettered_at IS NOT NULL AND e.processed_at IS NULL";
+
 const READY: &str = "e.processed_at IS NULL AND e.dead_lettered_at IS NULL
       AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())";
 
@@ -324,10 +330,12 @@ pub struct PostgresStore {
     skip_rest_until: Arc<Mutex<Option<std::time::Instant>>>,
     /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
     stats_max_rows: i64,
+    /// The counts in progress: pending rows, dead letters.
+    stats_passes: Arc<tokio::sync::Mutex<(CountPass, CountPass)>>,
 }
 
-/// The default of [`PostgresStore::with_stats_max_rows`] (`database.stats_max_rows`): 100,000 rows,
-/// tens of milliseconds per statistics refresh.
+/// The default of [`PostgresStore::with_stats_max_rows`] (`database.stats_max_rows`): 100,000 rows
+/// per kind and call.
 pub const DEFAULT_STATS_MAX_ROWS: u64 = 100_000;
 
 impl std::fmt::Debug for PostgresStore {
@@ -435,14 +443,34 @@ impl PostgresStore {
             skip_cursor: Arc::new(Mutex::new(None)),
             skip_rest_until: Arc::new(Mutex::new(None)),
             stats_max_rows: DEFAULT_STATS_MAX_ROWS as i64,
+            stats_passes: Arc::default(),
         }
     }
 
-    /// Reads at most `rows` rows of each kind (pending, dead letters) per [`Store::stats`] call, the
-    /// rest estimated (default [`DEFAULT_STATS_MAX_ROWS`]; at least 1,000).
+    /// Reads at most `rows` rows of each kind (pending, dead letters) per [`Store::stats`] call
+    /// (default [`DEFAULT_STATS_MAX_ROWS`]; at least 1,000): a kind with more is counted over
+    /// several calls, each going on from where the last stopped, and reported from the last complete
+    /// count ([`StoreStats::estimated`] is then true).
     pub fn with_stats_max_rows(mut self, rows: u64) -> Self {
         self.stats_max_rows = i64::try_from(rows).unwrap_or(i64::MAX).max(1_000);
         self
+    }
+
+    /// [`Store::stats`], repeated until the counts in progress are complete: for a command that
+    /// wants the whole count now (`outbox status`), at the cost of reading every pending row and dead
+    /// letter once, `stats_max_rows` at a time.
+    ///
+    /// # Errors
+    /// As [`Store::stats`].
+    pub async fn stats_complete(&self) -> Result<StoreStats, Error> {
+        loop {
+            let mut stats = self.stats().await?;
+            let passes = self.stats_passes.lock().await;
+            if passes.0.cursor.is_none() && passes.1.cursor.is_none() {
+                stats.estimated = false;
+                return Ok(stats);
+            }
+        }
     }
 
     /// The pool.
@@ -510,21 +538,56 @@ fn head_of(row: &PgRow) -> Result<Option<Head>, Error> {
     }))
 }
 
-/// Counts of one kind of rows (pending or dead letters) by event type, exact up to the store's
-/// `stats_max_rows`, estimated above.
-struct Counts {
-    /// `(event_type, rows, age of the oldest in seconds)`.
-    by_type: Vec<(String, u64, Option<f64>)>,
-    estimated: bool,
+/// Rows of one event type in a count: how many, and the age of the oldest in seconds.
+type TypeCounts = BTreeMap<String, (u64, Option<f64>)>;
+
+/// A count of one kind of rows (pending or dead letters) taken in chunks of `stats_max_rows` rows,
+/// one chunk per statistics call, each going on in `seq` order from where the previous one stopped.
+/// A kind with fewer rows than a chunk is counted whole, exactly, at every call; a larger one is
+/// counted over several calls, and its figure is the last complete pass (or the pass in progress,
+/// once that has counted more).
+#[derive(Debug, Default)]
+struct CountPass {
+    /// Where the next chunk starts: after this `seq` (`None`: a new pass, from the oldest row).
+    cursor: Option<i64>,
+    /// The pass in progress.
+    partial: TypeCounts,
+    /// The last complete pass, and whether it took more than one chunk.
+    last: Option<(TypeCounts, bool)>,
 }
 
-/// Scales the counts of a sample of the first `sampled` rows in seq order, the last of which has
-/// seq `sample_last`, to every row from seq `first` to `last`: rows are written in seq order, so the
-/// sample's density holds for the whole range (gaps left by published rows show in both).
-fn scale_sample(sampled: u64, first: i64, sample_last: i64, last: i64) -> f64 {
-    let span = |a: i64, b: i64| (b.saturating_sub(a).saturating_add(1)).max(1) as f64;
-    let density = sampled as f64 / span(first, sample_last);
-    (density * span(first, last)).max(sampled as f64) / (sampled.max(1) as f64)
+impl CountPass {
+    /// Adds a chunk of `rows` rows (by type), the last at `last_seq`; a chunk smaller than `cap`
+    /// ends the pass.
+    fn add(&mut self, chunk: TypeCounts, rows: u64, last_seq: Option<i64>, cap: u64) {
+        for (event_type, (n, oldest)) in chunk {
+            let entry = self.partial.entry(event_type).or_insert((0, None));
+            entry.0 += n;
+            entry.1 = match (entry.1, oldest) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        match last_seq {
+            Some(seq) if rows >= cap => self.cursor = Some(seq),
+            _ => {
+                let multi = self.cursor.is_some();
+                self.last = Some((std::mem::take(&mut self.partial), multi));
+                self.cursor = None;
+            }
+        }
+    }
+
+    /// The figure to report, and whether it is other than one exact count of this moment.
+    fn report(&self) -> (TypeCounts, bool) {
+        let total = |c: &TypeCounts| c.values().map(|(n, _)| n).sum::<u64>();
+        match &self.last {
+            Some((last, multi)) if self.cursor.is_none() || total(last) >= total(&self.partial) => {
+                (last.clone(), *multi || self.cursor.is_some())
+            }
+            _ => (self.partial.clone(), true),
+        }
+    }
 }
 
 impl PostgresStore {
@@ -548,78 +611,47 @@ impl PostgresStore {
             .map_err(|e| map_sqlx("claim", e))
     }
 
-    /// Pending rows (`dead = false`) or dead letters by event type. At most `stats_max_rows` rows are
-    /// read, the oldest by seq, through the partial index of that kind; when there are more, the
-    /// sample's counts are scaled to the kind's whole seq range (two index look-ups). The cost of a
-    /// statistics refresh is thus bounded whatever the backlog, and exact below the bound.
-    async fn sampled_counts(
+    /// Counts the next chunk of pending rows (`dead = false`) or dead letters: at most
+    /// `stats_max_rows` rows, in `seq` order after the pass's cursor, through the kind's partial
+    /// index. The cost of a statistics call is thus bounded whatever the backlog.
+    async fn count_chunk(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         dead: bool,
-    ) -> Result<Counts, Error> {
+        pass: &mut CountPass,
+    ) -> Result<(), Error> {
         let t = self.table.qualified();
-        let kind = if dead {
-            "e.dead_lettered_at IS NOT NULL AND e.processed_at IS NULL"
-        } else {
-            "e.processed_at IS NULL AND e.dead_lettered_at IS NULL"
-        };
+        let kind = if dead { DEAD } else { PENDING };
         // The bound is written into the statement (not bound), so that a generic plan cannot
         // mistake it for an unknown share of the table and choose a scan of all of it.
         let cap = self.stats_max_rows;
-        let sample = format!(
+        let chunk = format!(
             "SELECT s.event_type, count(*) AS n, max(s.seq) AS last_seq,
                     EXTRACT(EPOCH FROM (now() - min(s.created_at)))::float8 AS oldest
-             FROM (SELECT e.event_type, e.seq, e.created_at FROM {t} e WHERE {kind}
+             FROM (SELECT e.event_type, e.seq, e.created_at FROM {t} e WHERE {kind} AND e.seq > $1
                    ORDER BY e.seq LIMIT {cap}) s
-             GROUP BY s.event_type ORDER BY s.event_type"
+             GROUP BY s.event_type"
         );
-        let rows = sqlx::query(&sample)
+        let rows = sqlx::query(&chunk)
+            .bind(pass.cursor.unwrap_or(i64::MIN))
             .fetch_all(&mut **tx)
             .await
             .map_err(|e| map_sqlx("stats", e))?;
-        let mut by_type = Vec::with_capacity(rows.len());
-        let (mut sampled, mut sample_last) = (0u64, i64::MIN);
+        let (mut counts, mut total, mut last_seq) = (TypeCounts::new(), 0u64, None);
         for r in rows {
             let get = |e: sqlx::Error| map_sqlx("stats", e);
             let n: i64 = r.try_get("n").map_err(get)?;
             let last: i64 = r.try_get("last_seq").map_err(get)?;
             let oldest: Option<f64> = r.try_get("oldest").map_err(get)?;
-            sampled += n.max(0) as u64;
-            sample_last = sample_last.max(last);
-            by_type.push((
+            total += n.max(0) as u64;
+            last_seq = Some(last_seq.map_or(last, |l: i64| l.max(last)));
+            counts.insert(
                 r.try_get::<String, _>("event_type").map_err(get)?,
-                n.max(0) as u64,
-                oldest.map(|o| o.max(0.0)),
-            ));
+                (n.max(0) as u64, oldest.map(|o| o.max(0.0))),
+            );
         }
-        if sampled < cap as u64 {
-            return Ok(Counts {
-                by_type,
-                estimated: false,
-            });
-        }
-        let range = format!(
-            "SELECT (SELECT e.seq FROM {t} e WHERE {kind} ORDER BY e.seq LIMIT 1) AS first,
-                    (SELECT e.seq FROM {t} e WHERE {kind} ORDER BY e.seq DESC LIMIT 1) AS last"
-        );
-        let row = sqlx::query(&range)
-            .fetch_one(&mut **tx)
-            .await
-            .map_err(|e| map_sqlx("stats", e))?;
-        let get = |e: sqlx::Error| map_sqlx("stats", e);
-        let first: Option<i64> = row.try_get("first").map_err(get)?;
-        let last: Option<i64> = row.try_get("last").map_err(get)?;
-        let factor = match (first, last) {
-            (Some(first), Some(last)) => scale_sample(sampled, first, sample_last, last),
-            _ => 1.0,
-        };
-        for (_, n, _) in &mut by_type {
-            *n = (*n as f64 * factor).round() as u64;
-        }
-        Ok(Counts {
-            by_type,
-            estimated: true,
-        })
+        pass.add(counts, total, last_seq, cap as u64);
+        Ok(())
     }
 
     /// Step 1 of an ordered claim: locks up to `limit` ready heads, oldest first. The window over the
@@ -844,9 +876,10 @@ impl Store for PostgresStore {
     }
 
     async fn stats(&self) -> Result<StoreStats, Error> {
-        // One read-only transaction (one snapshot), in which every statement must read through the
-        // partial indexes in seq order: a plan chosen on stale estimates (a bitmap scan and a sort
-        // of every dead letter, a full index pass for a min/max) would read the whole backlog.
+        // Every statement must read through the partial indexes in seq order: a plan chosen on
+        // stale estimates (a bitmap scan and a sort of every dead letter) would read the whole
+        // backlog. One call at a time per store, so that chunks follow each other.
+        let mut passes = self.stats_passes.lock().await;
         let mut tx = self
             .pool
             .begin_with(
@@ -854,32 +887,45 @@ impl Store for PostgresStore {
             )
             .await
             .map_err(|e| map_sqlx("stats", e))?;
-        let pending = self.sampled_counts(&mut tx, false).await?;
-        let dead = self.sampled_counts(&mut tx, true).await?;
+        let (pending_pass, dead_pass) = &mut *passes;
+        self.count_chunk(&mut tx, false, pending_pass).await?;
+        self.count_chunk(&mut tx, true, dead_pass).await?;
+        // The oldest pending event now (the counts may come from earlier calls).
+        let oldest: Option<f64> = sqlx::query_scalar(&format!(
+            "SELECT EXTRACT(EPOCH FROM (now() - min(s.created_at)))::float8
+             FROM (SELECT e.created_at FROM {} e WHERE {PENDING} ORDER BY e.seq LIMIT 100) s",
+            self.table.qualified()
+        ))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| map_sqlx("stats", e))?;
         tx.rollback().await.map_err(|e| map_sqlx("stats", e))?;
+        let (pending, pending_estimated) = pending_pass.report();
+        let (dead, dead_estimated) = dead_pass.report();
+        drop(passes);
         let mut by_type: BTreeMap<String, EventTypeStats> = BTreeMap::new();
         let mut stats = StoreStats {
-            estimated: pending.estimated || dead.estimated,
+            estimated: pending_estimated || dead_estimated,
+            oldest_pending_age_seconds: oldest.map(|o| o.max(0.0)),
             ..StoreStats::default()
         };
-        for (event_type, n, oldest) in pending.by_type {
+        for (event_type, (n, oldest)) in pending {
             stats.pending += n;
-            if let Some(o) = oldest {
-                stats.oldest_pending_age_seconds =
-                    Some(stats.oldest_pending_age_seconds.unwrap_or(0.0).max(o));
-            }
             let t = by_type
                 .entry(event_type.clone())
                 .or_insert_with(|| EventTypeStats::new(event_type));
             t.pending = n;
             t.oldest_pending_age_seconds = oldest;
         }
-        for (event_type, n, _) in dead.by_type {
+        for (event_type, (n, _)) in dead {
             stats.dead_letters += n;
             by_type
                 .entry(event_type.clone())
                 .or_insert_with(|| EventTypeStats::new(event_type))
                 .dead_letters = n;
+        }
+        if stats.pending == 0 {
+            stats.oldest_pending_age_seconds = None;
         }
         stats.by_event_type = by_type.into_values().collect();
         Ok(stats)
@@ -1275,6 +1321,35 @@ impl PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn count_passes_report_the_last_complete_count_or_a_larger_partial_one() {
+        let chunk = |n: u64| TypeCounts::from([("t".to_string(), (n, Some(1.0)))]);
+        let total = |c: &TypeCounts| c.values().map(|(n, _)| n).sum::<u64>();
+        let mut p = CountPass::default();
+        p.add(chunk(5), 5, Some(9), 10);
+        assert_eq!(p.report().0, chunk(5), "under a chunk: exact at once");
+        assert!(!p.report().1);
+        p.add(chunk(10), 10, Some(20), 10);
+        assert_eq!(
+            total(&p.report().0),
+            10,
+            "a larger partial pass shows at once"
+        );
+        assert!(p.report().1);
+        p.add(chunk(10), 10, Some(30), 10);
+        p.add(chunk(3), 3, Some(33), 10);
+        let (c, estimated) = p.report();
+        assert_eq!((total(&c), estimated), (23, true), "a pass of three chunks");
+        p.add(chunk(10), 10, Some(10), 10);
+        assert_eq!(
+            total(&p.report().0),
+            23,
+            "the next pass, smaller so far, waits"
+        );
+        p.add(chunk(0), 0, None, 10);
+        assert_eq!(total(&p.report().0), 10);
+    }
 
     #[test]
     fn headers_parse_leniently() {
