@@ -4,7 +4,9 @@
 -- of large events cannot make a batch larger than its memory. The size of a stored payload is not
 -- known without reading it (a large JSON payload is kept compressed), so each row records the size
 -- of its payload as written: the bytes of an opaque payload, the size of the JSON document otherwise.
--- Rows written before this migration have none; the relay then uses their stored size.
+-- Rows written before this migration have none; the relay then uses their stored size (smaller than
+-- the payload when compressed), as it does for rows written with triggers disabled. The size is taken
+-- at insert: a payload changed later by an UPDATE keeps the size it was written with.
 ALTER TABLE outbox_events ADD COLUMN IF NOT EXISTS payload_size integer;
 
 -- The writer-order trigger (see 20261204000001) now also records the size. A JSON payload's size is
