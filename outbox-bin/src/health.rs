@@ -1,12 +1,13 @@
 //! What `/healthz` and `/readyz` answer.
 //!
 //! - **Liveness** ([`Liveness`]): the relay is wedged when, for `http.liveness_timeout`, it has
-//!   neither settled a batch, nor found nothing to claim, nor seen a claim fail, nor checked an
-//!   unreachable broker again, while work is due: the oldest pending event (as the last statistics
-//!   refresh saw it, aged since) is older than the timeout, or the statistics query itself has hung
-//!   that long. A relay waiting out a broker or database outage keeps trying every few seconds and
-//!   stays live (a restart would not help); one whose claims hang on a lock, whose loop has died, or
-//!   whose runtime is starved, does not.
+//!   neither settled a batch, nor found nothing to claim, nor lost a claim to a dropped database
+//!   connection, nor checked an unreachable broker again, while work is due: the oldest pending event
+//!   (as the last statistics refresh saw it, aged since) is older than the timeout, or the statistics
+//!   query itself has hung that long. A relay waiting out a broker outage checks the broker every few
+//!   seconds and stays live (a restart would not help); one whose claims hang or keep failing (a lock,
+//!   a statement or lock time-out, a pool that hands out no connection), whose loop has died, or whose
+//!   runtime is starved, does not.
 //! - **Readiness** ([`Readiness`]): the database and the broker answer their checks. One check runs
 //!   at a time whatever the number of probes, its result is kept for [`READY_CACHE`], and a probe
 //!   waits at most `http.ready_timeout` for it. The answer names what is not ready, never the
@@ -181,6 +182,25 @@ struct ReadyState {
     logged: Option<Vec<String>>,
 }
 
+/// Runs one component's check on a task of its own, at most [`CHECK_LIMIT`] (then it is aborted): a
+/// check that panics counts as failed, like one that errs.
+async fn contained(
+    check: impl std::future::Future<Output = Result<(), outbox_core::Error>> + Send + 'static,
+) -> Result<Result<(), outbox_core::Error>, tokio::time::error::Elapsed> {
+    let mut task = tokio::spawn(check);
+    match tokio::time::timeout(CHECK_LIMIT, &mut task).await {
+        Ok(Ok(result)) => Ok(result),
+        Ok(Err(join)) => Ok(Err(outbox_core::Error::new(
+            outbox_core::ErrorKind::Unexpected,
+            format!("the check failed unexpectedly: {join}"),
+        ))),
+        Err(elapsed) => {
+            task.abort();
+            Err(elapsed)
+        }
+    }
+}
+
 /// Clears the check in flight when its task ends, normally or not.
 struct Finished(Arc<Readiness>);
 
@@ -261,12 +281,14 @@ impl Readiness {
             ok
         };
         let db = async {
-            let r = tokio::time::timeout(CHECK_LIMIT, self.store.check()).await;
+            let store = self.store.clone();
+            let r = contained(async move { store.check().await }).await;
             let ok = record("database", r);
             tx.send_modify(|o| o.database = Some(ok));
         };
         let broker = async {
-            let r = tokio::time::timeout(CHECK_LIMIT, self.publisher.check()).await;
+            let publisher = self.publisher.clone();
+            let r = contained(async move { publisher.check().await }).await;
             let ok = record("broker", r);
             tx.send_modify(|o| o.broker = Some(ok));
         };

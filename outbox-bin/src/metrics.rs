@@ -320,9 +320,12 @@ impl RelayObserver for Metrics {
         self.progressed();
     }
 
-    fn store_error(&self, operation: &'static str, _error: &Error) {
-        // A store call that failed came back: the relay is waiting for its database, not stuck.
-        self.progressed();
+    fn store_error(&self, operation: &'static str, error: &Error) {
+        // A store call that could not reach the database: the relay is waiting for it, not stuck.
+        // Other failures (time-outs, lock time-outs, errors of the statements) are no progress.
+        if error.kind() == outbox_core::ErrorKind::Connection {
+            self.progressed();
+        }
         self.store_errors
             .get_or_create(&OperationLabel {
                 operation: operation.to_string(),

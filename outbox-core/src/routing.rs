@@ -152,6 +152,8 @@ impl Template {
 /// The routing itself is a rule too: writers choose the aggregate and event types, so a template
 /// made only of placeholders (`{event_type}`) already lets them reach any destination its pattern
 /// matches (`*`); prefix such templates (`events.{event_type}`) to keep them apart from the rest.
+/// Likewise, with AMQP's default exchange configured (`amqp.exchange = ""`), the routing key names
+/// the queue and is not checked here.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllowList {
     key: String,
@@ -191,9 +193,19 @@ impl AllowList {
             return self.patterns[0].is_empty();
         }
         let url = destination.contains("://");
-        self.patterns
-            .iter()
-            .any(|p| p.contains("://") == url && glob(p, destination))
+        self.patterns.iter().any(|p| {
+            if url {
+                // Path by path: a `*` never reaches into another segment (`/123/*` is not
+                // `/123/x/../999/q`).
+                let (ps, ds): (Vec<&str>, Vec<&str>) =
+                    (p.split('/').collect(), destination.split('/').collect());
+                p.contains("://")
+                    && ps.len() == ds.len()
+                    && ps.iter().zip(&ds).all(|(p, d)| glob(p, d))
+            } else {
+                !p.contains("://") && glob(p, destination)
+            }
+        })
     }
 
     /// `Ok` when `destination` is allowed; otherwise a permanent error naming the rule.
@@ -340,6 +352,7 @@ mod tests {
         .unwrap();
         assert!(urls.allows("https://sqs.us-east-1.amazonaws.com/123/orders"));
         assert!(!urls.allows("https://sqs.us-east-1.amazonaws.com/999/orders"));
+        assert!(!urls.allows("https://sqs.us-east-1.amazonaws.com/123/x/../999/q"));
         assert!(AllowList::new("k", "fixed".into(), &[" ".into()])
             .unwrap_err()
             .message()

@@ -456,21 +456,90 @@ impl PostgresStore {
         self
     }
 
-    /// [`Store::stats`], repeated until the counts in progress are complete: for a command that
-    /// wants the whole count now (`outbox status`), at the cost of reading every pending row and dead
-    /// letter once, `stats_max_rows` at a time.
+    /// The counts of [`Store::stats`], each kind counted to its end now: for a command that wants
+    /// the whole count (`outbox status`), at the cost of reading every pending row and dead letter
+    /// once, `stats_max_rows` at a time.
     ///
     /// # Errors
     /// As [`Store::stats`].
     pub async fn stats_complete(&self) -> Result<StoreStats, Error> {
-        loop {
-            let mut stats = self.stats().await?;
-            let passes = self.stats_passes.lock().await;
-            if passes.0.cursor.is_none() && passes.1.cursor.is_none() {
-                stats.estimated = false;
-                return Ok(stats);
+        let mut tx = self.stats_transaction().await?;
+        let mut kinds = [CountPass::default(), CountPass::default()];
+        for (dead, pass) in [false, true].into_iter().zip(kinds.iter_mut()) {
+            loop {
+                self.count_chunk(&mut tx, dead, pass).await?;
+                if pass.cursor.is_none() {
+                    break;
+                }
             }
         }
+        let [pending, dead] = kinds;
+        let mut stats = self
+            .finish_stats(tx, pending.report(), dead.report())
+            .await?;
+        stats.estimated = false;
+        Ok(stats)
+    }
+
+    /// The transaction the statistics read in: every statement must read through the partial
+    /// indexes in seq order (a plan chosen on stale estimates, a bitmap scan and a sort of every dead
+    /// letter, would read the whole backlog).
+    async fn stats_transaction(&self) -> Result<Transaction<'static, Postgres>, Error> {
+        self.pool
+            .begin_with(
+                "BEGIN READ ONLY; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off",
+            )
+            .await
+            .map_err(|e| map_sqlx("stats", e))
+    }
+
+    /// Reads the oldest pending event's age now (the counts may come from earlier calls), ends the
+    /// transaction, and puts the figures together.
+    async fn finish_stats(
+        &self,
+        mut tx: Transaction<'static, Postgres>,
+        (pending, pending_estimated): (TypeCounts, bool),
+        (dead, dead_estimated): (TypeCounts, bool),
+    ) -> Result<StoreStats, Error> {
+        let row = sqlx::query(&format!(
+            "SELECT EXTRACT(EPOCH FROM now())::float8 AS now,
+                    (SELECT EXTRACT(EPOCH FROM (now() - min(s.created_at)))::float8
+                     FROM (SELECT e.created_at FROM {} e WHERE {PENDING} ORDER BY e.seq LIMIT 100) s) AS oldest",
+            self.table.qualified()
+        ))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| map_sqlx("stats", e))?;
+        tx.rollback().await.map_err(|e| map_sqlx("stats", e))?;
+        let get = |e: sqlx::Error| map_sqlx("stats", e);
+        let now: f64 = row.try_get("now").map_err(get)?;
+        let oldest: Option<f64> = row.try_get("oldest").map_err(get)?;
+        let mut by_type: BTreeMap<String, EventTypeStats> = BTreeMap::new();
+        let mut stats = StoreStats {
+            estimated: pending_estimated || dead_estimated,
+            oldest_pending_age_seconds: oldest.map(|o| o.max(0.0)),
+            ..StoreStats::default()
+        };
+        for (event_type, (n, written)) in pending {
+            stats.pending += n;
+            let t = by_type
+                .entry(event_type.clone())
+                .or_insert_with(|| EventTypeStats::new(event_type));
+            t.pending = n;
+            t.oldest_pending_age_seconds = written.map(|w| (now - w).max(0.0));
+        }
+        for (event_type, (n, _)) in dead {
+            stats.dead_letters += n;
+            by_type
+                .entry(event_type.clone())
+                .or_insert_with(|| EventTypeStats::new(event_type))
+                .dead_letters = n;
+        }
+        if stats.pending == 0 {
+            stats.oldest_pending_age_seconds = None;
+        }
+        stats.by_event_type = by_type.into_values().collect();
+        Ok(stats)
     }
 
     /// The pool.
@@ -538,18 +607,22 @@ fn head_of(row: &PgRow) -> Result<Option<Head>, Error> {
     }))
 }
 
-/// Rows of one event type in a count: how many, and the age of the oldest in seconds.
+/// Rows of one event type in a count: how many, and when the oldest was written (seconds since the
+/// Unix epoch, by the database's clock).
 type TypeCounts = BTreeMap<String, (u64, Option<f64>)>;
 
 /// A count of one kind of rows (pending or dead letters) taken in chunks of `stats_max_rows` rows,
 /// one chunk per statistics call, each going on in `seq` order from where the previous one stopped.
 /// A kind with fewer rows than a chunk is counted whole, exactly, at every call; a larger one is
 /// counted over several calls, and its figure is the last complete pass (or the pass in progress,
-/// once that has counted more).
+/// once that has counted more). A pass counts the rows up to the last `seq` there was when it started:
+/// rows written meanwhile wait for the next pass, so a pass ends however fast rows arrive.
 #[derive(Debug, Default)]
 struct CountPass {
     /// Where the next chunk starts: after this `seq` (`None`: a new pass, from the oldest row).
     cursor: Option<i64>,
+    /// The last `seq` of the kind when the pass in progress started.
+    end: Option<i64>,
     /// The pass in progress.
     partial: TypeCounts,
     /// The last complete pass, and whether it took more than one chunk.
@@ -564,7 +637,7 @@ impl CountPass {
             let entry = self.partial.entry(event_type).or_insert((0, None));
             entry.0 += n;
             entry.1 = match (entry.1, oldest) {
-                (Some(a), Some(b)) => Some(a.max(b)),
+                (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
         }
@@ -574,6 +647,7 @@ impl CountPass {
                 let multi = self.cursor.is_some();
                 self.last = Some((std::mem::take(&mut self.partial), multi));
                 self.cursor = None;
+                self.end = None;
             }
         }
     }
@@ -625,15 +699,25 @@ impl PostgresStore {
         // The bound is written into the statement (not bound), so that a generic plan cannot
         // mistake it for an unknown share of the table and choose a scan of all of it.
         let cap = self.stats_max_rows;
+        if pass.cursor.is_none() {
+            pass.end = sqlx::query_scalar(&format!(
+                "SELECT e.seq FROM {t} e WHERE {kind} ORDER BY e.seq DESC LIMIT 1"
+            ))
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("stats", e))?;
+        }
         let chunk = format!(
             "SELECT s.event_type, count(*) AS n, max(s.seq) AS last_seq,
-                    EXTRACT(EPOCH FROM (now() - min(s.created_at)))::float8 AS oldest
-             FROM (SELECT e.event_type, e.seq, e.created_at FROM {t} e WHERE {kind} AND e.seq > $1
+                    EXTRACT(EPOCH FROM min(s.created_at))::float8 AS oldest
+             FROM (SELECT e.event_type, e.seq, e.created_at FROM {t} e
+                   WHERE {kind} AND e.seq > $1 AND e.seq <= $2
                    ORDER BY e.seq LIMIT {cap}) s
              GROUP BY s.event_type"
         );
         let rows = sqlx::query(&chunk)
             .bind(pass.cursor.unwrap_or(i64::MIN))
+            .bind(pass.end.unwrap_or(i64::MIN))
             .fetch_all(&mut **tx)
             .await
             .map_err(|e| map_sqlx("stats", e))?;
@@ -647,7 +731,7 @@ impl PostgresStore {
             last_seq = Some(last_seq.map_or(last, |l: i64| l.max(last)));
             counts.insert(
                 r.try_get::<String, _>("event_type").map_err(get)?,
-                (n.max(0) as u64, oldest.map(|o| o.max(0.0))),
+                (n.max(0) as u64, oldest),
             );
         }
         pass.add(counts, total, last_seq, cap as u64);
@@ -876,59 +960,14 @@ impl Store for PostgresStore {
     }
 
     async fn stats(&self) -> Result<StoreStats, Error> {
-        // Every statement must read through the partial indexes in seq order: a plan chosen on
-        // stale estimates (a bitmap scan and a sort of every dead letter) would read the whole
-        // backlog. One call at a time per store, so that chunks follow each other.
+        // One call at a time per store, so that chunks follow each other.
         let mut passes = self.stats_passes.lock().await;
-        let mut tx = self
-            .pool
-            .begin_with(
-                "BEGIN READ ONLY; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off",
-            )
-            .await
-            .map_err(|e| map_sqlx("stats", e))?;
+        let mut tx = self.stats_transaction().await?;
         let (pending_pass, dead_pass) = &mut *passes;
         self.count_chunk(&mut tx, false, pending_pass).await?;
         self.count_chunk(&mut tx, true, dead_pass).await?;
-        // The oldest pending event now (the counts may come from earlier calls).
-        let oldest: Option<f64> = sqlx::query_scalar(&format!(
-            "SELECT EXTRACT(EPOCH FROM (now() - min(s.created_at)))::float8
-             FROM (SELECT e.created_at FROM {} e WHERE {PENDING} ORDER BY e.seq LIMIT 100) s",
-            self.table.qualified()
-        ))
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(|e| map_sqlx("stats", e))?;
-        tx.rollback().await.map_err(|e| map_sqlx("stats", e))?;
-        let (pending, pending_estimated) = pending_pass.report();
-        let (dead, dead_estimated) = dead_pass.report();
-        drop(passes);
-        let mut by_type: BTreeMap<String, EventTypeStats> = BTreeMap::new();
-        let mut stats = StoreStats {
-            estimated: pending_estimated || dead_estimated,
-            oldest_pending_age_seconds: oldest.map(|o| o.max(0.0)),
-            ..StoreStats::default()
-        };
-        for (event_type, (n, oldest)) in pending {
-            stats.pending += n;
-            let t = by_type
-                .entry(event_type.clone())
-                .or_insert_with(|| EventTypeStats::new(event_type));
-            t.pending = n;
-            t.oldest_pending_age_seconds = oldest;
-        }
-        for (event_type, (n, _)) in dead {
-            stats.dead_letters += n;
-            by_type
-                .entry(event_type.clone())
-                .or_insert_with(|| EventTypeStats::new(event_type))
-                .dead_letters = n;
-        }
-        if stats.pending == 0 {
-            stats.oldest_pending_age_seconds = None;
-        }
-        stats.by_event_type = by_type.into_values().collect();
-        Ok(stats)
+        self.finish_stats(tx, pending_pass.report(), dead_pass.report())
+            .await
     }
 
     async fn check(&self) -> Result<(), Error> {
