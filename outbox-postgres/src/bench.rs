@@ -32,9 +32,9 @@ use outbox_core::{
     Relay, RelayConfig, RelayObserver, Store,
 };
 
-use crate::config::OutboxTable;
 use crate::error::map_sqlx;
 use crate::store::{decode_event, Retention, EVENT_COLUMNS};
+use crate::table::OutboxTable;
 use crate::{connect, migrate, notify, PostgresStore, Writer};
 
 /// Where a benchmark publishes.

@@ -16,9 +16,9 @@ use uuid::Uuid;
 
 use outbox_core::{Error, ErrorKind};
 
-use crate::config::OutboxTable;
 use crate::error::map_sqlx;
 use crate::migrate::{apply, render_names, RenderedMigration};
+use crate::table::OutboxTable;
 
 /// The embedded inbox migrations, as written for the default name (`processed_events`).
 pub static INBOX_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./inbox_migrations");
@@ -44,16 +44,59 @@ pub enum InboxError<E> {
     Store(Error),
 }
 
+/// The database's error is the [`source`](std::error::Error::source) of [`InboxError::Store`] and is
+/// not repeated in its text, so that error reporters that walk the chain print it once. A handler's
+/// error need not be a `std::error::Error` (an `anyhow::Error` is not), so it is part of the text of
+/// [`InboxError::Handler`] instead.
 impl<E: std::fmt::Display> std::fmt::Display for InboxError<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             InboxError::Handler(e) => write!(f, "the handler failed (nothing committed): {e}"),
-            InboxError::Store(e) => write!(f, "the inbox failed (nothing committed): {e}"),
+            InboxError::Store(_) => write!(f, "the inbox failed (nothing committed)"),
         }
     }
 }
 
-impl<E: std::fmt::Debug + std::fmt::Display> std::error::Error for InboxError<E> {}
+impl<E: std::fmt::Debug + std::fmt::Display> std::error::Error for InboxError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            InboxError::Store(e) => Some(e),
+            InboxError::Handler(_) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn each_cause_is_printed_once_along_the_chain() {
+        let e: InboxError<String> = InboxError::Store(Error::new(
+            outbox_core::ErrorKind::Connection,
+            "connection reset by the server",
+        ));
+        let mut chain = vec![e.to_string()];
+        let mut next = e.source();
+        while let Some(cause) = next {
+            chain.push(cause.to_string());
+            next = cause.source();
+        }
+        let text = chain.join(": ");
+        assert_eq!(text.matches("connection reset").count(), 1, "{text}");
+        assert!(
+            text.starts_with("the inbox failed (nothing committed): "),
+            "{text}"
+        );
+        let h: InboxError<String> = InboxError::Handler("bad order".into());
+        assert!(h.source().is_none());
+        assert_eq!(
+            h.to_string(),
+            "the handler failed (nothing committed): bad order"
+        );
+    }
+}
 
 /// An inbox table, used by one named consumer (several consumers may share the table).
 #[derive(Debug, Clone)]

@@ -7,18 +7,18 @@ mod error;
 mod inbox;
 pub mod migrate;
 pub mod notify;
-mod settings;
 mod store;
+mod table;
 #[cfg(feature = "test-utils")]
 pub mod testing;
 mod writer;
 
-pub use config::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
+pub use config::{redact_url, DatabaseConfig, DEFAULT_DATABASE_URL};
 pub use error::{classify_sqlstate, map_sqlx};
 pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATOR};
 pub use migrate::{migrate, schema_sql};
-pub use settings::{redact_url, DatabaseConfig, DEFAULT_DATABASE_URL};
 pub use store::{DeadLetter, DeadLetterFilter, PostgresStore, Retention, DEFAULT_STATS_MAX_ROWS};
+pub use table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use writer::{Writer, DEFAULT_MAX_PAYLOAD_BYTES};
 
 /// Re-exported so users need not depend on sqlx versions by hand.

@@ -11,8 +11,8 @@ use sqlx::{Executor, PgPool};
 
 use outbox_core::{Error, ErrorKind};
 
-use crate::config::OutboxTable;
 use crate::error::map_sqlx;
+use crate::table::OutboxTable;
 
 /// The embedded migrations, as written for the default names.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");

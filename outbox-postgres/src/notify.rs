@@ -19,8 +19,8 @@ use tracing::{debug, info, warn};
 
 use outbox_core::{Error, ErrorKind, Wake};
 
-use crate::config::OutboxTable;
 use crate::error::map_sqlx;
+use crate::table::OutboxTable;
 
 /// The notification channel of `table`: `<schema>.<table>`.
 ///

@@ -14,8 +14,8 @@ use outbox_core::{
     Settlement, Store, StoreStats,
 };
 
-use crate::config::OutboxTable;
 use crate::error::map_sqlx;
+use crate::table::OutboxTable;
 
 /// What happens to a row once its event is published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -7,8 +7,8 @@ use uuid::Uuid;
 
 use outbox_core::{Error, ErrorKind, NewEvent, Payload, Wake};
 
-use crate::config::OutboxTable;
 use crate::error::map_sqlx;
+use crate::table::OutboxTable;
 
 /// Enqueues events in the caller's transaction, so each event commits or rolls back with the business
 /// data written next to it.

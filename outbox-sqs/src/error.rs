@@ -51,6 +51,28 @@ pub fn classify_code(code: &str) -> (ErrorKind, bool) {
     }
 }
 
+/// Maps one entry that `SendMessageBatch` refused (the rest of the batch may have been taken) to the
+/// toolkit's error: classified by its code ([`classify_code`]), and permanent whenever SQS says the
+/// sender is at fault (sending it again would fail the same way).
+pub fn map_entry_failure(entry: &aws_sdk_sqs::types::BatchResultErrorEntry) -> Error {
+    let (kind, retryable) = classify_code(entry.code());
+    let e = Error::new(
+        kind,
+        format!(
+            "SQS refused the message: {} {}",
+            entry.code(),
+            entry.message().unwrap_or("")
+        ),
+    )
+    .with_context("adapter", "sqs")
+    .with_context("sender_fault", entry.sender_fault());
+    if entry.sender_fault() || !retryable {
+        e.permanent()
+    } else {
+        e.temporary()
+    }
+}
+
 /// Maps an SDK error to the toolkit's error.
 pub fn map_sdk<E, R>(operation: &'static str, err: SdkError<E, R>) -> Error
 where
@@ -102,6 +124,33 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_entry_is_permanent_when_the_sender_is_at_fault() {
+        let entry = |code: &str, sender_fault: bool| {
+            aws_sdk_sqs::types::BatchResultErrorEntry::builder()
+                .id("0")
+                .code(code)
+                .message("detail")
+                .sender_fault(sender_fault)
+                .build()
+                .expect("a complete entry")
+        };
+        let e = map_entry_failure(&entry("ServiceUnavailable", false));
+        assert_eq!((e.kind(), e.is_retryable()), (ErrorKind::Connection, true));
+        let e = map_entry_failure(&entry("ServiceUnavailable", true));
+        assert!(!e.is_retryable(), "the sender's fault does not go away");
+        let e = map_entry_failure(&entry("InvalidParameterValue", false));
+        assert_eq!(
+            (e.kind(), e.is_retryable()),
+            (ErrorKind::InvalidInput, false)
+        );
+        assert!(
+            e.to_string()
+                .contains("SQS refused the message: InvalidParameterValue detail"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn code_table() {

@@ -23,7 +23,7 @@ use outbox_core::routing::{AllowList, Template};
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
 
 use crate::config::{SqsConfig, SQS_MAX_BYTES};
-use crate::error::{classify_code, map_sdk};
+use crate::error::{map_entry_failure, map_sdk};
 
 /// Most entries in one `SendMessageBatch` request.
 pub const MAX_BATCH_ENTRIES: usize = 10;
@@ -458,23 +458,7 @@ impl SqsPublisher {
                         let outcome = if ok.contains(id.as_str()) {
                             Ok(())
                         } else if let Some(f) = failed.get(id.as_str()) {
-                            let (kind, retryable) = classify_code(f.code());
-                            let e = Error::new(
-                                kind,
-                                format!(
-                                    "SQS refused the message: {} {}",
-                                    f.code(),
-                                    f.message().unwrap_or("")
-                                ),
-                            )
-                            .with_context("adapter", "sqs")
-                            .with_context("sender_fault", f.sender_fault());
-                            // The sender's fault will not go away by sending again.
-                            Err(if f.sender_fault() || !retryable {
-                                e.permanent()
-                            } else {
-                                e.temporary()
-                            })
+                            Err(map_entry_failure(f))
                         } else {
                             Err(Error::new(
                                 ErrorKind::Unexpected,
