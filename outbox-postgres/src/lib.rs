@@ -1,7 +1,6 @@
 #![forbid(unsafe_code)]
 #![doc = include_str!("../README.md")]
 
-pub mod bench;
 mod config;
 mod error;
 mod inbox;
@@ -17,7 +16,10 @@ pub use config::{redact_url, DatabaseConfig, DEFAULT_DATABASE_URL};
 pub use error::{classify_sqlstate, map_sqlx};
 pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATOR};
 pub use migrate::{migrate, schema_sql};
-pub use store::{DeadLetter, DeadLetterFilter, PostgresStore, Retention, DEFAULT_STATS_MAX_ROWS};
+pub use store::{
+    decode_event, DeadLetter, DeadLetterFilter, PostgresStore, Retention, DEFAULT_STATS_MAX_ROWS,
+    EVENT_COLUMNS,
+};
 pub use table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use writer::{Writer, DEFAULT_MAX_PAYLOAD_BYTES};
 

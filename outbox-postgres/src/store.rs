@@ -45,7 +45,10 @@ struct Sql {
     relock_rows: String,
 }
 
-pub(crate) const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
+/// The select list that [`decode_event`] reads: every column of an event, over the outbox table
+/// aliased `e` (`SELECT {EVENT_COLUMNS} FROM <table> e WHERE ...`), the payload as bytes whatever
+/// its column.
+pub const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
     CASE WHEN e.payload_bytes IS NOT NULL THEN e.payload_bytes ELSE convert_to(e.payload::text, 'UTF8') END AS payload,
     e.content_type, e.headers::text AS headers, e.destination, e.created_at, e.attempts";
 
@@ -347,7 +350,12 @@ impl std::fmt::Debug for PostgresStore {
     }
 }
 
-pub(crate) fn decode_event(row: &PgRow) -> Result<Event, Error> {
+/// An [`Event`] from a row selected with [`EVENT_COLUMNS`] (for tools that read the outbox
+/// themselves, such as a benchmark's reference relay).
+///
+/// # Errors
+/// A database error naming the column when the row lacks one or holds another type.
+pub fn decode_event(row: &PgRow) -> Result<Event, Error> {
     let get = |e: sqlx::Error| map_sqlx("claim", e);
     let headers_text: String = row.try_get("headers").map_err(get)?;
     let headers = parse_headers(&headers_text);

@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), outbox_core::Error> {
-//! use outbox_postgres::bench::{self, BenchOptions, DiscardTarget};
+//! use outbox_bin::bench::engine::{self as bench, BenchOptions, DiscardTarget};
 //! let options = BenchOptions { backlog: 20_000, ..BenchOptions::default() };
 //! let report = bench::run("postgres://postgres@127.0.0.1:5432/test", &DiscardTarget, &options, &|line: &str| eprintln!("{line}")).await?;
 //! println!("{}", report.table());
@@ -32,10 +32,10 @@ use outbox_core::{
     Relay, RelayConfig, RelayObserver, Store,
 };
 
-use crate::error::map_sqlx;
-use crate::store::{decode_event, Retention, EVENT_COLUMNS};
-use crate::table::OutboxTable;
-use crate::{connect, migrate, notify, PostgresStore, Writer};
+use outbox_postgres::{
+    connect, decode_event, map_sqlx, migrate, notify, OutboxTable, PostgresStore, Retention,
+    Writer, EVENT_COLUMNS,
+};
 
 /// Where a benchmark publishes.
 #[async_trait]

@@ -1,4 +1,4 @@
-//! `outbox bench`: the configured broker wired into [`outbox_postgres::bench`], which does the
+//! `outbox bench`: the configured broker wired into [`engine`], which does the
 //! measuring. Each broker gets a destination of the benchmark's own (an exchange bound to a queue, a
 //! topic, a queue), so a benchmark never publishes into a service's topics or queues.
 
@@ -9,7 +9,9 @@ use async_trait::async_trait;
 use clap::Args;
 
 use outbox_core::{Error, Publisher};
-use outbox_postgres::bench::{self, BenchOptions, BenchTarget, DiscardTarget, Phase};
+pub mod engine;
+
+use engine::{self as bench, BenchOptions, BenchTarget, DiscardTarget, Phase};
 
 use crate::cli::Failure;
 use crate::config::{Config, PublisherType};
