@@ -10,6 +10,14 @@ export FAULT_SCENARIO_REPORT
 FAULT_SCENARIO_REPORT=$(mktemp)
 trap 'rm -f "$log" "$FAULT_SCENARIO_REPORT"' EXIT
 status=0
+# Each adapter alone, and none: the feature gates of the binary stay honest (warnings fail too).
+for features in amqp kafka sqs ""; do
+  if cargo check -p outbox-bin --no-default-features --features "$features" --locked 2>&1 \
+      | grep -E '^(warning|error)'; then
+    echo "outbox-bin does not build cleanly with only the features [$features]"
+    status=1
+  fi
+done
 cargo test --workspace --all-features --locked -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee "$log" || status=$?
 echo "fault scenarios:"
 sort "$FAULT_SCENARIO_REPORT" | sed 's/^/  /'

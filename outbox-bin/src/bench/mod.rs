@@ -2,13 +2,17 @@
 //! measuring. Each broker gets a destination of the benchmark's own (an exchange bound to a queue, a
 //! topic, a queue), so a benchmark never publishes into a service's topics or queues.
 
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "sqs"))]
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use clap::Args;
 
-use outbox_core::{Error, Publisher};
+use outbox_core::Error;
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "sqs"))]
+use outbox_core::Publisher;
+
 pub mod engine;
 
 use engine::{self as bench, BenchOptions, BenchTarget, DiscardTarget, Phase};
