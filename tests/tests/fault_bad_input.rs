@@ -193,23 +193,7 @@ async fn run(broker: Broker, with_bad: bool) -> (Written, PostgresStore, Sink, D
             })
             .unwrap(),
         ),
-        Sink::Kafka(fx) => Arc::new(
-            outbox_kafka::KafkaPublisher::new(outbox_kafka::KafkaConfig {
-                allowed_destinations: allowed,
-                ..fx.config()
-            })
-            .unwrap(),
-        ),
-        Sink::Sqs(fx) => Arc::new(
-            outbox_sqs::SqsPublisher::from_client(
-                outbox_sqs::testing::client_at(&fx.endpoint),
-                outbox_sqs::SqsConfig {
-                    allowed_destinations: allowed,
-                    ..fx.config()
-                },
-            )
-            .unwrap(),
-        ),
+        _ => sink.publisher_allowing(allowed),
     };
     let written = write(&pg, &table, broker, &sink, with_bad).await;
     let store = PostgresStore::new(pg.clone(), table.clone());
