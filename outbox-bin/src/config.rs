@@ -322,9 +322,12 @@ impl Config {
     }
 
     /// The configuration as TOML, secrets redacted (for `outbox config`).
+    /// (Derived values, such as the liveness timeout when unset, are shown as they are in force.)
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
         shown.database.url = outbox_postgres::redact_url(&shown.database.url);
+        // The value in force, also when it is derived from the relay's settings.
+        shown.http.liveness_timeout = Some(self.liveness_timeout());
         #[cfg(feature = "amqp")]
         {
             shown.amqp.url = outbox_amqp::redact_url(&shown.amqp.url);
