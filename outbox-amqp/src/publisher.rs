@@ -489,7 +489,7 @@ impl Publisher for AmqpPublisher {
         // Send every message without waiting for its confirm. Each publish is polled once, in event
         // order, which hands its frames to the connection's I/O loop; the writes are then awaited
         // for the whole batch at once. (Awaiting each write before the next publish costs a round
-        // trip through the I/O loop per message: 0.2-0.4 ms each, measured by `outbox bench`.)
+        // trip through the I/O loop per message: BENCHMARKS.md, second machine.)
         let mut fence = Fence::new();
         let mut pending = Vec::with_capacity(events.len());
         let mut sending = Vec::with_capacity(events.len());

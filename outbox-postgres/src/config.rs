@@ -33,7 +33,7 @@ pub struct DatabaseConfig {
     pub keep_processed_for: Option<Duration>,
     /// Wake the relay with LISTEN/NOTIFY: `outbox migrate` installs a statement trigger that sends one
     /// payload-free notification per inserting transaction. Costs the writers a server-wide lock
-    /// at commit (measured 3-5x fewer commits/s); polling stays on as the fallback. Default false.
+    /// at commit (BENCHMARKS.md, "Writers with NOTIFY"); polling stays on as the fallback. Default false.
     pub notify: bool,
     /// Time allowed to get a connection from the pool. Default 10 s.
     #[serde(with = "duration::serde_str")]

@@ -7,8 +7,8 @@
 //! notification lost during a reconnection delays events by one poll interval at most.
 //!
 //! Cost: `NOTIFY` takes a server-wide lock held through the commit, so notifying transactions commit
-//! one at a time (measured on a 2-core machine: 3-5x fewer commits/s with 8 writers). Enable it only
-//! when the write rate is low and latency matters.
+//! one at a time (BENCHMARKS.md, "Writers with NOTIFY"). Enable it only when the write rate is low
+//! and latency matters.
 
 use std::time::Duration;
 

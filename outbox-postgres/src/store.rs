@@ -118,7 +118,7 @@ impl Sql {
         // (a point lookup on the aggregate index, written as a scalar subquery so that it cannot
         // become a join). The grouping sorts by bytes (`COLLATE "C"`): it only needs equality, which
         // is byte equality under any deterministic collation, and a linguistic sort (ICU, glibc
-        // en_US) of the window's keys costs about 2 ms per claim more (measured on an ICU database).
+        // en_US) of the window's keys costs more per claim (BENCHMARKS.md, third machine).
         // Every step is a row-address or index access whose cost follows the window, whatever the
         // planner believes of the table's size (see `CLAIM_BEGIN`): a plan cached while the outbox
         // was empty stays cheap once it is not.
