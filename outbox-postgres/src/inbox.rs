@@ -72,6 +72,19 @@ mod error_tests {
     use std::error::Error as _;
 
     #[test]
+    fn a_bad_inbox_name_is_reported_as_the_inbox_s() {
+        let e = Inbox::in_table("public", "Processed-Events", "billing").unwrap_err();
+        assert!(
+            e.message()
+                .starts_with("inbox.table = \"Processed-Events\""),
+            "{e}"
+        );
+        let e = Inbox::in_table("Bad Schema", "processed_events", "billing").unwrap_err();
+        assert!(e.message().starts_with("inbox.schema"), "{e}");
+        assert!(Inbox::in_table("public", "processed_events", "billing").is_ok());
+    }
+
+    #[test]
     fn each_cause_is_printed_once_along_the_chain() {
         let e: InboxError<String> = InboxError::Store(Error::new(
             outbox_core::ErrorKind::Connection,
@@ -112,7 +125,20 @@ impl Inbox {
     /// # Errors
     /// A config error when `consumer` is empty.
     pub fn new(consumer: impl Into<String>) -> Result<Self, Error> {
-        Self::with_table(OutboxTable::new("public", DEFAULT_INBOX_TABLE)?, consumer)
+        Self::in_table("public", DEFAULT_INBOX_TABLE, consumer)
+    }
+
+    /// The inbox in `schema`.`table` for `consumer`.
+    ///
+    /// # Errors
+    /// A config error naming `inbox.schema` or `inbox.table` when a name is not a plain lower-case
+    /// identifier, or when `consumer` is empty.
+    pub fn in_table(
+        schema: impl Into<String>,
+        table: impl Into<String>,
+        consumer: impl Into<String>,
+    ) -> Result<Self, Error> {
+        Self::with_table(OutboxTable::named("inbox", schema, table)?, consumer)
     }
 
     /// The inbox in `table` for `consumer`.

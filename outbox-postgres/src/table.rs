@@ -51,9 +51,22 @@ impl OutboxTable {
     /// A config error naming the key when a name is not a plain lower-case identifier (table names
     /// are limited to 40 characters so that index names derived from them fit).
     pub fn new(schema: impl Into<String>, table: impl Into<String>) -> Result<Self, Error> {
+        Self::named("database", schema, table)
+    }
+
+    /// As [`OutboxTable::new`], for a table configured elsewhere: errors name `<section>.schema` and
+    /// `<section>.table` (the inbox's table is `inbox.table`, not `database.table`).
+    ///
+    /// # Errors
+    /// As [`OutboxTable::new`].
+    pub fn named(
+        section: &str,
+        schema: impl Into<String>,
+        table: impl Into<String>,
+    ) -> Result<Self, Error> {
         let (schema, table) = (schema.into(), table.into());
-        check_identifier("database.schema", &schema, MAX_SCHEMA_LEN)?;
-        check_identifier("database.table", &table, MAX_TABLE_LEN)?;
+        check_identifier(&format!("{section}.schema"), &schema, MAX_SCHEMA_LEN)?;
+        check_identifier(&format!("{section}.table"), &table, MAX_TABLE_LEN)?;
         Ok(OutboxTable { schema, table })
     }
 
