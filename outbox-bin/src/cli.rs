@@ -157,12 +157,10 @@ pub struct Failure {
 
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
-        let code =
-            if e.kind() == ErrorKind::Config && e.context_value("adapter") != Some("postgres") {
-                2
-            } else {
-                1
-            };
+        // Configuration errors are the ones the configuration's checks find (a bad value, a publisher
+        // not built in); what the servers report at run time, a missing table included
+        // (`ErrorKind::Schema`), is a runtime failure.
+        let code = if e.kind() == ErrorKind::Config { 2 } else { 1 };
         Failure {
             code,
             message: e.to_string(),

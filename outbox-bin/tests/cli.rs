@@ -544,3 +544,21 @@ async fn a_stdout_nobody_reads_stalls_neither_the_endpoints_nor_the_exit() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A table that was never migrated is a runtime failure (exit 1, saying to migrate), not a
+/// configuration error (exit 2), though the server reports it while the command runs.
+#[test]
+fn an_unmigrated_table_is_a_runtime_error_that_says_to_migrate() {
+    let table = unmigrated_table();
+    let out = run(outbox(&table, &["status"]));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("migrate"),
+        "{}",
+        text(&out.stderr)
+    );
+    let mut c = outbox(&table, &["status"]);
+    c.env("OUTBOX_RELAY__BATCH_SIZE", "0");
+    let out = run(c);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}

@@ -39,6 +39,10 @@ pub enum ErrorKind {
     Database,
     /// The operation is not supported by this adapter or server.
     Unsupported,
+    /// The database's schema is missing or older than the code (a table or column does not exist):
+    /// run the migrations. A fault of the deployment found at run time, unlike [`ErrorKind::Config`],
+    /// which the configuration's own checks find.
+    Schema,
 }
 
 impl ErrorKind {
@@ -59,6 +63,7 @@ impl ErrorKind {
             ErrorKind::Rejected => "rejected",
             ErrorKind::Database => "database",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Schema => "schema",
         }
     }
 }

@@ -17,7 +17,7 @@ pub fn classify_sqlstate(code: &str) -> (ErrorKind, bool) {
         // invalid_authorization_specification, invalid_password, insufficient_privilege
         "28000" | "28P01" | "42501" => (ErrorKind::PermissionDenied, false),
         // undefined_table / undefined_column: the schema is missing or old
-        "42P01" | "42703" => (ErrorKind::Config, false),
+        "42P01" | "42703" => (ErrorKind::Schema, false),
         c if c.starts_with("08") => (ErrorKind::Connection, true),
         // insufficient_resources (disk full, out of memory, too many connections)
         c if c.starts_with("53") => (ErrorKind::Database, true),
@@ -97,7 +97,7 @@ mod tests {
             ("08001", ErrorKind::Connection, true),
             ("53300", ErrorKind::Database, true),
             ("57014", ErrorKind::Timeout, true),
-            ("42P01", ErrorKind::Config, false),
+            ("42P01", ErrorKind::Schema, false),
             ("28P01", ErrorKind::PermissionDenied, false),
             ("23505", ErrorKind::InvalidInput, false),
             ("22P02", ErrorKind::InvalidInput, false),

@@ -403,7 +403,7 @@ async fn stats_and_check_report_missing_schema_clearly() {
         OutboxTable::new("outbox_t_missing", "nothing_here").unwrap(),
     );
     let err = store.check().await.unwrap_err();
-    assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
+    assert_eq!(err.kind(), outbox_core::ErrorKind::Schema);
     assert!(err.to_string().contains("run `outbox migrate`"), "{err}");
 }
 
