@@ -2,6 +2,7 @@
 #![doc = include_str!("../README.md")]
 
 mod config;
+mod consumer;
 mod error;
 mod publisher;
 mod queue;
@@ -11,6 +12,7 @@ pub mod testing;
 pub use config::{
     redact_url, AmqpConfig, ExchangeType, DEFAULT_EXCHANGE, DEFAULT_ROUTING_KEY, DEFAULT_URL,
 };
+pub use consumer::event_id;
 pub use error::{classify_reply_code, map_lapin};
-pub use publisher::{event_id, AmqpPublisher};
+pub use publisher::AmqpPublisher;
 pub use queue::BoundQueue;

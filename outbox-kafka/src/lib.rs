@@ -3,11 +3,13 @@
 
 pub mod admin;
 mod config;
+mod consumer;
 mod error;
 mod publisher;
 #[cfg(feature = "test-utils")]
 pub mod testing;
 
 pub use config::{is_secret, KafkaConfig, DEFAULT_BROKERS, DEFAULT_TOPIC};
+pub use consumer::event_id;
 pub use error::{classify_code, map_kafka};
-pub use publisher::{check_topic, event_id, KafkaPublisher};
+pub use publisher::{check_topic, KafkaPublisher};

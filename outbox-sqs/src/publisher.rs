@@ -144,7 +144,7 @@ fn is_fifo(queue: &str) -> bool {
     queue.trim_end_matches('/').ends_with(".fifo")
 }
 
-fn attribute(value: &str) -> Result<MessageAttributeValue, Error> {
+pub(crate) fn attribute(value: &str) -> Result<MessageAttributeValue, Error> {
     MessageAttributeValue::builder()
         .data_type("String")
         .string_value(value)
@@ -709,35 +709,6 @@ mod tests {
                 && valid_sqs_char('\n')
                 && !valid_sqs_char('\u{0}')
                 && !valid_sqs_char('\u{FFFF}')
-        );
-    }
-}
-
-/// The event id of a received message: its `outbox-event-id` attribute. Use it as the deduplication
-/// key (for instance with `outbox_postgres::Inbox`).
-pub fn event_id(message: &aws_sdk_sqs::types::Message) -> Option<outbox_core::Uuid> {
-    message
-        .message_attributes()?
-        .get(header::EVENT_ID)?
-        .string_value()?
-        .parse()
-        .ok()
-}
-
-#[cfg(test)]
-mod event_id_tests {
-    use super::*;
-
-    #[test]
-    fn reads_the_attribute() {
-        let id = outbox_core::Uuid::now_v7();
-        let m = aws_sdk_sqs::types::Message::builder()
-            .message_attributes(header::EVENT_ID, attribute(&id.to_string()).unwrap())
-            .build();
-        assert_eq!(event_id(&m), Some(id));
-        assert_eq!(
-            event_id(&aws_sdk_sqs::types::Message::builder().build()),
-            None
         );
     }
 }

@@ -1,0 +1,33 @@
+//! The consumer side: reading what the publisher wrote into each message.
+
+use outbox_core::header;
+
+/// The event id of a received message: its `outbox-event-id` attribute. Use it as the deduplication
+/// key (for instance with `outbox_postgres::Inbox`).
+pub fn event_id(message: &aws_sdk_sqs::types::Message) -> Option<outbox_core::Uuid> {
+    message
+        .message_attributes()?
+        .get(header::EVENT_ID)?
+        .string_value()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod event_id_tests {
+    use super::*;
+    use crate::publisher::attribute;
+
+    #[test]
+    fn reads_the_attribute() {
+        let id = outbox_core::Uuid::now_v7();
+        let m = aws_sdk_sqs::types::Message::builder()
+            .message_attributes(header::EVENT_ID, attribute(&id.to_string()).unwrap())
+            .build();
+        assert_eq!(event_id(&m), Some(id));
+        assert_eq!(
+            event_id(&aws_sdk_sqs::types::Message::builder().build()),
+            None
+        );
+    }
+}
