@@ -8,13 +8,12 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use tracing::{error, info, warn};
 
-use outbox_core::publishers::JsonLinesPublisher;
 use outbox_core::{CancellationToken, Error, ErrorKind, NewEvent, Publisher, Relay, Store};
 use outbox_postgres::{
     connect_config, migrate, notify, schema_sql, DeadLetterFilter, OutboxTable, PostgresStore,
 };
 
-use crate::config::{Config, LogFormat, PublisherType};
+use crate::config::{Config, LogFormat};
 use crate::metrics::Metrics;
 
 const ABOUT: &str = "Transactional outbox relay for PostgreSQL: publishes the events your services \
@@ -253,7 +252,7 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
             print!("{}", config.to_redacted_toml());
             Ok(())
         }
-        Command::Bench(args) => crate::bench::cmd_bench(&config, args).await,
+        Command::Bench(args) => Ok(crate::bench::cmd_bench(&config, args).await?),
     }
 }
 
@@ -270,28 +269,9 @@ async fn store(config: &Config, table: OutboxTable) -> Result<PostgresStore, Fai
 /// # Errors
 /// A config error when the publisher's settings do not validate or it is not in this build.
 pub async fn build_publisher(config: &Config) -> Result<Arc<dyn Publisher>, Error> {
-    match config.publisher.kind {
-        PublisherType::Stdout => Ok(Arc::new(JsonLinesPublisher::stdout())),
-        #[cfg(feature = "amqp")]
-        PublisherType::Amqp => Ok(Arc::new(outbox_amqp::AmqpPublisher::new(
-            config.amqp.clone(),
-        )?)),
-        #[cfg(feature = "kafka")]
-        PublisherType::Kafka => Ok(Arc::new(outbox_kafka::KafkaPublisher::new(
-            config.kafka.clone(),
-        )?)),
-        #[cfg(feature = "sqs")]
-        PublisherType::Sqs => Ok(Arc::new(
-            outbox_sqs::SqsPublisher::new(config.sqs.clone()).await?,
-        )),
-        // Refused by `Config::validate` already (adapters missing from this build).
-        #[allow(unreachable_patterns)]
-        _ => Err(Error::config(format!(
-            "publisher.type = {:?} is not available in this build; expected one of {}",
-            config.publisher.kind,
-            crate::config::available_publishers().join(", ")
-        ))),
-    }
+    crate::adapters::adapter(config.publisher.kind)
+        .publisher(config)
+        .await
 }
 
 async fn cmd_migrate(config: &Config, table: &OutboxTable, print: bool) -> Result<(), Failure> {

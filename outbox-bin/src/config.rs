@@ -14,6 +14,8 @@ use serde_json::Value;
 use outbox_core::{duration, Error, RelayConfig};
 use outbox_postgres::DatabaseConfig;
 
+use crate::adapters;
+
 /// The file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG_FILE: &str = "outbox.toml";
 /// Prefix of environment overrides: `OUTBOX_RELAY__BATCH_SIZE=1000` sets `relay.batch_size`.
@@ -38,7 +40,8 @@ pub enum PublisherType {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PublisherSection {
-    /// `stdout` (default), `amqp`, `kafka` or `sqs`; the broker's own settings are in its section.
+    /// `stdout` (default), `amqp`, `kafka` or `sqs`; the broker's own settings are in its section
+    /// ([`crate::adapters`] maps each to its adapter).
     #[serde(rename = "type")]
     pub kind: PublisherType,
 }
@@ -128,27 +131,18 @@ pub struct Config {
     pub relay: RelayConfig,
     /// `[publisher]`.
     pub publisher: PublisherSection,
-    /// `[amqp]`: RabbitMQ settings, used when `publisher.type = "amqp"`.
-    #[cfg(feature = "amqp")]
-    pub amqp: outbox_amqp::AmqpConfig,
-    /// `[amqp]` in a build without RabbitMQ support: accepted, then refused if selected.
-    #[cfg(not(feature = "amqp"))]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub amqp: Option<Value>,
-    /// `[kafka]`: Kafka settings, used when `publisher.type = "kafka"`.
-    #[cfg(feature = "kafka")]
-    pub kafka: outbox_kafka::KafkaConfig,
-    /// `[kafka]` in a build without Kafka support: accepted, then refused if selected.
-    #[cfg(not(feature = "kafka"))]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kafka: Option<Value>,
-    /// `[sqs]`: SQS settings, used when `publisher.type = "sqs"`.
-    #[cfg(feature = "sqs")]
-    pub sqs: outbox_sqs::SqsConfig,
-    /// `[sqs]` in a build without SQS support: accepted, then refused if selected.
-    #[cfg(not(feature = "sqs"))]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sqs: Option<Value>,
+    /// `[amqp]`: RabbitMQ settings, used when `publisher.type = "amqp"` (in a build without
+    /// RabbitMQ support: accepted, then refused if selected).
+    #[serde(skip_serializing_if = "adapters::is_unset")]
+    pub amqp: adapters::amqp::Section,
+    /// `[kafka]`: Kafka settings, used when `publisher.type = "kafka"` (in a build without Kafka
+    /// support: accepted, then refused if selected).
+    #[serde(skip_serializing_if = "adapters::is_unset")]
+    pub kafka: adapters::kafka::Section,
+    /// `[sqs]`: SQS settings, used when `publisher.type = "sqs"` (in a build without SQS support:
+    /// accepted, then refused if selected).
+    #[serde(skip_serializing_if = "adapters::is_unset")]
+    pub sqs: adapters::sqs::Section,
     /// `[http]`.
     pub http: HttpConfig,
     /// `[log]`.
@@ -293,21 +287,7 @@ impl Config {
                 self.database.pool_size, self.relay.max_in_flight
             )));
         }
-        match self.publisher.kind {
-            PublisherType::Stdout => Ok(()),
-            #[cfg(feature = "amqp")]
-            PublisherType::Amqp => self.amqp.validate().map(|_| ()),
-            #[cfg(not(feature = "amqp"))]
-            PublisherType::Amqp => Err(not_built("amqp")),
-            #[cfg(feature = "kafka")]
-            PublisherType::Kafka => self.kafka.validate().map(|_| ()),
-            #[cfg(not(feature = "kafka"))]
-            PublisherType::Kafka => Err(not_built("kafka")),
-            #[cfg(feature = "sqs")]
-            PublisherType::Sqs => self.sqs.validate().map(|_| ()),
-            #[cfg(not(feature = "sqs"))]
-            PublisherType::Sqs => Err(not_built("sqs")),
-        }
+        adapters::adapter(self.publisher.kind).validate(self)
     }
 
     /// The connections the relay's pool must hold so that nothing waits for one: one per batch in
@@ -328,42 +308,11 @@ impl Config {
         shown.database.url = outbox_postgres::redact_url(&shown.database.url);
         // The value in force, also when it is derived from the relay's settings.
         shown.http.liveness_timeout = Some(self.liveness_timeout());
-        #[cfg(feature = "amqp")]
-        {
-            shown.amqp.url = outbox_amqp::redact_url(&shown.amqp.url);
-        }
-        #[cfg(feature = "kafka")]
-        for (k, v) in shown.kafka.properties.iter_mut() {
-            if outbox_kafka::is_secret(k) {
-                *v = "***".into();
-            }
+        for kind in adapters::ALL {
+            adapters::adapter(kind).redact(&mut shown);
         }
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}"))
     }
-}
-
-// Used by builds without some adapter.
-#[allow(dead_code)]
-fn not_built(name: &str) -> Error {
-    Error::config(format!(
-        "publisher.type = \"{name}\": this outbox binary was built without the `{name}` feature; expected one of {}",
-        available_publishers().join(", ")
-    ))
-}
-
-/// The publisher types this binary supports.
-pub fn available_publishers() -> Vec<&'static str> {
-    let mut v = vec!["stdout"];
-    if cfg!(feature = "amqp") {
-        v.push("amqp");
-    }
-    if cfg!(feature = "kafka") {
-        v.push("kafka");
-    }
-    if cfg!(feature = "sqs") {
-        v.push("sqs");
-    }
-    v
 }
 
 fn read_file(path: &Path) -> Result<Value, Error> {

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 #![doc = include_str!("../README.md")]
 
+pub mod adapters;
 pub mod bench;
 pub mod cli;
 pub mod config;

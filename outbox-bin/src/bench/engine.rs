@@ -57,6 +57,10 @@ pub trait BenchTarget: Send + Sync {
     async fn reset(&self) -> Result<(), Error> {
         Ok(())
     }
+
+    /// Removes the destination the benchmark created for itself (best effort: reports a failure on
+    /// standard error, never fails). Called once, after the last run. Default: nothing.
+    async fn teardown(&self) {}
 }
 
 /// A target whose publisher acknowledges every event at once without sending it anywhere: the drain

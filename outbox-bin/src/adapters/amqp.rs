@@ -1,0 +1,103 @@
+//! RabbitMQ (feature `amqp`): section `[amqp]`, [`outbox_amqp::AmqpPublisher`].
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use outbox_amqp::{AmqpConfig, AmqpPublisher, BoundQueue};
+use outbox_core::{Error, Publisher};
+
+use super::{Adapter, Progress};
+use crate::bench::engine::BenchTarget;
+use crate::bench::BenchArgs;
+use crate::config::Config;
+
+/// `[amqp]`.
+pub type Section = AmqpConfig;
+
+impl super::Section for AmqpConfig {}
+
+/// The RabbitMQ adapter.
+#[derive(Debug, Clone, Copy)]
+pub struct Amqp;
+
+/// The table's entry.
+pub static ADAPTER: Amqp = Amqp;
+
+/// The benchmark's exchange and queue.
+const BENCH: &str = "outbox.bench";
+
+#[async_trait]
+impl Adapter for Amqp {
+    fn name(&self) -> &'static str {
+        "amqp"
+    }
+
+    fn validate(&self, config: &Config) -> Result<(), Error> {
+        config.amqp.validate().map(|_| ())
+    }
+
+    fn redact(&self, shown: &mut Config) {
+        shown.amqp.url = outbox_amqp::redact_url(&shown.amqp.url);
+    }
+
+    async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+        Ok(Arc::new(AmqpPublisher::new(config.amqp.clone())?))
+    }
+
+    async fn bench_target(
+        &self,
+        config: &Config,
+        _args: &BenchArgs,
+        progress: &Progress,
+    ) -> Result<Box<dyn BenchTarget>, Error> {
+        let mut c = config.amqp.clone();
+        c.exchange = BENCH.into();
+        c.declare_exchange = true;
+        let queue = BoundQueue::declare(&c, BENCH, "#").await?;
+        progress(&format!(
+            "amqp: exchange {BENCH} -> durable queue {} at {}",
+            queue.name(),
+            outbox_amqp::redact_url(&c.url)
+        ));
+        Ok(Box::new(AmqpTarget {
+            config: c,
+            queue: tokio::sync::Mutex::new(Some(queue)),
+        }))
+    }
+}
+
+/// Exchange `outbox.bench` (declared), bound with `#` to the durable queue `outbox.bench`; purged
+/// before each run, deleted at the end. URL and timeouts from `[amqp]`.
+struct AmqpTarget {
+    config: AmqpConfig,
+    queue: tokio::sync::Mutex<Option<BoundQueue>>,
+}
+
+#[async_trait]
+impl BenchTarget for AmqpTarget {
+    fn name(&self) -> &str {
+        "amqp"
+    }
+
+    async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error> {
+        let p = AmqpPublisher::new(self.config.clone())?;
+        p.connect().await?;
+        Ok(Arc::new(p))
+    }
+
+    async fn reset(&self) -> Result<(), Error> {
+        if let Some(q) = self.queue.lock().await.as_ref() {
+            q.purge().await?;
+        }
+        Ok(())
+    }
+
+    async fn teardown(&self) {
+        if let Some(q) = self.queue.lock().await.take() {
+            if let Err(e) = q.delete().await {
+                eprintln!("[bench] could not delete the queue {BENCH}: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Amazon SQS (feature `sqs`): section `[sqs]`, [`outbox_sqs::SqsPublisher`].
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use outbox_core::{Error, Publisher};
+use outbox_sqs::{admin, SqsConfig, SqsPublisher};
+
+use super::{Adapter, Progress};
+use crate::bench::engine::BenchTarget;
+use crate::bench::BenchArgs;
+use crate::config::Config;
+
+/// `[sqs]`.
+pub type Section = SqsConfig;
+
+impl super::Section for SqsConfig {}
+
+/// The SQS adapter.
+#[derive(Debug, Clone, Copy)]
+pub struct Sqs;
+
+/// The table's entry.
+pub static ADAPTER: Sqs = Sqs;
+
+/// The benchmark's queue.
+const QUEUE: &str = "outbox-bench";
+
+#[async_trait]
+impl Adapter for Sqs {
+    fn name(&self) -> &'static str {
+        "sqs"
+    }
+
+    fn validate(&self, config: &Config) -> Result<(), Error> {
+        config.sqs.validate().map(|_| ())
+    }
+
+    async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+        Ok(Arc::new(SqsPublisher::new(config.sqs.clone()).await?))
+    }
+
+    async fn bench_target(
+        &self,
+        config: &Config,
+        _args: &BenchArgs,
+        progress: &Progress,
+    ) -> Result<Box<dyn BenchTarget>, Error> {
+        let mut c = config.sqs.clone();
+        c.queue = QUEUE.into();
+        let admin = SqsPublisher::new(c.clone()).await?;
+        let url = admin::create_queue(&admin, QUEUE).await?;
+        progress(&format!("sqs: queue {url}"));
+        Ok(Box::new(SqsTarget {
+            config: c,
+            admin,
+            url,
+        }))
+    }
+}
+
+/// Standard queue `outbox-bench` (created for the run, deleted at the end); region, endpoint and
+/// timeouts from `[sqs]`.
+struct SqsTarget {
+    config: SqsConfig,
+    admin: SqsPublisher,
+    url: String,
+}
+
+#[async_trait]
+impl BenchTarget for SqsTarget {
+    fn name(&self) -> &str {
+        "sqs"
+    }
+
+    async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error> {
+        Ok(Arc::new(SqsPublisher::new(self.config.clone()).await?))
+    }
+
+    async fn teardown(&self) {
+        if let Err(e) = admin::delete_queue(&self.admin, &self.url).await {
+            eprintln!("[bench] could not delete the queue {}: {e}", self.url);
+        }
+    }
+}
