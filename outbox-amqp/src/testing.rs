@@ -15,8 +15,10 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
-use outbox_core::testkit::{PublisherFixture, Received};
-use outbox_core::Publisher;
+use outbox_core::testkit::{
+    publisher_suite, BrokerFixture, Built, Outage, PublisherFixture, Received, Setup, TcpProxy,
+};
+use outbox_core::{ErrorKind, Event, Publisher};
 
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL")
@@ -218,6 +220,10 @@ impl Fixture {
     }
 
     pub async fn cleanup(self) {
+        self.dispose().await;
+    }
+
+    async fn delete_exchange(&self) {
         if let Ok(ch) = self.connection.create_channel().await {
             let _ = ch
                 .exchange_delete(
@@ -242,5 +248,107 @@ impl PublisherFixture for Fixture {
             .into_iter()
             .map(|d| d.received)
             .collect()
+    }
+}
+
+#[async_trait]
+impl BrokerFixture for Fixture {
+    async fn build(&self, setup: Setup) -> Built {
+        let defaults = AmqpConfig::default();
+        let publisher = AmqpPublisher::new(AmqpConfig {
+            max_message_bytes: setup
+                .max_message_bytes
+                .unwrap_or(defaults.max_message_bytes),
+            allowed_destinations: setup.allowed_destinations,
+            ..self.config()
+        })
+        .unwrap();
+        let publisher = Arc::new(match setup.destination_cache {
+            Some(n) => publisher.with_exchange_cache(n),
+            None => publisher,
+        });
+        let view = publisher.clone();
+        Built {
+            publisher,
+            cached_destinations: Some(Box::new(move || view.cached_exchanges())),
+        }
+    }
+
+    fn destination(&self) -> String {
+        self.exchange.clone()
+    }
+
+    fn missing_destination(&self) -> String {
+        format!("{}.does-not-exist", self.exchange)
+    }
+
+    /// AMQP short strings: a header name or a type of more than 255 bytes.
+    fn poison(&self) -> Vec<(Event, ErrorKind)> {
+        let mut long_header = publisher_suite::event("long-header", 0);
+        long_header.headers.insert("h".repeat(300), "v".into());
+        let mut long_type = publisher_suite::event("long-type", 0);
+        long_type.event_type = "t".repeat(300);
+        vec![
+            (long_header, ErrorKind::InvalidInput),
+            (long_type, ErrorKind::InvalidInput),
+        ]
+    }
+
+    async fn sibling(&self) -> Box<dyn BrokerFixture> {
+        Box::new(Fixture::new().await)
+    }
+
+    /// The path to the broker through a proxy of the test's own, cut and restored (the broker itself
+    /// keeps serving the other tests).
+    async fn outage(&self) -> Box<dyn Outage> {
+        let url = amqp_url();
+        let (before, rest) = url.split_once("://").unwrap();
+        let (credentials, rest) = rest.rsplit_once('@').map_or(("", rest), |(c, r)| (c, r));
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let target = tokio::net::lookup_host(authority)
+            .await
+            .ok()
+            .and_then(|mut a| a.next())
+            .unwrap_or_else(|| panic!("cannot resolve the RabbitMQ address {authority}"));
+        let proxy = TcpProxy::start(target).await;
+        let at = if credentials.is_empty() {
+            String::new()
+        } else {
+            format!("{credentials}@")
+        };
+        Box::new(ProxiedBroker {
+            config: AmqpConfig {
+                url: format!("{before}://{at}127.0.0.1:{}/{path}", proxy.port()),
+                reconnect_initial_backoff: Duration::from_millis(100),
+                reconnect_max_backoff: Duration::from_millis(500),
+                ..self.config()
+            },
+            proxy,
+        })
+    }
+
+    async fn dispose(&self) {
+        self.delete_exchange().await;
+    }
+}
+
+/// RabbitMQ behind a [`TcpProxy`].
+struct ProxiedBroker {
+    proxy: TcpProxy,
+    config: AmqpConfig,
+}
+
+#[async_trait]
+impl Outage for ProxiedBroker {
+    async fn publisher(&self) -> Arc<dyn Publisher> {
+        Arc::new(AmqpPublisher::new(self.config.clone()).unwrap())
+    }
+
+    async fn stop(&self) {
+        self.proxy.cut();
+    }
+
+    async fn start(&self) {
+        self.proxy.restore().await;
     }
 }

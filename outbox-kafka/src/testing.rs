@@ -15,8 +15,11 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
-use outbox_core::testkit::{PublisherFixture, Received};
-use outbox_core::Publisher;
+use outbox_core::testkit::{
+    free_port, wait_for_port, BrokerFixture, Built, Outage, OwnedProcess, PublisherFixture,
+    Received, Setup,
+};
+use outbox_core::{ErrorKind, Event, Publisher};
 
 use crate::{KafkaConfig, KafkaPublisher};
 
@@ -301,5 +304,97 @@ impl PublisherFixture for Fixture {
             .into_iter()
             .map(|d| d.received)
             .collect()
+    }
+}
+
+#[async_trait]
+impl BrokerFixture for Fixture {
+    async fn build(&self, setup: Setup) -> Built {
+        let defaults = KafkaConfig::default();
+        let publisher = KafkaPublisher::new(KafkaConfig {
+            message_max_bytes: setup
+                .max_message_bytes
+                .unwrap_or(defaults.message_max_bytes),
+            allowed_destinations: setup.allowed_destinations,
+            ..self.config()
+        })
+        .unwrap();
+        // The producer keeps no list of topics of its own (librdkafka's metadata cache is its).
+        Built {
+            publisher: Arc::new(publisher),
+            cached_destinations: None,
+        }
+    }
+
+    fn destination(&self) -> String {
+        self.topic.clone()
+    }
+
+    /// A name Kafka refuses for a topic.
+    fn missing_destination(&self) -> String {
+        "no spaces allowed".into()
+    }
+
+    /// Kafka takes any bytes within its size limit.
+    fn poison(&self) -> Vec<(Event, ErrorKind)> {
+        Vec::new()
+    }
+
+    async fn sibling(&self) -> Box<dyn BrokerFixture> {
+        Box::new(Fixture::new(1).await)
+    }
+
+    /// A Tansu of the test's own on a spare loopback port, stopped and started again on it.
+    async fn outage(&self) -> Box<dyn Outage> {
+        let port = free_port();
+        let broker = OwnBroker {
+            port,
+            process: Mutex::new(None),
+        };
+        broker.start().await;
+        Box::new(broker)
+    }
+}
+
+/// A Tansu broker of the test's own (in-memory: a restart forgets its topics, which the producer
+/// creates again).
+struct OwnBroker {
+    port: u16,
+    process: Mutex<Option<OwnedProcess>>,
+}
+
+#[async_trait]
+impl Outage for OwnBroker {
+    async fn publisher(&self) -> Arc<dyn Publisher> {
+        Arc::new(
+            KafkaPublisher::new(KafkaConfig {
+                brokers: format!("127.0.0.1:{}", self.port),
+                topic: "outbox.faults".into(),
+                delivery_timeout: Duration::from_secs(3),
+                ..KafkaConfig::default()
+            })
+            .unwrap(),
+        )
+    }
+
+    async fn stop(&self) {
+        let process = self.process.lock().unwrap().take();
+        if let Some(p) = process {
+            p.stop();
+        }
+    }
+
+    async fn start(&self) {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err(),
+            "port {} was taken by another program meanwhile: run the test again",
+            self.port
+        );
+        let process = OwnedProcess(spawn_tansu(self.port, std::process::Stdio::null()));
+        let port = self.port;
+        tokio::task::spawn_blocking(move || wait_for_port(port, Duration::from_secs(30), "Tansu"))
+            .await
+            .unwrap();
+        *self.process.lock().unwrap() = Some(process);
     }
 }

@@ -17,10 +17,13 @@ use aws_sdk_sqs::types::{
 use aws_sdk_sqs::Client;
 use base64::Engine;
 
-use outbox_core::testkit::{PublisherFixture, Received};
-use outbox_core::Publisher;
+use outbox_core::testkit::{
+    free_port, publisher_suite, wait_for_port, BrokerFixture, Built, Outage, OwnedProcess,
+    PublisherFixture, Received, Setup,
+};
+use outbox_core::{ErrorKind, Event, Publisher};
 
-use crate::{SqsConfig, SqsPublisher, ENCODING, FOLDED_HEADERS};
+use crate::{SqsConfig, SqsPublisher, DELAY_HEADER, ENCODING, FOLDED_HEADERS};
 
 /// `SQS_ENDPOINT_URL`, or the local emulator.
 pub fn endpoint() -> String {
@@ -432,5 +435,161 @@ impl PublisherFixture for Fixture {
             .into_iter()
             .map(|d| d.received)
             .collect()
+    }
+}
+
+#[async_trait]
+impl BrokerFixture for Fixture {
+    async fn build(&self, setup: Setup) -> Built {
+        let defaults = SqsConfig::default();
+        let publisher = SqsPublisher::from_client(
+            client_at(&self.endpoint),
+            SqsConfig {
+                max_message_bytes: setup
+                    .max_message_bytes
+                    .unwrap_or(defaults.max_message_bytes),
+                allowed_destinations: setup.allowed_destinations,
+                ..self.config()
+            },
+        )
+        .unwrap();
+        let publisher = Arc::new(match setup.destination_cache {
+            Some(n) => publisher.with_queue_url_cache(n),
+            None => publisher,
+        });
+        let view = publisher.clone();
+        Built {
+            publisher,
+            cached_destinations: Some(Box::new(move || view.cached_queue_urls())),
+        }
+    }
+
+    fn destination(&self) -> String {
+        self.queue_name.clone()
+    }
+
+    fn missing_destination(&self) -> String {
+        format!(
+            "outbox-test-no-such-queue-{}",
+            uuid::Uuid::new_v4().simple()
+        )
+    }
+
+    /// On a standard queue, delays over SQS's 900 s (refused per entry of a batch, next to the
+    /// entries it takes); a FIFO queue has no per-message delay, and the publisher makes any other
+    /// content fit.
+    fn poison(&self) -> Vec<(Event, ErrorKind)> {
+        if self.queue_name.ends_with(".fifo") {
+            return Vec::new();
+        }
+        [("delay-1000", "1000"), ("delay-5000", "5000")]
+            .into_iter()
+            .map(|(aggregate, seconds)| {
+                let mut e = publisher_suite::event(aggregate, 0);
+                e.headers.insert(DELAY_HEADER.into(), seconds.into());
+                (e, ErrorKind::InvalidInput)
+            })
+            .collect()
+    }
+
+    async fn sibling(&self) -> Box<dyn BrokerFixture> {
+        Box::new(Fixture::create_at(&self.endpoint, &sibling_name(&self.queue_name)).await)
+    }
+
+    /// An endpoint of the test's own on a spare loopback port, stopped and started again on it
+    /// (it keeps nothing: its queue is created again, as an operator would).
+    async fn outage(&self) -> Box<dyn Outage> {
+        let endpoint = OwnEndpoint {
+            port: free_port(),
+            process: Mutex::new(None),
+        };
+        endpoint.start().await;
+        Box::new(endpoint)
+    }
+}
+
+/// A new queue name of the same kind (FIFO or standard) as `name`.
+fn sibling_name(name: &str) -> String {
+    let mut sibling = format!("outbox-test-{}", uuid::Uuid::new_v4().simple());
+    if name.ends_with(".fifo") {
+        sibling.push_str(".fifo");
+    }
+    sibling
+}
+
+/// An SQS endpoint of the test's own, with the queue `outbox-faults`.
+struct OwnEndpoint {
+    port: u16,
+    process: Mutex<Option<OwnedProcess>>,
+}
+
+impl OwnEndpoint {
+    const QUEUE: &'static str = "outbox-faults";
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// A client that gives up quickly on an endpoint that is down.
+    fn client(&self) -> Client {
+        let conf = aws_sdk_sqs::Config::builder()
+            .behavior_version(BehaviorVersion::latest())
+            .region(Region::new("us-east-1"))
+            .endpoint_url(self.url())
+            .credentials_provider(Credentials::new("test", "test", None, None, "outbox-tests"))
+            .http_client(crate::https_client())
+            .timeout_config(
+                aws_sdk_sqs::config::timeout::TimeoutConfig::builder()
+                    .operation_timeout(Duration::from_secs(5))
+                    .connect_timeout(Duration::from_secs(1))
+                    .build(),
+            )
+            .build();
+        Client::from_conf(conf)
+    }
+}
+
+#[async_trait]
+impl Outage for OwnEndpoint {
+    async fn publisher(&self) -> Arc<dyn Publisher> {
+        Arc::new(
+            SqsPublisher::from_client(
+                self.client(),
+                SqsConfig {
+                    queue: Self::QUEUE.into(),
+                    endpoint_url: Some(self.url()),
+                    ..SqsConfig::default()
+                },
+            )
+            .unwrap(),
+        )
+    }
+
+    async fn stop(&self) {
+        let process = self.process.lock().unwrap().take();
+        if let Some(p) = process {
+            p.stop();
+        }
+    }
+
+    async fn start(&self) {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err(),
+            "port {} was taken by another program meanwhile: run the test again",
+            self.port
+        );
+        let process = OwnedProcess(spawn_endpoint(self.port, std::process::Stdio::null()));
+        let port = self.port;
+        tokio::task::spawn_blocking(move || wait_for_port(port, Duration::from_secs(30), "moto"))
+            .await
+            .unwrap();
+        wait_until_serving(&self.url()).await;
+        self.client()
+            .create_queue()
+            .queue_name(Self::QUEUE)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("creating {} again: {e:?}", Self::QUEUE));
+        *self.process.lock().unwrap() = Some(process);
     }
 }

@@ -5,16 +5,39 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use outbox_core::testkit::publisher_suite::{self, event};
-use outbox_core::{ErrorKind, Publisher};
+use outbox_core::testkit::BrokerFixture;
+use outbox_core::Publisher;
 use outbox_sqs::testing::Fixture;
-use outbox_sqs::{SqsConfig, SqsPublisher, DELAY_HEADER, FOLDED_HEADERS};
+use outbox_sqs::{SqsConfig, SqsPublisher, FOLDED_HEADERS};
 
 const WAIT: Duration = Duration::from_secs(60);
 
+// The publisher contract (outbox_core::testkit::publisher_suite), one test per rule, on a FIFO queue
+// (the one that keeps order).
+outbox_core::publisher_contract!(Fixture::new(true).await);
+
+/// On a standard queue, delays SQS refuses fail alone next to entries of the same request that it
+/// takes (the per-entry outcomes of SendMessageBatch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conformance_on_a_fifo_queue() {
-    let fx = Fixture::new(true).await;
-    publisher_suite::run_all(&fx).await;
+async fn bad_events_fail_alone_on_a_standard_queue() {
+    let fx = Fixture::new(false).await;
+    assert!(!fx.poison().is_empty());
+    publisher_suite::bad_events_fail_alone(&fx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_configured_queue_fails_the_check() {
+    let fx = Fixture::new(false).await;
+    assert!(fx.publisher().check().await.is_ok());
+    let missing = SqsPublisher::from_client(
+        outbox_sqs::testing::client(),
+        SqsConfig {
+            queue: format!("outbox-test-absent-{}", uuid::Uuid::new_v4().simple()),
+            ..fx.config()
+        },
+    )
+    .unwrap();
+    assert!(missing.check().await.is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -109,149 +132,4 @@ async fn standard_queue_attributes_and_folding() {
         b.received.payload, binary.payload,
         "binary payloads round-trip (base64)"
     );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_partial_batch_failure_maps_to_exactly_the_failed_events() {
-    let fx = Fixture::new(false).await;
-    let p = fx.publisher();
-    let mut events: Vec<_> = (0..8).map(|i| event(&format!("p-{i}"), 0)).collect();
-    // SQS refuses a delay over 900 s for that entry only (SenderFault).
-    events[3].headers.insert(DELAY_HEADER.into(), "1000".into());
-    events[6].headers.insert(DELAY_HEADER.into(), "5000".into());
-    let out = p.publish(&events).await;
-    for (i, o) in out.iter().enumerate() {
-        if i == 3 || i == 6 {
-            let e = o.as_ref().unwrap_err();
-            assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
-            assert!(!e.is_retryable(), "a sender fault is permanent: {e}");
-            assert!(e.to_string().contains("DelaySeconds"), "{e}");
-        } else {
-            assert!(o.is_ok(), "event {i}: {o:?}");
-        }
-    }
-    assert_eq!(fx.wait_for(6, WAIT).await.len(), 6);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversized_events_and_missing_queues_are_permanent() {
-    let fx = Fixture::new(false).await;
-    let p = SqsPublisher::from_client(
-        outbox_sqs::testing::client(),
-        SqsConfig {
-            max_message_bytes: 2048,
-            allowed_destinations: vec!["outbox-test-no-such-queue".into()],
-            ..fx.config()
-        },
-    )
-    .unwrap();
-    let mut big = event("big", 0);
-    big.payload = vec![b'x'; 4096];
-    let mut lost = event("lost", 0);
-    lost.destination = Some("outbox-test-no-such-queue".into());
-    let out = p.publish(&[event("ok", 0), big, lost]).await;
-    assert!(out[0].is_ok());
-    let e = out[1].as_ref().unwrap_err();
-    assert_eq!(
-        (e.kind(), e.is_retryable()),
-        (ErrorKind::PayloadTooLarge, false),
-        "{e}"
-    );
-    let e = out[2].as_ref().unwrap_err();
-    assert_eq!(
-        (e.kind(), e.is_retryable()),
-        (ErrorKind::DestinationNotFound, false),
-        "{e}"
-    );
-    assert!(p.check().await.is_ok());
-    let missing = SqsPublisher::from_client(
-        outbox_sqs::testing::client(),
-        SqsConfig {
-            queue: "outbox-test-absent".into(),
-            ..fx.config()
-        },
-    )
-    .unwrap();
-    assert!(missing.check().await.is_err());
-}
-
-/// Queue URLs are remembered up to a bound, however many queues writers name; a forgotten one is
-/// resolved again and still sent to.
-#[tokio::test]
-async fn the_queue_url_cache_stays_bounded() {
-    let home = Fixture::new(false).await;
-    let mut others = Vec::new();
-    for _ in 0..10 {
-        others.push(Fixture::new(false).await);
-    }
-    let publisher = SqsPublisher::from_client(
-        outbox_sqs::testing::client_at(&home.endpoint),
-        SqsConfig {
-            allowed_destinations: vec!["*".into()],
-            ..home.config()
-        },
-    )
-    .unwrap()
-    .with_queue_url_cache(4);
-    for round in 0..2 {
-        for (i, fx) in others.iter().enumerate() {
-            let mut e = event(&format!("agg-{i}"), round);
-            e.destination = Some(fx.queue_name.clone());
-            let outcomes = publisher.publish(&[e]).await;
-            assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
-            assert!(
-                publisher.cached_queue_urls() <= 4,
-                "{} queue URLs remembered",
-                publisher.cached_queue_urls()
-            );
-        }
-    }
-    for fx in &others {
-        assert_eq!(fx.wait_for(2, WAIT).await.len(), 2, "{}", fx.queue_name);
-    }
-}
-
-/// By default events may name only the configured queue: another queue, however real, is refused
-/// (permission denied, naming the setting), never resolved nor sent to; a pattern in
-/// `sqs.allowed_destinations` lets it through.
-#[tokio::test]
-async fn destinations_outside_the_allow_list_are_refused() {
-    let home = Fixture::new(false).await;
-    let other = Fixture::new(false).await;
-    let strict = home.publisher();
-    let mut e = event("elsewhere", 0);
-    e.destination = Some(other.queue_name.clone());
-    let out = strict.publish(std::slice::from_ref(&e)).await;
-    let err = out[0].as_ref().unwrap_err();
-    assert_eq!(
-        (err.kind(), err.is_retryable()),
-        (ErrorKind::PermissionDenied, false),
-        "{err}"
-    );
-    assert!(
-        err.to_string().contains("sqs.allowed_destinations")
-            && err.to_string().contains(&other.queue_name),
-        "{err}"
-    );
-    assert_eq!(
-        strict.cached_queue_urls(),
-        0,
-        "a refused queue is not even resolved"
-    );
-    assert!(strict.publish(&[event("home", 0)]).await[0].is_ok());
-    assert_eq!(home.wait_for(1, WAIT).await.len(), 1);
-    assert!(
-        other.wait_for(1, Duration::from_secs(1)).await.is_empty(),
-        "nothing reached the other queue"
-    );
-    let open = SqsPublisher::from_client(
-        outbox_sqs::testing::client_at(&home.endpoint),
-        SqsConfig {
-            allowed_destinations: vec!["outbox-test-*".into()],
-            ..home.config()
-        },
-    )
-    .unwrap();
-    assert!(open.publish(&[e]).await[0].is_ok());
-    assert_eq!(other.wait_for(1, WAIT).await.len(), 1);
 }

@@ -1,14 +1,14 @@
 //! An in-memory [`Store`] with the same claim semantics as the PostgreSQL store.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use chrono::Utc;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::{EventState, EventStatus, TestStore};
+use super::{lock, EventState, EventStatus, TestStore};
 use crate::error::Error;
 use crate::event::{Event, NewEvent, Payload};
 use crate::policy::OrderingPolicy;
@@ -36,13 +36,6 @@ struct State {
 #[derive(Debug, Clone, Default)]
 pub struct MemoryStore {
     state: Arc<Mutex<State>>,
-}
-
-fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
-    match state.lock() {
-        Ok(g) => g,
-        Err(poisoned) => poisoned.into_inner(),
-    }
 }
 
 impl MemoryStore {

@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod memory;
+mod proxy;
 mod publisher;
 pub mod publisher_suite;
 pub mod store_suite;
@@ -19,10 +20,11 @@ use async_trait::async_trait;
 use uuid::Uuid;
 
 pub use memory::MemoryStore;
+pub use proxy::TcpProxy;
 pub use publisher::{Behavior, ScriptedPublisher};
 
-use crate::error::Error;
-use crate::event::NewEvent;
+use crate::error::{Error, ErrorKind};
+use crate::event::{Event, NewEvent};
 use crate::ports::{Publisher, Store};
 
 /// Where an event stands in a store.
@@ -87,6 +89,88 @@ pub trait PublisherFixture: Send + Sync {
     async fn publisher(&self) -> Arc<dyn Publisher>;
     /// Everything received so far, waiting up to `timeout` until at least `count` messages arrived.
     async fn receive(&self, count: usize, timeout: Duration) -> Vec<Received>;
+}
+
+/// What a check asks of the publisher a [`BrokerFixture`] builds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Setup {
+    /// The largest message the publisher may send (the adapter's `max_message_bytes`, or its
+    /// client's limit); `None`: the adapter's default.
+    pub max_message_bytes: Option<usize>,
+    /// Patterns of the adapter's `allowed_destinations`; empty: the default (the configured
+    /// destination only).
+    pub allowed_destinations: Vec<String>,
+    /// How many destinations the publisher may remember, where it keeps a cache of them.
+    pub destination_cache: Option<usize>,
+}
+
+/// A publisher a [`BrokerFixture`] built for a check.
+pub struct Built {
+    /// The publisher, routing to the fixture's destination by default.
+    pub publisher: Arc<dyn Publisher>,
+    /// How many destinations it remembers now, for a publisher that keeps a cache of them (the
+    /// RabbitMQ exchanges known to exist, the SQS queue URLs); `None` when it keeps none.
+    pub cached_destinations: Option<Box<dyn Fn() -> usize + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Built {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Built")
+            .field("publisher", &self.publisher.name())
+            .field(
+                "cached_destinations",
+                &self.cached_destinations.as_ref().map(|c| c()),
+            )
+            .finish()
+    }
+}
+
+/// A [`PublisherFixture`] on a real broker, with the hooks the whole publisher contract needs
+/// ([`publisher_suite::run_contract`], or [`crate::publisher_contract!`] for one test per rule).
+#[async_trait]
+pub trait BrokerFixture: PublisherFixture {
+    /// A publisher to this fixture's destination, built with `setup`.
+    async fn build(&self, setup: Setup) -> Built;
+
+    /// This fixture's destination, as an event names it in `destination`.
+    fn destination(&self) -> String;
+
+    /// A destination the broker does not have (a queue or exchange never created, a topic name the
+    /// broker refuses), for which the publisher must report [`ErrorKind::DestinationNotFound`].
+    fn missing_destination(&self) -> String;
+
+    /// Events this broker refuses for their content although they fit its size limit, each with the
+    /// (permanent) kind of error the publisher must report: a header name longer than AMQP allows,
+    /// an SQS delay over 900 s. Empty when there is no such content.
+    fn poison(&self) -> Vec<(Event, ErrorKind)>;
+
+    /// Another destination on the same broker, with a consumer of its own.
+    async fn sibling(&self) -> Box<dyn BrokerFixture>;
+
+    /// A broker of the fixture's own (or a path to it) that the suite may take down and bring back.
+    async fn outage(&self) -> Box<dyn Outage>;
+
+    /// Removes what the fixture created on the broker (best effort).
+    async fn dispose(&self) {}
+}
+
+/// A broker, or the way to it, that a check takes down and brings back.
+#[async_trait]
+pub trait Outage: Send + Sync {
+    /// A publisher through this outage's broker (or path), to a destination that exists there.
+    async fn publisher(&self) -> Arc<dyn Publisher>;
+    /// Makes the broker unreachable: stopped, or every connection to it cut.
+    async fn stop(&self);
+    /// Makes it reachable again, its destination present, and waits until it serves.
+    async fn start(&self);
+}
+
+/// Locks `m`, also when a panicking test poisoned it.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
 }
 
 /// Waits until `got` holds at least `count` items or `timeout` passes, then returns a copy (for

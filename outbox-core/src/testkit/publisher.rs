@@ -2,13 +2,13 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use uuid::Uuid;
 
-use super::{PublisherFixture, Received};
+use super::{lock, PublisherFixture, Received};
 use crate::error::{Error, ErrorKind};
 use crate::event::{header, Event};
 use crate::ports::{PublishOutcome, Publisher};
@@ -53,13 +53,6 @@ impl std::fmt::Debug for ScriptedPublisher {
     }
 }
 
-fn guard<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
-}
-
 impl ScriptedPublisher {
     /// A publisher that acknowledges everything.
     pub fn new() -> Arc<Self> {
@@ -72,7 +65,7 @@ impl ScriptedPublisher {
         matcher: impl Fn(&Event) -> bool + Send + Sync + 'static,
         behavior: Behavior,
     ) -> &Self {
-        guard(&self.rules).push((Box::new(matcher), behavior));
+        lock(&self.rules).push((Box::new(matcher), behavior));
         self
     }
 
@@ -89,12 +82,12 @@ impl ScriptedPublisher {
 
     /// Removes every rule: from now on everything succeeds.
     pub fn clear_rules(&self) {
-        guard(&self.rules).clear();
+        lock(&self.rules).clear();
     }
 
     /// Waits this long (tokio time) in every publish call.
     pub fn set_latency(&self, latency: Duration) {
-        *guard(&self.latency) = latency;
+        *lock(&self.latency) = latency;
     }
 
     /// By default the publisher behaves like an order-preserving broker: once an event of an aggregate
@@ -118,7 +111,7 @@ impl ScriptedPublisher {
 
     /// Every acknowledged event, in the order it was acknowledged.
     pub fn delivered(&self) -> Vec<Event> {
-        guard(&self.delivered).clone()
+        lock(&self.delivered).clone()
     }
 
     /// Number of publish calls.
@@ -128,17 +121,17 @@ impl ScriptedPublisher {
 
     /// Number of times the event was handed to the publisher.
     pub fn tries(&self, id: Uuid) -> u32 {
-        guard(&self.tries).get(&id).copied().unwrap_or(0)
+        lock(&self.tries).get(&id).copied().unwrap_or(0)
     }
 
     fn outcome(&self, event: &Event) -> PublishOutcome {
         let tries = {
-            let mut t = guard(&self.tries);
+            let mut t = lock(&self.tries);
             let n = t.entry(event.id).or_insert(0);
             *n += 1;
             *n
         };
-        let behavior = guard(&self.rules)
+        let behavior = lock(&self.rules)
             .iter()
             .find(|(m, _)| m(event))
             .map(|(_, b)| *b)
@@ -167,7 +160,7 @@ impl ScriptedPublisher {
 impl Publisher for ScriptedPublisher {
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        let latency = *guard(&self.latency);
+        let latency = *lock(&self.latency);
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;
         }
@@ -196,7 +189,7 @@ impl Publisher for ScriptedPublisher {
             }
             outcomes.push(o);
         }
-        let mut delivered = guard(&self.delivered);
+        let mut delivered = lock(&self.delivered);
         for (e, o) in events.iter().zip(&outcomes) {
             if o.is_ok() {
                 delivered.push(e.clone());

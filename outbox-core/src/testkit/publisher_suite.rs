@@ -1,4 +1,10 @@
-//! The Publisher conformance suite. [`run_all`] runs every check; each check is public too.
+//! The Publisher conformance suite: the rules of [`Publisher::publish`](crate::Publisher::publish),
+//! checked against a real broker.
+//!
+//! [`run_all`] runs the checks any [`PublisherFixture`] supports; [`run_contract`] runs the whole
+//! contract on a [`BrokerFixture`] (bad events fail alone, a failed event holds back its aggregate,
+//! the allow-list, bounded destination caches, a broker that is down); [`crate::publisher_contract!`]
+//! makes one test of each. Each check is public too.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -6,11 +12,19 @@ use std::time::Duration;
 use chrono::Utc;
 use uuid::Uuid;
 
-use super::{PublisherFixture, Received};
+use super::{BrokerFixture, Outage, PublisherFixture, Received, Setup};
+use crate::error::ErrorKind;
 use crate::event::{header, Event, JSON_CONTENT_TYPE};
+use crate::ports::PublishOutcome;
 
 /// How long the suite waits for messages to arrive at the consumer.
 pub const RECEIVE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The message size limit the suite sets where it needs an event to be too large.
+pub const SIZE_LIMIT: usize = 2048;
+
+/// How long a broker that was brought back has to take events again.
+pub const RECOVERY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A ready-to-publish event, as the store would return it.
 pub fn event(aggregate_id: &str, n: usize) -> Event {
@@ -142,4 +156,376 @@ pub async fn batch_is_acknowledged_and_received_in_order(
         }
     }
     events.len()
+}
+
+/// Runs the whole publisher contract against a broker fixture: [`run_all`], then every check of a
+/// [`BrokerFixture`], in order.
+pub async fn run_contract(fx: &dyn BrokerFixture) {
+    run_all(fx).await;
+    bad_events_fail_alone(fx).await;
+    a_failed_event_holds_back_its_aggregate(fx).await;
+    destinations_outside_the_allow_list_are_refused(fx).await;
+    the_destination_cache_stays_bounded(fx).await;
+    let outage = fx.outage().await;
+    a_broker_that_is_down_fails_retryably_then_recovers(outage.as_ref()).await;
+}
+
+/// Waits until every id of `expected` was received (at most [`RECEIVE_TIMEOUT`]), then for a quiet
+/// second; returns what was received of `ours` (ids the check published), in arrival order.
+async fn receive_ours(
+    fx: &dyn PublisherFixture,
+    ours: &HashSet<Uuid>,
+    expected: &HashSet<Uuid>,
+) -> Vec<Received> {
+    let deadline = tokio::time::Instant::now() + RECEIVE_TIMEOUT;
+    loop {
+        let got = fx.receive(0, Duration::ZERO).await;
+        let seen: HashSet<Uuid> = got.iter().filter_map(|r| r.event_id).collect();
+        if expected.is_subset(&seen) || tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    super::read_until_quiet(|| fx.receive(0, Duration::ZERO))
+        .await
+        .into_iter()
+        .filter(|r| r.event_id.is_some_and(|id| ours.contains(&id)))
+        .collect()
+}
+
+/// The error of outcome `i`, with its kind and whether it is retryable.
+fn failure(outcomes: &[PublishOutcome], i: usize) -> (ErrorKind, bool, String) {
+    match &outcomes[i] {
+        Ok(()) => panic!("event #{i} must fail, and was acknowledged: {outcomes:?}"),
+        Err(e) => (e.kind(), e.is_retryable(), e.to_string()),
+    }
+}
+
+/// An event of `aggregate` whose payload is `bytes` long.
+fn sized(aggregate: &str, bytes: usize) -> Event {
+    let mut e = event(aggregate, 0);
+    e.payload = vec![b'x'; bytes];
+    e
+}
+
+/// One batch holding healthy events around a too-large one, one for a destination the broker does
+/// not have, and the broker's own poison: every bad event fails alone with a permanent error of its
+/// kind, in its position; the healthy ones are acknowledged and received, the bad ones never; the
+/// publisher takes the next batch as before.
+pub async fn bad_events_fail_alone(fx: &dyn BrokerFixture) {
+    let missing = fx.missing_destination();
+    let p = fx
+        .build(Setup {
+            max_message_bytes: Some(SIZE_LIMIT),
+            allowed_destinations: vec![missing.clone()],
+            ..Setup::default()
+        })
+        .await
+        .publisher;
+    let first = event("healthy-1", 0);
+    let too_large = sized("too-large", 2 * SIZE_LIMIT);
+    let mut lost = event("lost", 0);
+    lost.destination = Some(missing.clone());
+    let mut batch = vec![first.clone(), too_large, lost];
+    let mut expected = vec![
+        (ErrorKind::PayloadTooLarge, "a too-large event".to_string()),
+        (
+            ErrorKind::DestinationNotFound,
+            format!("an event for the missing destination {missing}"),
+        ),
+    ];
+    for (e, kind) in fx.poison() {
+        expected.push((kind, format!("poison {kind:?} ({})", e.aggregate_id)));
+        batch.push(e);
+    }
+    let last = event("healthy-2", 0);
+    batch.push(last.clone());
+    let outcomes = p.publish(&batch).await;
+    assert_eq!(
+        outcomes.len(),
+        batch.len(),
+        "one outcome per event, in order"
+    );
+    assert!(
+        outcomes[0].is_ok() && outcomes[batch.len() - 1].is_ok(),
+        "the healthy events of the batch are acknowledged: {outcomes:?}"
+    );
+    for (i, (kind, what)) in expected.iter().enumerate() {
+        let (got, retryable, text) = failure(&outcomes, i + 1);
+        assert_eq!(
+            (got, retryable),
+            (*kind, false),
+            "{what} fails alone with a permanent {kind:?} error: {text}"
+        );
+    }
+    let (_, _, text) = failure(&outcomes, 2);
+    assert!(
+        text.contains(&missing),
+        "the error names the missing destination: {text}"
+    );
+    // The publisher survived the bad events: the next batch goes through.
+    let after = event("healthy-3", 0);
+    let out = p.publish(std::slice::from_ref(&after)).await;
+    assert!(out[0].is_ok(), "the batch after the bad events: {out:?}");
+    let ours: HashSet<Uuid> = batch.iter().chain([&after]).map(|e| e.id).collect();
+    let healthy: HashSet<Uuid> = [first.id, last.id, after.id].into();
+    let got: HashSet<Uuid> = receive_ours(fx, &ours, &healthy)
+        .await
+        .iter()
+        .filter_map(|r| r.event_id)
+        .collect();
+    assert_eq!(got, healthy, "the healthy events arrive, and nothing else");
+}
+
+/// A batch whose first event of aggregate A fails: the later event of A in the same call is not
+/// sent (a retryable failure, for the relay to publish after the failed one), while aggregate B's
+/// event is acknowledged and received.
+pub async fn a_failed_event_holds_back_its_aggregate(fx: &dyn BrokerFixture) {
+    let p = fx
+        .build(Setup {
+            max_message_bytes: Some(SIZE_LIMIT),
+            ..Setup::default()
+        })
+        .await
+        .publisher;
+    let aggregate = format!("fenced-{}", Uuid::now_v7().simple());
+    let failed = sized(&aggregate, 2 * SIZE_LIMIT);
+    let held = event(&aggregate, 1);
+    let other = event("unfenced", 0);
+    let batch = vec![failed, held.clone(), other.clone()];
+    let outcomes = p.publish(&batch).await;
+    assert_eq!(outcomes.len(), 3, "one outcome per event");
+    let (kind, retryable, text) = failure(&outcomes, 0);
+    assert_eq!(
+        (kind, retryable),
+        (ErrorKind::PayloadTooLarge, false),
+        "{text}"
+    );
+    let (_, retryable, text) = failure(&outcomes, 1);
+    assert!(
+        retryable,
+        "the event after a failed one of its aggregate is held back, retryably: {text}"
+    );
+    assert!(
+        outcomes[2].is_ok(),
+        "another aggregate goes on: {outcomes:?}"
+    );
+    let ours: HashSet<Uuid> = batch.iter().map(|e| e.id).collect();
+    let got: Vec<Uuid> = receive_ours(fx, &ours, &[other.id].into())
+        .await
+        .iter()
+        .filter_map(|r| r.event_id)
+        .collect();
+    assert_eq!(
+        got,
+        vec![other.id],
+        "the held-back event never reaches the broker"
+    );
+}
+
+/// By default an event may name only the publisher's own destination: another one that exists on
+/// the broker is refused (permission denied, permanent, naming the setting and the destination),
+/// never probed nor sent to; naming it in `allowed_destinations` lets it through.
+pub async fn destinations_outside_the_allow_list_are_refused(fx: &dyn BrokerFixture) {
+    let other = fx.sibling().await;
+    let strict = fx.build(Setup::default()).await;
+    let mut elsewhere = event("elsewhere", 0);
+    elsewhere.destination = Some(other.destination());
+    let outcomes = strict
+        .publisher
+        .publish(std::slice::from_ref(&elsewhere))
+        .await;
+    let (kind, retryable, text) = failure(&outcomes, 0);
+    assert_eq!(
+        (kind, retryable),
+        (ErrorKind::PermissionDenied, false),
+        "{text}"
+    );
+    let setting = format!("{}.allowed_destinations", strict.publisher.name());
+    assert!(
+        text.contains(&setting) && text.contains(&other.destination()),
+        "the error names {setting} and the destination: {text}"
+    );
+    if let Some(cached) = &strict.cached_destinations {
+        assert_eq!(cached(), 0, "a refused destination is not even probed");
+    }
+    let mut home = event("home", 0);
+    home.destination = Some(fx.destination());
+    let outcomes = strict.publisher.publish(std::slice::from_ref(&home)).await;
+    assert!(
+        outcomes[0].is_ok(),
+        "the publisher's own destination, named, stays allowed: {outcomes:?}"
+    );
+    let got = receive_ours(fx, &[home.id].into(), &[home.id].into()).await;
+    assert_eq!(got.len(), 1, "the event for the own destination arrives");
+    let open = fx
+        .build(Setup {
+            allowed_destinations: vec![other.destination()],
+            ..Setup::default()
+        })
+        .await
+        .publisher;
+    let mut allowed = event("allowed", 0);
+    allowed.destination = Some(other.destination());
+    let outcomes = open.publish(std::slice::from_ref(&allowed)).await;
+    assert!(outcomes[0].is_ok(), "an allowed destination: {outcomes:?}");
+    let ours: HashSet<Uuid> = [elsewhere.id, allowed.id].into();
+    let got: Vec<Uuid> = receive_ours(other.as_ref(), &ours, &[allowed.id].into())
+        .await
+        .iter()
+        .filter_map(|r| r.event_id)
+        .collect();
+    assert_eq!(
+        got,
+        vec![allowed.id],
+        "the allowed event arrives, the refused one never did"
+    );
+    other.dispose().await;
+}
+
+/// A publisher that remembers destinations (exchanges known to exist, queue URLs) keeps at most its
+/// bound of them, however many destinations events name; a forgotten one is looked up again and
+/// still published to. Nothing to check for a publisher without such a cache.
+pub async fn the_destination_cache_stays_bounded(fx: &dyn BrokerFixture) {
+    const BOUND: usize = 4;
+    let built = fx
+        .build(Setup {
+            allowed_destinations: vec!["*".into()],
+            destination_cache: Some(BOUND),
+            ..Setup::default()
+        })
+        .await;
+    let Some(cached) = &built.cached_destinations else {
+        return;
+    };
+    let mut others = Vec::new();
+    for _ in 0..10 {
+        others.push(fx.sibling().await);
+    }
+    let mut sent: Vec<HashSet<Uuid>> = vec![HashSet::new(); others.len()];
+    for round in 0..2 {
+        for (i, other) in others.iter().enumerate() {
+            let mut e = event(&format!("agg-{i}"), round);
+            e.destination = Some(other.destination());
+            let outcomes = built.publisher.publish(std::slice::from_ref(&e)).await;
+            assert!(outcomes[0].is_ok(), "{}: {outcomes:?}", other.destination());
+            assert!(
+                cached() <= BOUND,
+                "{} destinations remembered, more than the bound of {BOUND}",
+                cached()
+            );
+            sent[i].insert(e.id);
+        }
+    }
+    for (other, ids) in others.iter().zip(&sent) {
+        let got = receive_ours(other.as_ref(), ids, ids).await;
+        assert_eq!(got.len(), 2, "both events reach {}", other.destination());
+    }
+    for other in others {
+        other.dispose().await;
+    }
+}
+
+/// While the broker is down every event of a batch fails retryably (nothing is reported published)
+/// and `check()` fails; once it is back, publishing recovers without a new publisher.
+pub async fn a_broker_that_is_down_fails_retryably_then_recovers(outage: &dyn Outage) {
+    let p = outage.publisher().await;
+    let batch =
+        |round: usize| -> Vec<Event> { (0..20).map(|i| event(&format!("a{i}"), round)).collect() };
+    let out = p.publish(&batch(0)).await;
+    assert!(
+        out.iter().all(Result::is_ok),
+        "warm-up, before the outage: {:?}",
+        out.iter().find(|o| o.is_err())
+    );
+    outage.stop().await;
+    let events = batch(1);
+    let out = p.publish(&events).await;
+    assert_eq!(out.len(), events.len(), "one outcome per event");
+    for (i, o) in out.iter().enumerate() {
+        let (_, retryable, text) = failure(&out, i);
+        assert!(
+            retryable,
+            "a broker that is down is a retryable failure: {text} ({o:?})"
+        );
+    }
+    assert!(
+        p.check().await.is_err(),
+        "check() (readiness) reports the broker down"
+    );
+    outage.start().await;
+    let deadline = tokio::time::Instant::now() + RECOVERY_TIMEOUT;
+    for round in 2.. {
+        let events = batch(round);
+        let out = p.publish(&events).await;
+        assert_eq!(out.len(), events.len(), "one outcome per event");
+        if out.iter().all(Result::is_ok) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no recovery within {RECOVERY_TIMEOUT:?} of the broker's return: {:?}",
+            out.iter().find(|o| o.is_err())
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(p.check().await.is_ok(), "check() after the recovery");
+}
+
+/// One test per rule of the publisher contract ([`run_contract`]), each on a fixture of its own:
+/// `publisher_contract!(Fixture::new().await);` in an adapter's test file, with `tokio` among its
+/// dev-dependencies. The expression is evaluated in each test.
+#[macro_export]
+macro_rules! publisher_contract {
+    ($fixture:expr) => {
+        mod publisher_contract {
+            #[allow(unused_imports)]
+            use super::*;
+            use $crate::testkit::{publisher_suite as suite, BrokerFixture};
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn acknowledges_in_order_and_carries_the_event() {
+                let fx = $fixture;
+                suite::run_all(&fx).await;
+                fx.dispose().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn bad_events_fail_alone() {
+                let fx = $fixture;
+                suite::bad_events_fail_alone(&fx).await;
+                fx.dispose().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_failed_event_holds_back_its_aggregate() {
+                let fx = $fixture;
+                suite::a_failed_event_holds_back_its_aggregate(&fx).await;
+                fx.dispose().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn destinations_outside_the_allow_list_are_refused() {
+                let fx = $fixture;
+                suite::destinations_outside_the_allow_list_are_refused(&fx).await;
+                fx.dispose().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_destination_cache_stays_bounded() {
+                let fx = $fixture;
+                suite::the_destination_cache_stays_bounded(&fx).await;
+                fx.dispose().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_broker_that_is_down_fails_retryably_then_recovers() {
+                let fx = $fixture;
+                let outage = fx.outage().await;
+                suite::a_broker_that_is_down_fails_retryably_then_recovers(outage.as_ref()).await;
+                drop(outage);
+                fx.dispose().await;
+            }
+        }
+    };
 }
