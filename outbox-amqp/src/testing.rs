@@ -283,14 +283,18 @@ impl BrokerFixture for Fixture {
     }
 
     /// AMQP short strings: a header name or a type of more than 255 bytes.
-    fn poison(&self) -> Vec<(Event, ErrorKind)> {
+    fn poison(&self) -> Vec<(Event, ErrorKind, &'static str)> {
         let mut long_header = publisher_suite::event("long-header", 0);
         long_header.headers.insert("h".repeat(300), "v".into());
         let mut long_type = publisher_suite::event("long-type", 0);
         long_type.event_type = "t".repeat(300);
         vec![
-            (long_header, ErrorKind::InvalidInput),
-            (long_type, ErrorKind::InvalidInput),
+            (
+                long_header,
+                ErrorKind::InvalidInput,
+                "header name is 300 bytes long",
+            ),
+            (long_type, ErrorKind::InvalidInput, "is 300 bytes long"),
         ]
     }
 

@@ -336,7 +336,7 @@ impl BrokerFixture for Fixture {
     }
 
     /// Kafka takes any bytes within its size limit.
-    fn poison(&self) -> Vec<(Event, ErrorKind)> {
+    fn poison(&self) -> Vec<(Event, ErrorKind, &'static str)> {
         Vec::new()
     }
 

@@ -478,7 +478,7 @@ impl BrokerFixture for Fixture {
     /// On a standard queue, delays over SQS's 900 s (refused per entry of a batch, next to the
     /// entries it takes); a FIFO queue has no per-message delay, and the publisher makes any other
     /// content fit.
-    fn poison(&self) -> Vec<(Event, ErrorKind)> {
+    fn poison(&self) -> Vec<(Event, ErrorKind, &'static str)> {
         if self.queue_name.ends_with(".fifo") {
             return Vec::new();
         }
@@ -487,7 +487,7 @@ impl BrokerFixture for Fixture {
             .map(|(aggregate, seconds)| {
                 let mut e = publisher_suite::event(aggregate, 0);
                 e.headers.insert(DELAY_HEADER.into(), seconds.into());
-                (e, ErrorKind::InvalidInput)
+                (e, ErrorKind::InvalidInput, "DelaySeconds")
             })
             .collect()
     }

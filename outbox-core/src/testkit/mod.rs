@@ -140,9 +140,10 @@ pub trait BrokerFixture: PublisherFixture {
     fn missing_destination(&self) -> String;
 
     /// Events this broker refuses for their content although they fit its size limit, each with the
-    /// (permanent) kind of error the publisher must report: a header name longer than AMQP allows,
-    /// an SQS delay over 900 s. Empty when there is no such content.
-    fn poison(&self) -> Vec<(Event, ErrorKind)>;
+    /// (permanent) kind of error the publisher must report and a text its message must contain: a
+    /// header name longer than AMQP allows, an SQS delay over 900 s. Empty when there is no such
+    /// content.
+    fn poison(&self) -> Vec<(Event, ErrorKind, &'static str)>;
 
     /// Another destination on the same broker, with a consumer of its own.
     async fn sibling(&self) -> Box<dyn BrokerFixture>;
