@@ -167,10 +167,8 @@ impl Fixture {
                     }
                 }
                 let received = Received {
-                    event_id: props
-                        .message_id()
-                        .as_ref()
-                        .and_then(|m| m.as_str().parse().ok()),
+                    // The consumer-side helper users call: every check of the suite reads ids with it.
+                    event_id: crate::event_id(&props),
                     aggregate_id: headers.get("outbox-aggregate-id").cloned(),
                     event_type: props.kind().as_ref().map(|t| t.to_string()),
                     payload: d.data.clone(),

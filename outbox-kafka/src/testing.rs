@@ -180,9 +180,8 @@ impl Fixture {
                 }
                 let key = m.key().map(<[u8]>::to_vec);
                 let received = Received {
-                    event_id: headers
-                        .get(outbox_core::header::EVENT_ID)
-                        .and_then(|v| v.parse().ok()),
+                    // The consumer-side helper users call: every check of the suite reads ids with it.
+                    event_id: crate::event_id(&m),
                     aggregate_id: key
                         .as_ref()
                         .map(|k| String::from_utf8_lossy(k).into_owned()),

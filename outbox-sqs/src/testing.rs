@@ -287,9 +287,8 @@ impl Fixture {
                     };
                     let system: HashMap<_, _> = m.attributes().cloned().unwrap_or_default();
                     let received = Received {
-                        event_id: headers
-                            .get(outbox_core::header::EVENT_ID)
-                            .and_then(|v| v.parse().ok()),
+                        // The consumer-side helper users call: every check of the suite reads ids with it.
+                        event_id: crate::event_id(m),
                         aggregate_id: headers.get(outbox_core::header::AGGREGATE_ID).cloned(),
                         event_type: headers.get(outbox_core::header::EVENT_TYPE).cloned(),
                         payload,
