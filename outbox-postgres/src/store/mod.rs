@@ -1,0 +1,208 @@
+//! The relay's store: claim with `FOR UPDATE SKIP LOCKED`, settle a batch in one statement.
+//!
+//! [`PostgresStore`] is put together from one module per job: the statements ([`sql`]), the claim
+//! algorithm ([`claim`]), the lease and its settlement ([`lease`]), the bounded statistics
+//! ([`stats`]), and the operator's tools over dead letters and kept rows ([`operator`]).
+
+mod claim;
+mod lease;
+mod operator;
+mod sql;
+mod stats;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Row};
+
+use outbox_core::{Batch, ClaimRequest, Error, Event, Store, StoreStats};
+
+use crate::error::map_sqlx;
+use crate::table::OutboxTable;
+
+pub use operator::{DeadLetter, DeadLetterFilter};
+
+use sql::Sql;
+use stats::CountPass;
+
+/// What happens to a row once its event is published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Retention {
+    /// Delete it in the settling statement (the default: cheapest, keeps the table small).
+    #[default]
+    Delete,
+    /// Keep it with `processed_at` set; remove it later with [`PostgresStore::cleanup`].
+    Keep,
+}
+
+/// The select list that [`decode_event`] reads: every column of an event, over the outbox table
+/// aliased `e` (`SELECT {EVENT_COLUMNS} FROM <table> e WHERE ...`), the payload as bytes whatever
+/// its column.
+pub const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
+    CASE WHEN e.payload_bytes IS NOT NULL THEN e.payload_bytes ELSE convert_to(e.payload::text, 'UTF8') END AS payload,
+    e.content_type, e.headers::text AS headers, e.destination, e.created_at, e.attempts";
+
+/// The PostgreSQL implementation of [`Store`], plus the operator's tools (dead letters, cleanup).
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    table: OutboxTable,
+    retention: Retention,
+    sql: Arc<Sql>,
+    /// Where the next skip scan starts: the last aggregate the previous one visited (`None`: from
+    /// the first). Rotating it gives every aggregate its turn, however many there are.
+    skip_cursor: Arc<Mutex<Option<(String, String)>>>,
+    /// Until when skip scans rest: set when the last ones walked every aggregate and found no head
+    /// to take (other relays hold them all), so that claims bound to find nothing beyond the window
+    /// do not keep walking the aggregates (the window still runs on every claim).
+    skip_rest_until: Arc<Mutex<Option<std::time::Instant>>>,
+    /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
+    stats_max_rows: i64,
+    /// The counts in progress: pending rows, dead letters.
+    stats_passes: Arc<tokio::sync::Mutex<(CountPass, CountPass)>>,
+}
+
+/// The default of [`PostgresStore::with_stats_max_rows`] (`database.stats_max_rows`): 100,000 rows
+/// per kind and call.
+pub const DEFAULT_STATS_MAX_ROWS: u64 = 100_000;
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.table.qualified())
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An [`Event`] from a row selected with [`EVENT_COLUMNS`] (for tools that read the outbox
+/// themselves, such as a benchmark's reference relay).
+///
+/// # Errors
+/// A database error naming the column when the row lacks one or holds another type.
+pub fn decode_event(row: &PgRow) -> Result<Event, Error> {
+    let get = |e: sqlx::Error| map_sqlx("claim", e);
+    let headers_text: String = row.try_get("headers").map_err(get)?;
+    let headers = parse_headers(&headers_text);
+    let attempts: i32 = row.try_get("attempts").map_err(get)?;
+    Ok(Event {
+        id: row.try_get("id").map_err(get)?,
+        aggregate_type: row.try_get("aggregate_type").map_err(get)?,
+        aggregate_id: row.try_get("aggregate_id").map_err(get)?,
+        event_type: row.try_get("event_type").map_err(get)?,
+        payload: row.try_get("payload").map_err(get)?,
+        content_type: row.try_get("content_type").map_err(get)?,
+        headers,
+        destination: row.try_get("destination").map_err(get)?,
+        created_at: row.try_get("created_at").map_err(get)?,
+        attempts: u32::try_from(attempts).unwrap_or(0),
+    })
+}
+
+/// Headers as stored: a JSON object. Non-string values (from plain-SQL writers) keep their JSON text;
+/// anything that is not an object yields no headers rather than a failure.
+fn parse_headers(text: &str) -> BTreeMap<String, String> {
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+impl PostgresStore {
+    /// A store over `table` (migrate it first with [`crate::migrate`]). Published rows are deleted.
+    pub fn new(pool: PgPool, table: OutboxTable) -> Self {
+        Self::with_retention(pool, table, Retention::Delete)
+    }
+
+    /// A store with the given retention of published rows.
+    pub fn with_retention(pool: PgPool, table: OutboxTable, retention: Retention) -> Self {
+        let sql = Arc::new(Sql::new(&table, retention));
+        PostgresStore {
+            pool,
+            table,
+            retention,
+            sql,
+            skip_cursor: Arc::new(Mutex::new(None)),
+            skip_rest_until: Arc::new(Mutex::new(None)),
+            stats_max_rows: DEFAULT_STATS_MAX_ROWS as i64,
+            stats_passes: Arc::default(),
+        }
+    }
+
+    /// Reads at most `rows` rows of each kind (pending, dead letters) per [`Store::stats`] call
+    /// (default [`DEFAULT_STATS_MAX_ROWS`]; at least 1,000): a kind with more is counted over
+    /// several calls, each going on from where the last stopped, and reported from the last complete
+    /// count ([`StoreStats::estimated`] is then true).
+    pub fn with_stats_max_rows(mut self, rows: u64) -> Self {
+        self.stats_max_rows = i64::try_from(rows).unwrap_or(i64::MAX).max(1_000);
+        self
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table.
+    pub fn table(&self) -> &OutboxTable {
+        &self.table
+    }
+
+    /// The retention in force.
+    pub fn retention(&self) -> Retention {
+        self.retention
+    }
+
+    /// Applies the schema migrations to this store's table (see [`crate::migrate`]).
+    ///
+    /// # Errors
+    /// As [`crate::migrate`].
+    pub async fn migrate(&self) -> Result<Vec<i64>, Error> {
+        crate::migrate::migrate(&self.pool, &self.table).await
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error> {
+        self.claim_batch(request).await
+    }
+
+    async fn stats(&self) -> Result<StoreStats, Error> {
+        self.chunked_stats().await
+    }
+
+    async fn check(&self) -> Result<(), Error> {
+        sqlx::query(&format!("SELECT 1 FROM {} LIMIT 0", self.table.qualified()))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| map_sqlx("check", e))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_parse_leniently() {
+        assert_eq!(
+            parse_headers(r#"{"a":"x","n":3}"#),
+            BTreeMap::from([
+                ("a".to_string(), "x".to_string()),
+                ("n".to_string(), "3".to_string())
+            ])
+        );
+        assert!(parse_headers("[1,2]").is_empty());
+        assert!(parse_headers("not json").is_empty());
+    }
+}

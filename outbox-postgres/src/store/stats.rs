@@ -1,0 +1,256 @@
+//! Statistics whose cost is bounded: each kind of row counted in chunks of `stats_max_rows`.
+
+use std::collections::BTreeMap;
+
+use sqlx::{Postgres, Transaction};
+
+use outbox_core::{Error, EventTypeStats, StoreStats};
+
+use crate::error::map_sqlx;
+
+use super::sql::{DEAD, PENDING};
+use super::*;
+
+/// Rows of one event type in a count: how many, and when the oldest was written (seconds since the
+/// Unix epoch, by the database's clock).
+pub(super) type TypeCounts = BTreeMap<String, (u64, Option<f64>)>;
+
+/// A count of one kind of rows (pending or dead letters) taken in chunks of `stats_max_rows` rows,
+/// one chunk per statistics call, each going on in `seq` order from where the previous one stopped.
+/// A kind with fewer rows than a chunk is counted whole, exactly, at every call; a larger one is
+/// counted over several calls, and its figure is the last complete pass (or the pass in progress,
+/// once that has counted more). A pass counts the rows up to the last `seq` there was when it started:
+/// rows written meanwhile wait for the next pass, so a pass ends however fast rows arrive.
+#[derive(Debug, Default)]
+pub(super) struct CountPass {
+    /// Where the next chunk starts: after this `seq` (`None`: a new pass, from the oldest row).
+    pub(super) cursor: Option<i64>,
+    /// The last `seq` of the kind when the pass in progress started.
+    pub(super) end: Option<i64>,
+    /// The pass in progress.
+    pub(super) partial: TypeCounts,
+    /// The last complete pass, and whether it took more than one chunk.
+    pub(super) last: Option<(TypeCounts, bool)>,
+}
+
+impl CountPass {
+    /// Adds a chunk of `rows` rows (by type), the last at `last_seq`; a chunk smaller than `cap`
+    /// ends the pass.
+    fn add(&mut self, chunk: TypeCounts, rows: u64, last_seq: Option<i64>, cap: u64) {
+        for (event_type, (n, oldest)) in chunk {
+            let entry = self.partial.entry(event_type).or_insert((0, None));
+            entry.0 += n;
+            entry.1 = match (entry.1, oldest) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        match last_seq {
+            Some(seq) if rows >= cap => self.cursor = Some(seq),
+            _ => {
+                let multi = self.cursor.is_some();
+                self.last = Some((std::mem::take(&mut self.partial), multi));
+                self.cursor = None;
+                self.end = None;
+            }
+        }
+    }
+
+    /// The figure to report, and whether it is other than one exact count of this moment.
+    fn report(&self) -> (TypeCounts, bool) {
+        let total = |c: &TypeCounts| c.values().map(|(n, _)| n).sum::<u64>();
+        match &self.last {
+            Some((last, multi)) if self.cursor.is_none() || total(last) >= total(&self.partial) => {
+                (last.clone(), *multi || self.cursor.is_some())
+            }
+            _ => (self.partial.clone(), true),
+        }
+    }
+}
+
+impl PostgresStore {
+    /// The statistics of [`Store::stats`]: the next chunk of each kind, the figures of the last complete counts.
+    pub(super) async fn chunked_stats(&self) -> Result<StoreStats, Error> {
+        // One call at a time per store, so that chunks follow each other.
+        let mut passes = self.stats_passes.lock().await;
+        let mut tx = self.stats_transaction().await?;
+        let (pending_pass, dead_pass) = &mut *passes;
+        self.count_chunk(&mut tx, false, pending_pass).await?;
+        self.count_chunk(&mut tx, true, dead_pass).await?;
+        self.finish_stats(tx, pending_pass.report(), dead_pass.report())
+            .await
+    }
+
+    /// The counts of [`Store::stats`], each kind counted to its end now: for a command that wants
+    /// the whole count (`outbox status`), at the cost of reading every pending row and dead letter
+    /// once, `stats_max_rows` at a time.
+    ///
+    /// # Errors
+    /// As [`Store::stats`].
+    pub async fn stats_complete(&self) -> Result<StoreStats, Error> {
+        let mut tx = self.stats_transaction().await?;
+        let mut kinds = [CountPass::default(), CountPass::default()];
+        for (dead, pass) in [false, true].into_iter().zip(kinds.iter_mut()) {
+            loop {
+                self.count_chunk(&mut tx, dead, pass).await?;
+                if pass.cursor.is_none() {
+                    break;
+                }
+            }
+        }
+        let [pending, dead] = kinds;
+        let mut stats = self
+            .finish_stats(tx, pending.report(), dead.report())
+            .await?;
+        stats.estimated = false;
+        Ok(stats)
+    }
+
+    /// The transaction the statistics read in: every statement must read through the partial
+    /// indexes in seq order (a plan chosen on stale estimates, a bitmap scan and a sort of every dead
+    /// letter, would read the whole backlog).
+    async fn stats_transaction(&self) -> Result<Transaction<'static, Postgres>, Error> {
+        self.pool
+            .begin_with(
+                "BEGIN READ ONLY; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off",
+            )
+            .await
+            .map_err(|e| map_sqlx("stats", e))
+    }
+
+    /// Reads the oldest pending event's age now (the counts may come from earlier calls), ends the
+    /// transaction, and puts the figures together.
+    async fn finish_stats(
+        &self,
+        mut tx: Transaction<'static, Postgres>,
+        (pending, pending_estimated): (TypeCounts, bool),
+        (dead, dead_estimated): (TypeCounts, bool),
+    ) -> Result<StoreStats, Error> {
+        let row = sqlx::query(&format!(
+            "SELECT EXTRACT(EPOCH FROM now())::float8 AS now,
+                    (SELECT EXTRACT(EPOCH FROM (now() - min(s.created_at)))::float8
+                     FROM (SELECT e.created_at FROM {} e WHERE {PENDING} ORDER BY e.seq LIMIT 100) s) AS oldest",
+            self.table.qualified()
+        ))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| map_sqlx("stats", e))?;
+        tx.rollback().await.map_err(|e| map_sqlx("stats", e))?;
+        let get = |e: sqlx::Error| map_sqlx("stats", e);
+        let now: f64 = row.try_get("now").map_err(get)?;
+        let oldest: Option<f64> = row.try_get("oldest").map_err(get)?;
+        let mut by_type: BTreeMap<String, EventTypeStats> = BTreeMap::new();
+        let mut stats = StoreStats {
+            estimated: pending_estimated || dead_estimated,
+            oldest_pending_age_seconds: oldest.map(|o| o.max(0.0)),
+            ..StoreStats::default()
+        };
+        for (event_type, (n, written)) in pending {
+            stats.pending += n;
+            let t = by_type
+                .entry(event_type.clone())
+                .or_insert_with(|| EventTypeStats::new(event_type));
+            t.pending = n;
+            t.oldest_pending_age_seconds = written.map(|w| (now - w).max(0.0));
+        }
+        for (event_type, (n, _)) in dead {
+            stats.dead_letters += n;
+            by_type
+                .entry(event_type.clone())
+                .or_insert_with(|| EventTypeStats::new(event_type))
+                .dead_letters = n;
+        }
+        if stats.pending == 0 {
+            stats.oldest_pending_age_seconds = None;
+        }
+        stats.by_event_type = by_type.into_values().collect();
+        Ok(stats)
+    }
+
+    /// Counts the next chunk of pending rows (`dead = false`) or dead letters: at most
+    /// `stats_max_rows` rows, in `seq` order after the pass's cursor, through the kind's partial
+    /// index. The cost of a statistics call is thus bounded whatever the backlog.
+    async fn count_chunk(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        dead: bool,
+        pass: &mut CountPass,
+    ) -> Result<(), Error> {
+        let t = self.table.qualified();
+        let kind = if dead { DEAD } else { PENDING };
+        // The bound is written into the statement (not bound), so that a generic plan cannot
+        // mistake it for an unknown share of the table and choose a scan of all of it.
+        let cap = self.stats_max_rows;
+        if pass.cursor.is_none() {
+            pass.end = sqlx::query_scalar(&format!(
+                "SELECT e.seq FROM {t} e WHERE {kind} ORDER BY e.seq DESC LIMIT 1"
+            ))
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("stats", e))?;
+        }
+        let chunk = format!(
+            "SELECT s.event_type, count(*) AS n, max(s.seq) AS last_seq,
+                    EXTRACT(EPOCH FROM min(s.created_at))::float8 AS oldest
+             FROM (SELECT e.event_type, e.seq, e.created_at FROM {t} e
+                   WHERE {kind} AND e.seq > $1 AND e.seq <= $2
+                   ORDER BY e.seq LIMIT {cap}) s
+             GROUP BY s.event_type"
+        );
+        let rows = sqlx::query(&chunk)
+            .bind(pass.cursor.unwrap_or(i64::MIN))
+            .bind(pass.end.unwrap_or(i64::MIN))
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("stats", e))?;
+        let (mut counts, mut total, mut last_seq) = (TypeCounts::new(), 0u64, None);
+        for r in rows {
+            let get = |e: sqlx::Error| map_sqlx("stats", e);
+            let n: i64 = r.try_get("n").map_err(get)?;
+            let last: i64 = r.try_get("last_seq").map_err(get)?;
+            let oldest: Option<f64> = r.try_get("oldest").map_err(get)?;
+            total += n.max(0) as u64;
+            last_seq = Some(last_seq.map_or(last, |l: i64| l.max(last)));
+            counts.insert(
+                r.try_get::<String, _>("event_type").map_err(get)?,
+                (n.max(0) as u64, oldest),
+            );
+        }
+        pass.add(counts, total, last_seq, cap as u64);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn count_passes_report_the_last_complete_count_or_a_larger_partial_one() {
+        let chunk = |n: u64| TypeCounts::from([("t".to_string(), (n, Some(1.0)))]);
+        let total = |c: &TypeCounts| c.values().map(|(n, _)| n).sum::<u64>();
+        let mut p = CountPass::default();
+        p.add(chunk(5), 5, Some(9), 10);
+        assert_eq!(p.report().0, chunk(5), "under a chunk: exact at once");
+        assert!(!p.report().1);
+        p.add(chunk(10), 10, Some(20), 10);
+        assert_eq!(
+            total(&p.report().0),
+            10,
+            "a larger partial pass shows at once"
+        );
+        assert!(p.report().1);
+        p.add(chunk(10), 10, Some(30), 10);
+        p.add(chunk(3), 3, Some(33), 10);
+        let (c, estimated) = p.report();
+        assert_eq!((total(&c), estimated), (23, true), "a pass of three chunks");
+        p.add(chunk(10), 10, Some(10), 10);
+        assert_eq!(
+            total(&p.report().0),
+            23,
+            "the next pass, smaller so far, waits"
+        );
+        p.add(chunk(0), 0, None, 10);
+        assert_eq!(total(&p.report().0), 10);
+    }
+}
