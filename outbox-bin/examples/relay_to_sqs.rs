@@ -2,7 +2,7 @@
 //! events (one transaction each), relays them, and prints what the queue holds.
 //!
 //! ```sh
-//! AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test cargo run -p outbox-sqs --example relay_to_sqs
+//! AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test cargo run -p outbox-bin --example relay_to_sqs
 //! ```
 //! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `SQS_ENDPOINT_URL`
 //! (default `http://127.0.0.1:4566`, the local emulator).

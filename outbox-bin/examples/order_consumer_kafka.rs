@@ -3,7 +3,7 @@
 //! handler's write; the offset is committed after, so a redelivered record is skipped, not re-handled.
 //!
 //! ```sh
-//! cargo run -p outbox-kafka --example order_consumer_kafka
+//! cargo run -p outbox-bin --example order_consumer_kafka
 //! ```
 //! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `KAFKA_BROKERS`,
 //! `TOPIC` (default `outbox.event.order`), `GROUP` (default `shipping`), `SCHEMA` (default `shipping`),

@@ -3,7 +3,7 @@
 //! handler's write, so a redelivered message is acknowledged without being handled twice.
 //!
 //! ```sh
-//! cargo run -p outbox-amqp --example order_consumer_amqp
+//! cargo run -p outbox-bin --example order_consumer_amqp
 //! ```
 //! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `AMQP_URL`,
 //! `EXCHANGE` (default `outbox.events`), `QUEUE` (default `shipping.order-created`), `SCHEMA` (default

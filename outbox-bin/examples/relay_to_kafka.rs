@@ -2,7 +2,7 @@
 //! relays them to the topic `outbox.event.order`, and prints what a consumer reads back.
 //!
 //! ```sh
-//! cargo run -p outbox-kafka --example relay_to_kafka
+//! cargo run -p outbox-bin --example relay_to_kafka
 //! ```
 //! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `KAFKA_BROKERS`
 //! (default `127.0.0.1:9092`).

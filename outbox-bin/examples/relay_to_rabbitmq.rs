@@ -2,7 +2,7 @@
 //! binds a queue to the exchange, relays, and prints what the queue received.
 //!
 //! ```sh
-//! cargo run -p outbox-amqp --example relay_to_rabbitmq
+//! cargo run -p outbox-bin --example relay_to_rabbitmq
 //! ```
 //! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`).
