@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use outbox_amqp::{AmqpConfig, AmqpPublisher, BoundQueue};
+use outbox_amqp::admin::BoundQueue;
+use outbox_amqp::{AmqpConfig, AmqpPublisher};
 use outbox_core::{Error, Publisher};
 
 use super::{Adapter, Progress};

@@ -1,5 +1,6 @@
-//! A durable queue bound to the configured exchange, for tools that need published messages to land
-//! somewhere and be counted or cleared (`outbox bench`, smoke tests of a new exchange).
+//! Destination administration for tools (`outbox bench`, set-up scripts), as `outbox_kafka::admin` and
+//! `outbox_sqs::admin` do for their brokers: a durable queue bound to the configured exchange, for
+//! published messages to land somewhere and be counted or cleared.
 
 use lapin::options::{
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
