@@ -304,23 +304,37 @@ impl BrokerFixture for Fixture {
     /// keeps serving the other tests).
     async fn outage(&self) -> Box<dyn Outage> {
         let url = amqp_url();
-        let (before, rest) = url.split_once("://").unwrap();
-        let (credentials, rest) = rest.rsplit_once('@').map_or(("", rest), |(c, r)| (c, r));
-        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let target = tokio::net::lookup_host(authority)
+        let mut uri: lapin::uri::AMQPUri = url.parse().unwrap_or_else(|e| {
+            panic!(
+                "AMQP_URL {} is not an AMQP URL: {e}",
+                crate::redact_url(&url)
+            )
+        });
+        assert!(
+            matches!(uri.scheme, lapin::uri::AMQPScheme::AMQP),
+            "the outage check forwards plain AMQP through a proxy of its own: set AMQP_URL to an \
+             amqp:// URL (not amqps://)"
+        );
+        // The broker's address: the first one that accepts a connection (`localhost` may resolve
+        // to an IPv6 address the broker does not listen on).
+        let authority = (uri.authority.host.clone(), uri.authority.port);
+        let mut target = None;
+        for address in tokio::net::lookup_host(authority.clone())
             .await
-            .ok()
-            .and_then(|mut a| a.next())
-            .unwrap_or_else(|| panic!("cannot resolve the RabbitMQ address {authority}"));
+            .unwrap_or_else(|e| panic!("cannot resolve the RabbitMQ host {authority:?}: {e}"))
+        {
+            if tokio::net::TcpStream::connect(address).await.is_ok() {
+                target = Some(address);
+                break;
+            }
+        }
+        let target = target.unwrap_or_else(|| panic!("RabbitMQ does not answer at {authority:?}"));
         let proxy = TcpProxy::start(target).await;
-        let at = if credentials.is_empty() {
-            String::new()
-        } else {
-            format!("{credentials}@")
-        };
+        uri.authority.host = "127.0.0.1".into();
+        uri.authority.port = proxy.port();
         Box::new(ProxiedBroker {
             config: AmqpConfig {
-                url: format!("{before}://{at}127.0.0.1:{}/{path}", proxy.port()),
+                url: uri.to_string(),
                 reconnect_initial_backoff: Duration::from_millis(100),
                 reconnect_max_backoff: Duration::from_millis(500),
                 ..self.config()
@@ -351,6 +365,6 @@ impl Outage for ProxiedBroker {
     }
 
     async fn start(&self) {
-        self.proxy.restore().await;
+        self.proxy.restore();
     }
 }

@@ -252,7 +252,7 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
             print!("{}", config.to_redacted_toml());
             Ok(())
         }
-        Command::Bench(args) => Ok(crate::bench::cmd_bench(&config, args).await?),
+        Command::Bench(args) => cmd_bench(&config, args).await,
     }
 }
 
@@ -272,6 +272,12 @@ pub async fn build_publisher(config: &Config) -> Result<Arc<dyn Publisher>, Erro
     crate::adapters::adapter(config.publisher.kind)
         .publisher(config)
         .await
+}
+
+async fn cmd_bench(config: &Config, args: crate::bench::BenchArgs) -> Result<(), Failure> {
+    let options = crate::bench::options(config, &args)?;
+    let target = crate::adapters::bench_target(config, &args, &crate::bench::progress).await?;
+    Ok(crate::bench::run(config, &args, &options, target).await?)
 }
 
 async fn cmd_migrate(config: &Config, table: &OutboxTable, print: bool) -> Result<(), Failure> {

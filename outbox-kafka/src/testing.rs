@@ -16,8 +16,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use outbox_core::testkit::{
-    free_port, wait_for_port, BrokerFixture, Built, Outage, OwnedProcess, PublisherFixture,
-    Received, Setup,
+    BrokerFixture, Built, Outage, OwnServer, PublisherFixture, Received, Setup,
 };
 use outbox_core::{ErrorKind, Event, Publisher};
 
@@ -345,11 +344,7 @@ impl BrokerFixture for Fixture {
 
     /// A Tansu of the test's own on a spare loopback port, stopped and started again on it.
     async fn outage(&self) -> Box<dyn Outage> {
-        let port = free_port();
-        let broker = OwnBroker {
-            port,
-            process: Mutex::new(None),
-        };
+        let broker = OwnBroker(OwnServer::new("Tansu"));
         broker.start().await;
         Box::new(broker)
     }
@@ -357,17 +352,14 @@ impl BrokerFixture for Fixture {
 
 /// A Tansu broker of the test's own (in-memory: a restart forgets its topics, which the producer
 /// creates again).
-struct OwnBroker {
-    port: u16,
-    process: Mutex<Option<OwnedProcess>>,
-}
+struct OwnBroker(OwnServer);
 
 #[async_trait]
 impl Outage for OwnBroker {
     async fn publisher(&self) -> Arc<dyn Publisher> {
         Arc::new(
             KafkaPublisher::new(KafkaConfig {
-                brokers: format!("127.0.0.1:{}", self.port),
+                brokers: format!("127.0.0.1:{}", self.0.port()),
                 topic: "outbox.faults".into(),
                 delivery_timeout: Duration::from_secs(3),
                 ..KafkaConfig::default()
@@ -377,23 +369,12 @@ impl Outage for OwnBroker {
     }
 
     async fn stop(&self) {
-        let process = self.process.lock().unwrap().take();
-        if let Some(p) = process {
-            p.stop();
-        }
+        self.0.stop();
     }
 
     async fn start(&self) {
-        assert!(
-            std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err(),
-            "port {} was taken by another program meanwhile: run the test again",
-            self.port
-        );
-        let process = OwnedProcess(spawn_tansu(self.port, std::process::Stdio::null()));
-        let port = self.port;
-        tokio::task::spawn_blocking(move || wait_for_port(port, Duration::from_secs(30), "Tansu"))
-            .await
-            .unwrap();
-        *self.process.lock().unwrap() = Some(process);
+        self.0
+            .start(|port| spawn_tansu(port, std::process::Stdio::null()))
+            .await;
     }
 }

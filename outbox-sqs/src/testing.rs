@@ -18,8 +18,7 @@ use aws_sdk_sqs::Client;
 use base64::Engine;
 
 use outbox_core::testkit::{
-    free_port, publisher_suite, wait_for_port, BrokerFixture, Built, Outage, OwnedProcess,
-    PublisherFixture, Received, Setup,
+    publisher_suite, BrokerFixture, Built, Outage, OwnServer, PublisherFixture, Received, Setup,
 };
 use outbox_core::{ErrorKind, Event, Publisher};
 
@@ -498,10 +497,7 @@ impl BrokerFixture for Fixture {
     /// An endpoint of the test's own on a spare loopback port, stopped and started again on it
     /// (it keeps nothing: its queue is created again, as an operator would).
     async fn outage(&self) -> Box<dyn Outage> {
-        let endpoint = OwnEndpoint {
-            port: free_port(),
-            process: Mutex::new(None),
-        };
+        let endpoint = OwnEndpoint(OwnServer::new("moto"));
         endpoint.start().await;
         Box::new(endpoint)
     }
@@ -517,16 +513,13 @@ fn sibling_name(name: &str) -> String {
 }
 
 /// An SQS endpoint of the test's own, with the queue `outbox-faults`.
-struct OwnEndpoint {
-    port: u16,
-    process: Mutex<Option<OwnedProcess>>,
-}
+struct OwnEndpoint(OwnServer);
 
 impl OwnEndpoint {
     const QUEUE: &'static str = "outbox-faults";
 
     fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://127.0.0.1:{}", self.0.port())
     }
 
     /// A client that gives up quickly on an endpoint that is down.
@@ -565,23 +558,13 @@ impl Outage for OwnEndpoint {
     }
 
     async fn stop(&self) {
-        let process = self.process.lock().unwrap().take();
-        if let Some(p) = process {
-            p.stop();
-        }
+        self.0.stop();
     }
 
     async fn start(&self) {
-        assert!(
-            std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err(),
-            "port {} was taken by another program meanwhile: run the test again",
-            self.port
-        );
-        let process = OwnedProcess(spawn_endpoint(self.port, std::process::Stdio::null()));
-        let port = self.port;
-        tokio::task::spawn_blocking(move || wait_for_port(port, Duration::from_secs(30), "moto"))
-            .await
-            .unwrap();
+        self.0
+            .start(|port| spawn_endpoint(port, std::process::Stdio::null()))
+            .await;
         wait_until_serving(&self.url()).await;
         self.client()
             .create_queue()
@@ -589,6 +572,5 @@ impl Outage for OwnEndpoint {
             .send()
             .await
             .unwrap_or_else(|e| panic!("creating {} again: {e:?}", Self::QUEUE));
-        *self.process.lock().unwrap() = Some(process);
     }
 }

@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use outbox_core::{Error, Publisher};
 
-use crate::bench::engine::BenchTarget;
+use crate::bench::engine::{BenchTarget, DiscardTarget};
 use crate::bench::BenchArgs;
 use crate::config::{Config, PublisherType};
 
@@ -30,7 +30,10 @@ pub mod amqp {
     /// `[amqp]`, kept as written.
     pub type Section = Option<serde_json::Value>;
     /// The placeholder.
-    pub static ADAPTER: super::Absent = super::Absent("amqp");
+    pub static ADAPTER: super::Absent = super::Absent {
+        name: "amqp",
+        section: |config| &mut config.amqp,
+    };
 }
 
 #[cfg(feature = "kafka")]
@@ -41,7 +44,10 @@ pub mod kafka {
     /// `[kafka]`, kept as written.
     pub type Section = Option<serde_json::Value>;
     /// The placeholder.
-    pub static ADAPTER: super::Absent = super::Absent("kafka");
+    pub static ADAPTER: super::Absent = super::Absent {
+        name: "kafka",
+        section: |config| &mut config.kafka,
+    };
 }
 
 #[cfg(feature = "sqs")]
@@ -52,7 +58,10 @@ pub mod sqs {
     /// `[sqs]`, kept as written.
     pub type Section = Option<serde_json::Value>;
     /// The placeholder.
-    pub static ADAPTER: super::Absent = super::Absent("sqs");
+    pub static ADAPTER: super::Absent = super::Absent {
+        name: "sqs",
+        section: |config| &mut config.sqs,
+    };
 }
 
 /// Every publisher type, in the order they are listed to users.
@@ -85,6 +94,30 @@ pub fn available() -> Vec<&'static str> {
         .filter(|a| a.built())
         .map(|a| a.name())
         .collect()
+}
+
+/// The benchmark's destination: `--broker` (`discard`, the database's ceiling, or an adapter's
+/// name), else the configured publisher's.
+///
+/// # Errors
+/// A config error for an unknown broker, one not in this build, or the standard output; what the
+/// broker reports when the destination cannot be made.
+pub async fn bench_target(
+    config: &Config,
+    args: &BenchArgs,
+    progress: &Progress,
+) -> Result<Box<dyn BenchTarget>, Error> {
+    let adapter = match args.broker.as_deref() {
+        Some("discard") => return Ok(Box::new(DiscardTarget)),
+        Some(name) => by_name(name).ok_or_else(|| {
+            Error::config(format!(
+                "--broker {name:?}: expected one of {}, or discard",
+                available().join(", ")
+            ))
+        })?,
+        None => adapter(config.publisher.kind),
+    };
+    adapter.bench_target(config, args, progress).await
 }
 
 /// One publisher the binary can run: its section of the configuration, the publisher built from it,
@@ -153,24 +186,49 @@ pub(crate) fn is_unset<S: Section>(section: &S) -> bool {
     section.is_unset()
 }
 
-/// An adapter this binary was built without.
+/// An adapter this binary was built without: its section is kept as written.
 #[derive(Debug, Clone, Copy)]
-pub struct Absent(pub &'static str);
+pub struct Absent {
+    /// The adapter's name (and feature).
+    pub name: &'static str,
+    /// Its section of the configuration.
+    pub section: fn(&mut Config) -> &mut Option<Value>,
+}
 
 impl Absent {
     fn not_built(&self) -> Error {
-        let name = self.0;
+        let name = self.name;
         Error::config(format!(
-            "publisher.type = \"{name}\": this outbox binary was built without the `{name}` feature; expected one of {}",
+            "\"{name}\": this outbox binary was built without the `{name}` feature (build it with \
+             `--features {name}`); expected one of {}",
             available().join(", ")
         ))
+    }
+}
+
+/// Hides, in a section kept as written, every value of a key whose name says it is a secret and the
+/// passwords of every URL.
+fn redact_value(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            for (key, v) in map.iter_mut() {
+                if outbox_core::redact::is_secret_name(key) {
+                    *v = Value::String("***".into());
+                } else {
+                    redact_value(v);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(redact_value),
+        Value::String(text) => *text = outbox_core::redact::redact_url(text),
+        _ => {}
     }
 }
 
 #[async_trait]
 impl Adapter for Absent {
     fn name(&self) -> &'static str {
-        self.0
+        self.name
     }
 
     fn built(&self) -> bool {
@@ -179,6 +237,12 @@ impl Adapter for Absent {
 
     fn validate(&self, _config: &Config) -> Result<(), Error> {
         Err(self.not_built())
+    }
+
+    fn redact(&self, shown: &mut Config) {
+        if let Some(section) = (self.section)(shown) {
+            redact_value(section);
+        }
     }
 
     async fn publisher(&self, _config: &Config) -> Result<Arc<dyn Publisher>, Error> {
@@ -198,6 +262,21 @@ impl Adapter for Absent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_section_kept_as_written_shows_no_secret() {
+        let mut section = serde_json::json!({
+            "url": "amqp://relay:s3cret@rabbit:5672/%2f",
+            "properties": {"sasl.password": "hunter2", "sasl.mechanism": "PLAIN"},
+            "brokers": ["kafka://user:pw@k1:9092"],
+        });
+        redact_value(&mut section);
+        let text = section.to_string();
+        for secret in ["s3cret", "hunter2", ":pw@"] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+        assert!(text.contains("PLAIN") && text.contains("rabbit"), "{text}");
+    }
 
     #[test]
     fn every_type_has_its_adapter_under_its_own_name() {

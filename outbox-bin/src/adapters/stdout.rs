@@ -39,13 +39,14 @@ impl Adapter for Stdout {
         _args: &BenchArgs,
         _progress: &Progress,
     ) -> Result<Box<dyn BenchTarget>, Error> {
+        let brokers: Vec<&str> = super::available()
+            .into_iter()
+            .filter(|n| *n != "stdout")
+            .chain(["discard"])
+            .collect();
         Err(Error::config(format!(
-            "outbox bench needs a broker: pass --broker {}|discard, or set publisher.type to one",
-            super::available()
-                .into_iter()
-                .filter(|n| *n != "stdout")
-                .collect::<Vec<_>>()
-                .join("|")
+            "outbox bench needs a broker: pass --broker {}, or set publisher.type to one",
+            brokers.join("|")
         )))
     }
 }

@@ -1,7 +1,7 @@
-//! `outbox bench`: the configured broker wired into [`engine`], which does the measuring. Each
-//! broker's adapter ([`crate::adapters`]) gives it a destination of the benchmark's own (an exchange
-//! bound to a queue, a topic, a queue), so a benchmark never publishes into a service's topics or
-//! queues.
+//! `outbox bench`: its options, and a destination run through [`engine`], which does the measuring.
+//! Each broker's adapter ([`crate::adapters::bench_target`]) gives it a destination of the
+//! benchmark's own (an exchange bound to a queue, a topic, a queue), so a benchmark never publishes
+//! into a service's topics or queues.
 
 use std::time::Duration;
 
@@ -11,9 +11,8 @@ use outbox_core::{Error, ErrorKind};
 
 pub mod engine;
 
-use engine::{self as bench, BenchOptions, BenchTarget, DiscardTarget, Phase};
+use engine::{self as bench, BenchOptions, BenchTarget, Phase};
 
-use crate::adapters;
 use crate::config::Config;
 
 /// `outbox bench` options. Sizes, rates and durations default to the figures the targets are stated
@@ -104,11 +103,11 @@ impl BenchArgs {
     }
 }
 
-/// Runs `outbox bench`.
+/// The options of `outbox bench`, checked before any destination is created.
 ///
 /// # Errors
-/// A config error for invalid options or a broker missing from this build; what failed otherwise.
-pub async fn cmd_bench(config: &Config, args: BenchArgs) -> Result<(), Error> {
+/// A config error naming the invalid option.
+pub fn options(config: &Config, args: &BenchArgs) -> Result<BenchOptions, Error> {
     let options = args.options(config)?;
     options.validate()?;
     if !(1..=1000).contains(&args.kafka_partitions) {
@@ -117,25 +116,26 @@ pub async fn cmd_bench(config: &Config, args: BenchArgs) -> Result<(), Error> {
             args.kafka_partitions
         )));
     }
-    let progress = |line: &str| eprintln!("[bench] {line}");
-    let target: Box<dyn BenchTarget> = match args.broker.as_deref() {
-        Some("discard") => Box::new(DiscardTarget),
-        Some(name) => {
-            let adapter = adapters::by_name(name).ok_or_else(|| {
-                Error::config(format!(
-                    "--broker {name:?}: expected one of {}, or discard",
-                    adapters::available().join(", ")
-                ))
-            })?;
-            adapter.bench_target(config, &args, &progress).await?
-        }
-        None => {
-            adapters::adapter(config.publisher.kind)
-                .bench_target(config, &args, &progress)
-                .await?
-        }
-    };
-    let result = bench::run(&config.database.url, target.as_ref(), &options, &progress).await;
+    Ok(options)
+}
+
+/// Where the benchmark's progress lines go: standard error.
+pub fn progress(line: &str) {
+    eprintln!("[bench] {line}");
+}
+
+/// Runs the phases of `options` on `target` (the destination `crate::adapters::bench_target` made),
+/// removes the target's destination, and prints the report (a table, or JSON with `--json`).
+///
+/// # Errors
+/// What failed in a phase.
+pub async fn run(
+    config: &Config,
+    args: &BenchArgs,
+    options: &BenchOptions,
+    target: Box<dyn BenchTarget>,
+) -> Result<(), Error> {
+    let result = bench::run(&config.database.url, target.as_ref(), options, &progress).await;
     target.teardown().await;
     let report = result?;
     if args.json {

@@ -162,7 +162,8 @@ pub trait Outage: Send + Sync {
     async fn publisher(&self) -> Arc<dyn Publisher>;
     /// Makes the broker unreachable: stopped, or every connection to it cut.
     async fn stop(&self);
-    /// Makes it reachable again, its destination present, and waits until it serves.
+    /// Makes it reachable again and waits until it serves (its destination present, or created by
+    /// the broker on first use).
     async fn start(&self);
 }
 
@@ -321,6 +322,53 @@ impl Drop for OwnedProcess {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// A server program of the test's own that keeps its loopback port across restarts: a broker an
+/// outage check stops and starts again.
+#[derive(Debug)]
+pub struct OwnServer {
+    port: u16,
+    what: &'static str,
+    process: std::sync::Mutex<Option<OwnedProcess>>,
+}
+
+impl OwnServer {
+    /// Not started yet; `what` names it in messages. Its port is a free one ([`free_port`]).
+    pub fn new(what: &'static str) -> OwnServer {
+        OwnServer {
+            port: free_port(),
+            what,
+            process: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Its loopback port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Starts it with `spawn(port)` and waits (up to 30 s) until it accepts connections.
+    pub async fn start(&self, spawn: impl FnOnce(u16) -> std::process::Child) {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err(),
+            "port {} was taken by another program meanwhile: run the test again",
+            self.port
+        );
+        let process = OwnedProcess(spawn(self.port));
+        let (port, what) = (self.port, self.what);
+        tokio::task::spawn_blocking(move || wait_for_port(port, Duration::from_secs(30), what))
+            .await
+            .unwrap_or_else(|e| panic!("waiting for {what}: {e}"));
+        *lock(&self.process) = Some(process);
+    }
+
+    /// Kills it (if it runs) and waits for it.
+    pub fn stop(&self) {
+        if let Some(p) = lock(&self.process).take() {
+            p.stop();
+        }
     }
 }
 
