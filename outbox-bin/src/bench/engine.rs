@@ -106,7 +106,8 @@ impl BenchTarget for DiscardTarget {
 pub enum Phase {
     /// Business transactions per second with and without the outbox insert.
     Writer,
-    /// Draining a pre-filled backlog: the target and the discard ceiling, with 1 and N relays.
+    /// Draining a pre-filled backlog: the yardstick (one `DELETE ... RETURNING` after another), then
+    /// the target and the discard ceiling, with 1 and N relays.
     Drain,
     /// The classic relay (claim 100, publish one at a time, one `UPDATE` per row) on the target.
     Reference,
@@ -273,7 +274,8 @@ pub struct WriterFigures {
 pub struct DrainFigures {
     /// The publisher drained to (`discard` is the database ceiling).
     pub publisher: String,
-    /// `relay` (this toolkit) or `reference` (the classic design).
+    /// `relay` (this toolkit), `reference` (the classic design) or `yardstick` (one `DELETE ...
+    /// RETURNING` statement after another: the database's own drain rate, no order kept).
     pub relay: String,
     /// Relays running side by side.
     pub relays: usize,
@@ -386,6 +388,11 @@ pub struct Ratios {
     pub target_vs_reference: Option<f64>,
     /// Drain to the target, one relay / the target's publisher alone (no database).
     pub target_vs_publisher: Option<f64>,
+    /// Drain to the discard ceiling, one relay / the yardstick (one `DELETE ... RETURNING` of the
+    /// oldest `batch_size` rows after another, no order kept: what the database itself can do).
+    pub ceiling_vs_yardstick_1: Option<f64>,
+    /// The same with N relays.
+    pub ceiling_vs_yardstick_n: Option<f64>,
 }
 
 /// Everything a benchmark run measured.
@@ -447,6 +454,12 @@ impl BenchReport {
             target_vs_reference: best.zip(reference).and_then(|(a, b)| ratio(a, b)),
             target_vs_publisher: target(1)
                 .zip(self.publisher.as_ref().map(|p| p.events_per_second))
+                .and_then(|(a, b)| ratio(a, b)),
+            ceiling_vs_yardstick_1: ceiling(1)
+                .zip(self.drain_rate("none", "yardstick", 1))
+                .and_then(|(a, b)| ratio(a, b)),
+            ceiling_vs_yardstick_n: ceiling(n)
+                .zip(self.drain_rate("none", "yardstick", 1))
                 .and_then(|(a, b)| ratio(a, b)),
         };
         // One relay's figure: the N-relay runs hold N relays (and N publishers) in this process.
@@ -536,6 +549,17 @@ impl BenchReport {
             }
             let r = &self.ratios;
             let show = |v: Option<f64>| v.map_or_else(|| "n/a".into(), |v| format!("{v:.2}x"));
+            let _ = writeln!(
+                s,
+                "  discard ceiling / yardstick, 1 relay    {}",
+                show(r.ceiling_vs_yardstick_1)
+            );
+            let _ = writeln!(
+                s,
+                "  discard ceiling / yardstick, {} relays   {}",
+                o.relays,
+                show(r.ceiling_vs_yardstick_n)
+            );
             let _ = writeln!(
                 s,
                 "  {} / discard ceiling, 1 relay    {}",
@@ -703,6 +727,12 @@ async fn run_phases(
         report.writer = Some(writer_phase(url, admin, &table, o, progress).await?);
     }
     if has(Phase::Drain) {
+        truncate(admin, &table).await?;
+        progress(&format!("drain: filling {} events", o.backlog));
+        prefill(admin, &table, o.backlog as u64, o, false, 99).await?;
+        report
+            .drain
+            .push(yardstick_run(url, &table, o.backlog as u64, o, progress).await?);
         let mut fill = 1;
         for relays in dedup([1, o.relays]) {
             for t in [&DiscardTarget as &dyn BenchTarget, target] {
@@ -1185,6 +1215,62 @@ async fn drain_run(
         seconds,
         events_per_second: rate,
         peak_rss_bytes: rss.peak(),
+    })
+}
+
+/// The yardstick of the drain: one statement, run back to back on one connection until the table
+/// is empty, that deletes the oldest `batch_size` pending rows it can lock and returns them to the
+/// client, as a relay that keeps no order and publishes nothing would. What the database can drain
+/// from this table, with its indexes, when nothing else is asked of it.
+async fn yardstick_run(
+    url: &str,
+    table: &OutboxTable,
+    events: u64,
+    o: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<DrainFigures, Error> {
+    let pool = connect(url, 1).await?;
+    let sql = format!(
+        "WITH c AS (SELECT id FROM {t} WHERE processed_at IS NULL AND dead_lettered_at IS NULL \
+                    ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) \
+         DELETE FROM {t} o USING c WHERE o.id = c.id RETURNING o.*",
+        t = table.qualified()
+    );
+    progress(&format!(
+        "drain: yardstick (one DELETE ... RETURNING of {} rows after another), {events} events",
+        o.relay.batch_size
+    ));
+    let started = Instant::now();
+    let mut drained = 0u64;
+    loop {
+        let rows = sqlx::query(&sql)
+            .bind(o.relay.batch_size as i64)
+            .fetch_all(&pool)
+            .await
+            .map_err(|e| map_sqlx("bench yardstick", e))?;
+        if rows.is_empty() {
+            break;
+        }
+        drained += rows.len() as u64;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    pool.close().await;
+    if drained != events {
+        return Err(Error::new(
+            ErrorKind::Unexpected,
+            format!("the yardstick drained {drained} events of the {events} filled"),
+        ));
+    }
+    let rate = events as f64 / seconds;
+    progress(&format!("drain: yardstick: {rate:.0} events/s"));
+    Ok(DrainFigures {
+        publisher: "none".into(),
+        relay: "yardstick".into(),
+        relays: 1,
+        events,
+        seconds,
+        events_per_second: rate,
+        peak_rss_bytes: None,
     })
 }
 
