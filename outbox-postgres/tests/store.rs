@@ -521,6 +521,21 @@ async fn the_byte_budget_counts_compressed_payloads_at_their_real_size() {
         );
         b.lease.release().await.unwrap();
     }
+    // Heads that fill the batch (3 of the 4 aggregates) come back from the statement that locked
+    // them, and are still cut to the budget.
+    for (budget, expected) in [(10_000_000, 2), (20_000_000, 3)] {
+        let b = store
+            .claim(ClaimRequest::new(3, OrderingPolicy::PerAggregate).with_max_bytes(budget))
+            .await
+            .unwrap();
+        assert_eq!(
+            b.events.len(),
+            expected,
+            "heads filling a batch, budget {budget}"
+        );
+        assert!(b.events.iter().all(|e| e.payload.len() >= 4_000_000));
+        b.lease.release().await.unwrap();
+    }
 }
 
 /// Rows of `table` read so far (sequential reads and index fetches), as the server's statistics

@@ -288,6 +288,8 @@ pub struct DrainFigures {
     /// Largest resident set size of this process sampled during the run, in bytes (relays,
     /// their publishers and the benchmark itself).
     pub peak_rss_bytes: Option<u64>,
+    /// Where the relays spent the time of each batch (this toolkit's relay only).
+    pub stages: Option<StageFigures>,
 }
 
 /// Commit-to-acknowledgement latency of one run.
@@ -314,7 +316,7 @@ pub struct LatencyFigures {
     pub stages: StageFigures,
 }
 
-/// The relay's batches during a latency run: how long each step took.
+/// The relay's batches during a run: how long each step took.
 #[derive(Debug, Clone, Serialize)]
 pub struct StageFigures {
     /// Batches the relay finished (settled, or given back when their settlement failed).
@@ -538,6 +540,30 @@ impl BenchReport {
                     d.events_per_second,
                     mib(d.peak_rss_bytes)
                 );
+            }
+            let _ = writeln!(s, "  relay steps of the drains (p50 / p99 ms)");
+            let _ = writeln!(
+                s,
+                "  {:<10} {:>6} {:>8} {:>12} {:>15} {:>15} {:>15}",
+                "publisher", "relays", "batches", "events/batch", "claim", "publish", "settle"
+            );
+            for d in &self.drain {
+                if let Some(g) = &d.stages {
+                    let _ = writeln!(
+                        s,
+                        "  {:<10} {:>6} {:>8} {:>12.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1}",
+                        d.publisher,
+                        d.relays,
+                        g.batches,
+                        g.mean_batch_events,
+                        g.claim_p50_ms,
+                        g.claim_p99_ms,
+                        g.publish_p50_ms,
+                        g.publish_p99_ms,
+                        g.settle_p50_ms,
+                        g.settle_p99_ms
+                    );
+                }
             }
             if let Some(p) = &self.publisher {
                 let _ = writeln!(
@@ -1215,6 +1241,7 @@ async fn drain_run(
         seconds,
         events_per_second: rate,
         peak_rss_bytes: rss.peak(),
+        stages: Some(counter.stages()),
     })
 }
 
@@ -1271,6 +1298,7 @@ async fn yardstick_run(
         seconds,
         events_per_second: rate,
         peak_rss_bytes: None,
+        stages: None,
     })
 }
 
@@ -1410,6 +1438,7 @@ async fn reference_run(
         seconds,
         events_per_second: rate,
         peak_rss_bytes: rss.peak(),
+        stages: None,
     })
 }
 

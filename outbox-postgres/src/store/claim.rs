@@ -165,9 +165,13 @@ impl PostgresStore {
                 events
             }
             OrderingPolicy::PerAggregate => {
-                let heads = self.claim_heads(&mut tx, limit).await?;
+                let (heads, whole) = self.claim_heads(&mut tx, limit).await?;
                 if heads.is_empty() {
                     Vec::new()
+                } else if let Some(events) =
+                    whole.and_then(|rows| heads_as_batch(rows, max_bytes).transpose())
+                {
+                    events?
                 } else {
                     let mut head_seq: HashMap<(String, String), i64> = HashMap::new();
                     let (mut types, mut ids) = (Vec::new(), Vec::new());
@@ -271,11 +275,13 @@ impl PostgresStore {
     /// first ready rows finds them in the common case; when it was full and yielded fewer than
     /// `limit` (other relays hold the heads in it, or it holds one aggregate's backlog behind a
     /// backing-off head), skip scans over the aggregates find the others.
+    /// Also returns the window statement's rows, with every head's event, when those heads alone
+    /// fill the batch (`limit` heads locked there).
     async fn claim_heads(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
-    ) -> Result<Vec<Head>, Error> {
+    ) -> Result<(Vec<Head>, Option<Vec<PgRow>>), Error> {
         let window = heads_window(limit);
         let rows = sqlx::query(&self.sql.claim_heads)
             .bind(limit)
@@ -291,8 +297,11 @@ impl PostgresStore {
                 .map_err(|e| map_sqlx("claim", e))?;
             heads.extend(head_of(row)?);
         }
-        if window_rows < window || heads.len() as i64 >= limit {
-            return Ok(heads);
+        if heads.len() as i64 >= limit {
+            return Ok((heads, Some(rows)));
+        }
+        if window_rows < window {
+            return Ok((heads, None));
         }
         let started = std::time::Instant::now();
         let resting = self
@@ -300,7 +309,7 @@ impl PostgresStore {
             .lock()
             .is_ok_and(|until| until.is_some_and(|t| started < t));
         if resting {
-            return Ok(heads);
+            return Ok((heads, None));
         }
         let found_before = heads.len();
         let mut walked_all = false;
@@ -363,8 +372,34 @@ impl PostgresStore {
                 .then(|| started + skip_rest(started.elapsed()));
         }
         heads.sort_by_key(|h| h.seq);
-        Ok(heads)
+        Ok((heads, None))
     }
+}
+
+/// The batch when the locked heads fill it: their events in seq order, read from the rows of the
+/// statement that locked them. `None` when their payloads together exceed the byte budget (the runs
+/// statement then cuts the batch to it).
+fn heads_as_batch(rows: Vec<PgRow>, max_bytes: i64) -> Result<Option<Vec<Event>>, Error> {
+    let get = |e: sqlx::Error| map_sqlx("claim", e);
+    let mut keyed = Vec::with_capacity(rows.len());
+    let mut bytes = 0i64;
+    for row in rows {
+        let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(get)? else {
+            continue;
+        };
+        let size: Option<i64> = row.try_get("size").map_err(get)?;
+        bytes = bytes.saturating_add(size.unwrap_or(0));
+        keyed.push((seq, row));
+    }
+    if bytes > max_bytes {
+        return Ok(None);
+    }
+    keyed.sort_by_key(|(seq, _)| *seq);
+    keyed
+        .iter()
+        .map(|(_, row)| decode_event(row))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 #[cfg(test)]

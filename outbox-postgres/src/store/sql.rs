@@ -66,6 +66,9 @@ impl Sql {
         // Every step is a row-address or index access whose cost follows the window, whatever the
         // planner believes of the table's size (see `CLAIM_BEGIN`): a plan cached while the outbox
         // was empty stays cheap once it is not.
+        // Each locked head comes back whole (its event's columns and recorded size): when the heads
+        // fill the batch, they are the batch (a batch cut by position in the runs takes every head's
+        // first event before any second one), and the runs statement is not needed.
         let claim_heads = format!(
             "WITH w AS MATERIALIZED (
                 SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id
@@ -73,13 +76,13 @@ impl Sql {
             firsts AS MATERIALIZED (
                 SELECT DISTINCT ON (w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\") w.tid, w.seq
                 FROM w ORDER BY w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\", w.seq)
-            SELECT (SELECT count(*) FROM w) AS window_rows, h.seq, h.aggregate_type, h.aggregate_id
+            SELECT (SELECT count(*) FROM w) AS window_rows, h.*
             FROM (SELECT 1) one
             LEFT JOIN LATERAL (
-                SELECT l.seq, l.aggregate_type, l.aggregate_id
+                SELECT l.*
                 FROM (SELECT f.tid, f.seq FROM firsts f ORDER BY f.seq) c
                 CROSS JOIN LATERAL (
-                    SELECT e.seq, e.aggregate_type, e.aggregate_id
+                    SELECT e.seq, {EVENT_COLUMNS}, {PAYLOAD_SIZE} AS size
                     FROM {t} e
                     WHERE e.ctid = c.tid
                       AND {READY}
