@@ -257,3 +257,33 @@ async fn refuses_options_it_cannot_honour() {
         text(&out.stderr)
     );
 }
+
+/// `--publish-delay` makes every publisher call of the drains that much slower: a slow broker, for
+/// showing that relays scale out against one.
+#[tokio::test]
+async fn a_publish_delay_slows_every_call_of_the_drains() {
+    let schema = bench_schema();
+    let (code, r, stderr) = bench(
+        &schema,
+        "discard",
+        &[
+            "--phases=drain",
+            "--relays=2",
+            "--backlog=1500",
+            "--aggregates=100",
+            "--publish-delay=30ms",
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(r["options"]["publish_delay"], "30ms", "{r}");
+    let drain = r["drain"].as_array().unwrap();
+    for d in drain.iter().filter(|d| d["relay"] == "relay") {
+        let publish = d["stages"]["publish_p50_ms"].as_f64().unwrap();
+        assert!(publish >= 30.0, "every call waits 30 ms: {d}");
+    }
+    assert!(
+        drain[0]["stages"].is_null(),
+        "the yardstick publishes nothing"
+    );
+    assert!(!schema_exists(&schema).await);
+}

@@ -179,6 +179,10 @@ pub struct BenchOptions {
     pub claim_pending_rows: u64,
     /// Claims timed per state in the claim-cost phase. Default 200.
     pub claim_samples: usize,
+    /// Time each publisher call of the drain runs (and of the publisher alone) takes on top of the
+    /// target's own: a slow broker, against which relays must scale out. Default 0.
+    #[serde(with = "outbox_core::duration::serde_str")]
+    pub publish_delay: Duration,
     /// The relay settings of the drain and latency runs. Default: the relay's defaults.
     pub relay: RelayConfig,
 }
@@ -200,6 +204,7 @@ impl Default for BenchOptions {
             claim_processed_rows: 10_000_000,
             claim_pending_rows: 1_000_000,
             claim_samples: 200,
+            publish_delay: Duration::ZERO,
             relay: RelayConfig::default(),
         }
     }
@@ -483,6 +488,13 @@ impl BenchReport {
             "outbox bench: target {}, batch_size {}, max_in_flight {}, payload {} B, {} aggregates",
             self.target, o.relay.batch_size, o.relay.max_in_flight, o.payload_bytes, o.aggregates
         );
+        if !o.publish_delay.is_zero() {
+            let _ = writeln!(
+                s,
+                "  every publisher call of the drains takes {} more (--publish-delay)",
+                outbox_core::duration::format(o.publish_delay)
+            );
+        }
         if let Some(w) = &self.writer {
             let _ = writeln!(s, "\nwriter ({} concurrent writers)", w.writers);
             let _ = writeln!(
@@ -835,9 +847,9 @@ fn payload(n: u64, pad: usize) -> serde_json::Value {
     serde_json::json!({ "order_id": n, "total": n % 1000, "pad": "x".repeat(pad) })
 }
 
-/// Inserts `count` events over `o.aggregates` aggregates in one statement per million rows, with
-/// time-ordered ids (as the writer's UUID v7), then analyzes the table. `fill` keeps ids of
-/// different fills apart.
+/// Inserts `count` events over `o.aggregates` aggregates in one statement per million rows (per
+/// 2,000 rows over more than 2,000 aggregates), with time-ordered ids (as the writer's UUID v7),
+/// then analyzes the table. `fill` keeps ids of different fills apart.
 async fn prefill(
     pool: &PgPool,
     table: &OutboxTable,
@@ -855,7 +867,14 @@ async fn prefill(
          FROM generate_series($5::bigint, $6::bigint) g",
         table.qualified()
     );
-    let chunk = 1_000_000u64;
+    // Each row takes its aggregate's transaction-scoped lock (the writer-order trigger): a
+    // statement writing more distinct aggregates than the server's lock table holds fails with
+    // "out of shared memory", so a fill over many aggregates goes a few thousand rows at a time.
+    let chunk = if o.aggregates <= 2_000 {
+        1_000_000u64
+    } else {
+        2_000
+    };
     let mut from = 1u64;
     while from <= count {
         let to = (from + chunk - 1).min(count);
@@ -1202,7 +1221,7 @@ async fn drain_run(
             table.clone(),
             Retention::Delete,
         ));
-        let publisher = target.publisher().await?;
+        let publisher = delayed(target.publisher().await?, o.publish_delay);
         publisher.check().await?;
         built.push(Relay::new(store, publisher, o.relay.clone())?.with_observer(counter.clone()));
     }
@@ -1243,6 +1262,48 @@ async fn drain_run(
         peak_rss_bytes: rss.peak(),
         stages: Some(counter.stages()),
     })
+}
+
+/// `publisher`, each call of which takes `delay` more (none when zero).
+fn delayed(publisher: Arc<dyn Publisher>, delay: Duration) -> Arc<dyn Publisher> {
+    if delay.is_zero() {
+        publisher
+    } else {
+        Arc::new(Delayed {
+            inner: publisher,
+            delay,
+        })
+    }
+}
+
+/// A publisher whose calls take `delay` longer (`--publish-delay`): a slow broker.
+struct Delayed {
+    inner: Arc<dyn Publisher>,
+    delay: Duration,
+}
+
+#[async_trait]
+impl Publisher for Delayed {
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.publish(events).await
+    }
+
+    async fn check(&self) -> Result<(), Error> {
+        self.inner.check().await
+    }
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn keeps_order(&self) -> bool {
+        self.inner.keeps_order()
+    }
+
+    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+        self.inner.call_limit()
+    }
 }
 
 /// The yardstick of the drain: one statement, run back to back on one connection until the table
@@ -1455,7 +1516,7 @@ async fn publisher_run(
     o: &BenchOptions,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<PublisherFigures, Error> {
-    let publisher = target.publisher().await?;
+    let publisher = delayed(target.publisher().await?, o.publish_delay);
     publisher.check().await?;
     let batch_size = o.relay.batch_size.max(1);
     let in_flight = o.relay.max_in_flight.max(1);

@@ -62,6 +62,10 @@ pub struct BenchArgs {
     /// Claims timed per table state.
     #[arg(long, default_value_t = 200)]
     pub claim_samples: usize,
+    /// Time each publisher call of the drain runs takes on top of the broker's own (a slow broker,
+    /// against which relays must scale out), such as 20ms. Default: none.
+    #[arg(long, default_value = "0s", value_parser = outbox_core::duration::parse)]
+    pub publish_delay: Duration,
     /// Partitions of the Kafka benchmark topic (librdkafka sends one produce request per partition,
     /// so a batch spread over more partitions takes more requests).
     #[arg(long, default_value_t = 8)]
@@ -98,6 +102,7 @@ impl BenchArgs {
             claim_processed_rows: self.claim_processed_rows,
             claim_pending_rows: self.claim_pending_rows,
             claim_samples: self.claim_samples,
+            publish_delay: self.publish_delay,
             relay: config.relay.clone(),
         })
     }
