@@ -298,7 +298,6 @@ async fn cmd_migrate(config: &Config, table: &OutboxTable, print: bool) -> Resul
     if applied.is_empty() {
         println!("{} is up to date", table.qualified());
     } else {
-        info!(table = %table.qualified(), migrations = ?applied, "schema migrated");
         println!("{}: applied migrations {:?}", table.qualified(), applied);
     }
     Ok(())

@@ -123,7 +123,12 @@ pub(crate) async fn apply(
     table: &OutboxTable,
     migrations: Vec<RenderedMigration>,
 ) -> Result<Vec<i64>, Error> {
-    let mut tx = pool.begin().await.map_err(|e| map_sqlx("migrate", e))?;
+    // `IF NOT EXISTS` and `IF EXISTS` make the server send a notice for each object already there or
+    // not there yet ("schema ... already exists, skipping"): nothing a user migrating needs to read.
+    let mut tx = pool
+        .begin_with("BEGIN; SET LOCAL client_min_messages = warning")
+        .await
+        .map_err(|e| map_sqlx("migrate", e))?;
     let lock_key = format!("outbox-migrate:{}", table.qualified());
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
         .bind(&lock_key)

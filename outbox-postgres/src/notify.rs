@@ -46,10 +46,12 @@ pub async fn install_notify_trigger(pool: &PgPool, table: &OutboxTable) -> Resul
     let function = table.qualified_derived("notify");
     let trigger = format!("{}_notify", table.table());
     let sql = format!(
-        "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+        "BEGIN; SET LOCAL client_min_messages = warning;
+         CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $fn$
          BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $fn$;
          DROP TRIGGER IF EXISTS \"{trigger}\" ON {t};
-         CREATE TRIGGER \"{trigger}\" AFTER INSERT ON {t} FOR EACH STATEMENT EXECUTE FUNCTION {function}();",
+         CREATE TRIGGER \"{trigger}\" AFTER INSERT ON {t} FOR EACH STATEMENT EXECUTE FUNCTION {function}();
+         COMMIT;",
         t = table.qualified()
     );
     pool.execute(sqlx::raw_sql(&sql))
@@ -66,7 +68,9 @@ pub async fn remove_notify_trigger(pool: &PgPool, table: &OutboxTable) -> Result
     let function = table.qualified_derived("notify");
     let trigger = format!("{}_notify", table.table());
     let sql = format!(
-        "DROP TRIGGER IF EXISTS \"{trigger}\" ON {t}; DROP FUNCTION IF EXISTS {function}();",
+        "BEGIN; SET LOCAL client_min_messages = warning;
+         DROP TRIGGER IF EXISTS \"{trigger}\" ON {t}; DROP FUNCTION IF EXISTS {function}();
+         COMMIT;",
         t = table.qualified()
     );
     pool.execute(sqlx::raw_sql(&sql))
