@@ -459,6 +459,13 @@ async fn cmd_status(config: &Config, table: OutboxTable, json: bool) -> Result<(
         None => println!("pending:      {}", stats.pending),
     }
     println!("dead letters: {}", stats.dead_letters);
+    if stats.held_back > 0 {
+        println!(
+            "held back:    {} events of {} aggregates, behind their dead letters \
+             (outbox dead-letters retry or discard releases them)",
+            stats.held_back, stats.held_back_aggregates
+        );
+    }
     if !stats.by_event_type.is_empty() {
         println!();
         println!(

@@ -53,6 +53,8 @@ pub struct Metrics {
     pending: Gauge,
     oldest_pending_age: Gauge<f64, AtomicU64>,
     dead_letters: Gauge,
+    held_back: Gauge,
+    held_back_aggregates: Gauge,
     stats_estimated: Gauge,
     pending_by_type: Family<EventTypeLabel, Gauge>,
     batch_duration: Histogram,
@@ -87,6 +89,8 @@ impl Metrics {
         let pending = Gauge::default();
         let oldest_pending_age = Gauge::<f64, AtomicU64>::default();
         let dead_letters = Gauge::default();
+        let held_back = Gauge::default();
+        let held_back_aggregates = Gauge::default();
         let stats_estimated = Gauge::default();
         let pending_by_type = Family::<EventTypeLabel, Gauge>::default();
         let seconds = || Histogram::new(exponential_buckets(0.0005, 2.0, 18));
@@ -140,6 +144,16 @@ impl Metrics {
             dead_letters.clone(),
         );
         registry.register(
+            "outbox_events_held_back",
+            "Pending events behind a dead letter of their aggregate (they wait until it is retried or discarded)",
+            held_back.clone(),
+        );
+        registry.register(
+            "outbox_aggregates_held_back",
+            "Aggregates with events held back behind a dead letter",
+            held_back_aggregates.clone(),
+        );
+        registry.register(
             "outbox_events_pending_by_type",
             "Pending events, by event type",
             pending_by_type.clone(),
@@ -176,6 +190,8 @@ impl Metrics {
             pending,
             oldest_pending_age,
             dead_letters,
+            held_back,
+            held_back_aggregates,
             stats_estimated,
             liveness: None,
             pending_by_type,
@@ -220,6 +236,10 @@ impl Metrics {
         self.pending.set(stats.pending.min(i64::MAX as u64) as i64);
         self.dead_letters
             .set(stats.dead_letters.min(i64::MAX as u64) as i64);
+        self.held_back
+            .set(stats.held_back.min(i64::MAX as u64) as i64);
+        self.held_back_aggregates
+            .set(stats.held_back_aggregates.min(i64::MAX as u64) as i64);
         self.oldest_pending_age
             .set(stats.oldest_pending_age_seconds.unwrap_or(0.0));
         self.stats_estimated.set(i64::from(stats.estimated));
@@ -350,6 +370,8 @@ mod tests {
             pending: 7,
             oldest_pending_age_seconds: Some(1.5),
             dead_letters: 2,
+            held_back: 5,
+            held_back_aggregates: 2,
             by_event_type: vec![],
             estimated: true,
         });
@@ -359,6 +381,8 @@ mod tests {
             "outbox_events_pending 7",
             "outbox_oldest_pending_age_seconds 1.5",
             "outbox_dead_letters 2",
+            "outbox_events_held_back 5",
+            "outbox_aggregates_held_back 2",
             "outbox_stats_estimated 1",
             "outbox_batch_duration_seconds_bucket",
             "outbox_publish_duration_seconds_count 1",

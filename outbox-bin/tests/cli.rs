@@ -290,6 +290,17 @@ async fn dead_letters_and_cleanup_commands() {
     let first_id = list[0]["id"].as_str().unwrap().to_string();
     let human = run(outbox(&table, &["dead-letters", "list"]));
     assert!(text(&human.stdout).contains("too big"));
+    // d-1's second event waits behind its first, dead-lettered: status says so.
+    let out = run(outbox(&table, &["status"]));
+    assert!(
+        text(&out.stdout).contains("held back:    1 events of 1 aggregates"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = run(outbox(&table, &["status", "--json"]));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["stats"]["held_back"].as_i64(), Some(1), "{status}");
+    assert_eq!(status["stats"]["held_back_aggregates"].as_i64(), Some(1));
 
     let out = run(outbox(&table, &["dead-letters", "retry"]));
     assert_eq!(out.status.code(), Some(2));
@@ -336,6 +347,7 @@ async fn dead_letters_and_cleanup_commands() {
         ),
         (Some(2), Some(0))
     );
+    assert_eq!(status["stats"]["held_back"].as_i64(), Some(0), "released");
 
     // Cleanup removes only old published rows, in bounded batches, with progress.
     sqlx::query(&format!(

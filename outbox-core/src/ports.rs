@@ -159,6 +159,11 @@ pub struct StoreStats {
     pub oldest_pending_age_seconds: Option<f64>,
     /// Dead letters.
     pub dead_letters: u64,
+    /// Pending events that come after a dead letter of their aggregate: under
+    /// [`OrderingPolicy::PerAggregate`] they wait until it is retried or discarded.
+    pub held_back: u64,
+    /// Aggregates with events held back that way.
+    pub held_back_aggregates: u64,
     /// The same figures per event type, sorted by event type.
     pub by_event_type: Vec<EventTypeStats>,
     /// Whether the counts are estimates (a store may bound what one call reads, as the PostgreSQL

@@ -246,6 +246,23 @@ impl Store for MemoryStore {
             .into_values()
             .filter(|t| t.pending > 0 || t.dead_letters > 0)
             .collect();
+        // Rows are in seq order: a pending row after a dead letter of its aggregate is held back.
+        let mut dead: HashSet<(String, String)> = HashSet::new();
+        let mut held: HashSet<(String, String)> = HashSet::new();
+        for r in st.rows.values() {
+            let key = (r.event.aggregate_type.clone(), r.event.aggregate_id.clone());
+            match r.status {
+                EventStatus::DeadLettered => {
+                    dead.insert(key);
+                }
+                EventStatus::Pending if dead.contains(&key) => {
+                    stats.held_back += 1;
+                    held.insert(key);
+                }
+                _ => {}
+            }
+        }
+        stats.held_back_aggregates = held.len() as u64;
         Ok(stats)
     }
 

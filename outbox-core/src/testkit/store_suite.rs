@@ -472,7 +472,8 @@ pub async fn missing_settlement_releases(fx: &dyn StoreFixture) {
     b.lease.release().await.expect("release");
 }
 
-/// Stats count pending events and dead letters, per event type.
+/// Stats count pending events and dead letters, per event type, and the events held back behind a
+/// dead letter of their aggregate.
 pub async fn stats_count_pending_and_dead(fx: &dyn StoreFixture) {
     let store = fx.store().await;
     let mut events: Vec<NewEvent> = (0..3).map(|i| sample_event(&format!("s{i}"), 0)).collect();
@@ -505,6 +506,37 @@ pub async fn stats_count_pending_and_dead(fx: &dyn StoreFixture) {
         .collect();
     assert_eq!(by.get("order.updated"), Some(&(3, 0)));
     assert_eq!(by.get("invoice.paid"), Some(&(0, 1)));
+    assert_eq!(
+        (s.held_back, s.held_back_aggregates),
+        (0, 0),
+        "nothing comes after the dead letter"
+    );
+    // Two later events of the dead letter's aggregate wait behind it; another aggregate's do not.
+    insert(
+        &store,
+        vec![
+            NewEvent::new(
+                "invoice",
+                "i-1",
+                "invoice.paid",
+                serde_json::json!({"n": 1}),
+            ),
+            NewEvent::new(
+                "invoice",
+                "i-1",
+                "invoice.paid",
+                serde_json::json!({"n": 2}),
+            ),
+            NewEvent::new("invoice", "i-2", "invoice.paid", serde_json::json!({})),
+        ],
+    )
+    .await;
+    let s = store.stats().await.expect("stats");
+    assert_eq!(
+        (s.held_back, s.held_back_aggregates),
+        (2, 1),
+        "events after a dead letter of their aggregate are held back"
+    );
 }
 
 /// Concurrent claimers never share an event, nor (in per-aggregate mode) an aggregate.

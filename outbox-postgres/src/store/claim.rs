@@ -165,11 +165,10 @@ impl PostgresStore {
                 events
             }
             OrderingPolicy::PerAggregate => {
-                let (heads, whole) = self.claim_heads(&mut tx, limit).await?;
+                let (heads, whole) = self.claim_heads(&mut tx, limit, max_bytes).await?;
                 if heads.is_empty() {
                     Vec::new()
-                } else if let Some(events) =
-                    whole.and_then(|rows| heads_as_batch(rows, max_bytes).transpose())
+                } else if let Some(events) = whole.and_then(|rows| heads_as_batch(rows).transpose())
                 {
                     events?
                 } else {
@@ -275,17 +274,19 @@ impl PostgresStore {
     /// first ready rows finds them in the common case; when it was full and yielded fewer than
     /// `limit` (other relays hold the heads in it, or it holds one aggregate's backlog behind a
     /// backing-off head), skip scans over the aggregates find the others.
-    /// Also returns the window statement's rows, with every head's event, when those heads alone
-    /// fill the batch (`limit` heads locked there).
+    /// Also returns the window statement's rows when those heads alone fill the batch (`limit`
+    /// heads locked there); their events come whole when they fit `max_bytes`.
     async fn claim_heads(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
+        max_bytes: i64,
     ) -> Result<(Vec<Head>, Option<Vec<PgRow>>), Error> {
         let window = heads_window(limit);
         let rows = sqlx::query(&self.sql.claim_heads)
             .bind(limit)
             .bind(window)
+            .bind(max_bytes)
             .fetch_all(&mut **tx)
             .await
             .map_err(|e| map_sqlx("claim", e))?;
@@ -376,23 +377,24 @@ impl PostgresStore {
     }
 }
 
-/// The batch when the locked heads fill it: their events in seq order, read from the rows of the
-/// statement that locked them. `None` when their payloads together exceed the byte budget (the runs
-/// statement then cuts the batch to it).
-fn heads_as_batch(rows: Vec<PgRow>, max_bytes: i64) -> Result<Option<Vec<Event>>, Error> {
+/// The batch when the locked heads fill it within the byte budget: their events in seq order, read
+/// from the rows of the statement that locked them. `None` when the statement sent them by key only
+/// (`fits` false: over the budget), for the runs statement to cut the batch to the budget.
+fn heads_as_batch(rows: Vec<PgRow>) -> Result<Option<Vec<Event>>, Error> {
     let get = |e: sqlx::Error| map_sqlx("claim", e);
     let mut keyed = Vec::with_capacity(rows.len());
-    let mut bytes = 0i64;
     for row in rows {
         let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(get)? else {
             continue;
         };
-        let size: Option<i64> = row.try_get("size").map_err(get)?;
-        bytes = bytes.saturating_add(size.unwrap_or(0));
+        if !row
+            .try_get::<Option<bool>, _>("fits")
+            .map_err(get)?
+            .unwrap_or(false)
+        {
+            return Ok(None);
+        }
         keyed.push((seq, row));
-    }
-    if bytes > max_bytes {
-        return Ok(None);
     }
     keyed.sort_by_key(|(seq, _)| *seq);
     keyed

@@ -66,9 +66,11 @@ impl Sql {
         // Every step is a row-address or index access whose cost follows the window, whatever the
         // planner believes of the table's size (see `CLAIM_BEGIN`): a plan cached while the outbox
         // was empty stays cheap once it is not.
-        // Each locked head comes back whole (its event's columns and recorded size): when the heads
-        // fill the batch, they are the batch (a batch cut by position in the runs takes every head's
-        // first event before any second one), and the runs statement is not needed.
+        // When the locked heads fill the batch ($1 of them) within the byte budget ($3, counted from
+        // their recorded sizes), they are the batch (a batch cut by position in the runs takes every
+        // head's first event before any second one): they come back whole (`fits`), and the runs
+        // statement is not needed. Otherwise no payload or headers leave the server: the heads are
+        // returned by key, and the runs statement reads what fits the budget.
         let claim_heads = format!(
             "WITH w AS MATERIALIZED (
                 SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id
@@ -76,13 +78,25 @@ impl Sql {
             firsts AS MATERIALIZED (
                 SELECT DISTINCT ON (w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\") w.tid, w.seq
                 FROM w ORDER BY w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\", w.seq)
-            SELECT (SELECT count(*) FROM w) AS window_rows, h.*
-            FROM (SELECT 1) one
-            LEFT JOIN LATERAL (
+            SELECT e.window_rows, e.seq, e.fits, {EVENT_COLUMNS}
+            FROM (
+              SELECT r.window_rows, r.seq, r.fits, r.id, r.aggregate_type, r.aggregate_id, r.event_type,
+                     CASE WHEN r.fits THEN r.payload END AS payload,
+                     CASE WHEN r.fits THEN r.payload_bytes END AS payload_bytes,
+                     r.content_type,
+                     CASE WHEN r.fits THEN r.headers END AS headers,
+                     r.destination, r.created_at, r.attempts
+              FROM (
+                SELECT (SELECT count(*) FROM w) AS window_rows, h.*,
+                       (count(h.seq) OVER () = $1 AND COALESCE(sum(h.size) OVER (), 0) <= $3) AS fits
+                FROM (SELECT 1) one
+                LEFT JOIN LATERAL (
                 SELECT l.*
                 FROM (SELECT f.tid, f.seq FROM firsts f ORDER BY f.seq) c
                 CROSS JOIN LATERAL (
-                    SELECT e.seq, {EVENT_COLUMNS}, {PAYLOAD_SIZE} AS size
+                    SELECT e.seq, {PAYLOAD_SIZE} AS size, e.id, e.aggregate_type, e.aggregate_id,
+                           e.event_type, e.payload, e.payload_bytes, e.content_type, e.headers,
+                           e.destination, e.created_at, e.attempts
                     FROM {t} e
                     WHERE e.ctid = c.tid
                       AND {READY}
@@ -94,7 +108,9 @@ impl Sql {
                 ) l
                 ORDER BY c.seq
                 LIMIT $1
-            ) h ON true"
+                ) h ON true
+              ) r
+            ) e"
         );
         // The skip scan: walks up to $2 aggregates with unprocessed rows, in key order from a cursor
         // the store rotates, takes each one's oldest unprocessed row (its head) and locks the ready

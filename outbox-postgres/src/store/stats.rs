@@ -77,8 +77,13 @@ impl PostgresStore {
         let (pending_pass, dead_pass) = &mut *passes;
         self.count_chunk(&mut tx, false, pending_pass).await?;
         self.count_chunk(&mut tx, true, dead_pass).await?;
-        self.finish_stats(tx, pending_pass.report(), dead_pass.report())
-            .await
+        self.finish_stats(
+            tx,
+            pending_pass.report(),
+            dead_pass.report(),
+            self.stats_max_rows,
+        )
+        .await
     }
 
     /// The counts of [`Store::stats`], each kind counted to its end now: for a command that wants
@@ -100,7 +105,7 @@ impl PostgresStore {
         }
         let [pending, dead] = kinds;
         let mut stats = self
-            .finish_stats(tx, pending.report(), dead.report())
+            .finish_stats(tx, pending.report(), dead.report(), i64::MAX)
             .await?;
         stats.estimated = false;
         Ok(stats)
@@ -125,13 +130,43 @@ impl PostgresStore {
         mut tx: Transaction<'static, Postgres>,
         (pending, pending_estimated): (TypeCounts, bool),
         (dead, dead_estimated): (TypeCounts, bool),
+        held_cap: i64,
     ) -> Result<StoreStats, Error> {
+        let t = self.table.qualified();
         let row = sqlx::query(&format!(
             "SELECT EXTRACT(EPOCH FROM now())::float8 AS now,
                     (SELECT EXTRACT(EPOCH FROM (now() - min(s.created_at)))::float8
-                     FROM (SELECT e.created_at FROM {} e WHERE {PENDING} ORDER BY e.seq LIMIT 100) s) AS oldest",
-            self.table.qualified()
+                     FROM (SELECT e.created_at FROM {t} e WHERE {PENDING} ORDER BY e.seq LIMIT 100) s) AS oldest"
         ))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| map_sqlx("stats", e))?;
+        // Held back: pending rows after a dead letter of their aggregate. Read through the dead
+        // letters' index (at most `held_cap` of them) and, per aggregate with one, through its index
+        // from its first dead letter on, at most an even share of `held_cap` rows each (a lateral
+        // subquery with a limit: a bounded probe per aggregate, whatever the backlog behind it).
+        // Beyond those bounds the figures are a lower bound, flagged as an estimate.
+        let held = sqlx::query(&format!(
+            "WITH dl AS MATERIALIZED (
+                 SELECT e.aggregate_type, e.aggregate_id, e.seq FROM {t} e WHERE {DEAD}
+                 ORDER BY e.seq LIMIT $1),
+             d AS MATERIALIZED (
+                 SELECT dl.aggregate_type, dl.aggregate_id, min(dl.seq) AS seq
+                 FROM dl GROUP BY dl.aggregate_type, dl.aggregate_id),
+             share AS (SELECT GREATEST(1, $1 / GREATEST(count(*), 1)) AS rows FROM d),
+             c AS MATERIALIZED (
+                 SELECT x.scanned, x.n FROM d CROSS JOIN LATERAL (
+                     SELECT count(*) AS scanned, count(*) FILTER (WHERE q.dead_lettered_at IS NULL) AS n
+                     FROM (SELECT p.dead_lettered_at FROM {t} p
+                           WHERE p.aggregate_type = d.aggregate_type AND p.aggregate_id = d.aggregate_id
+                             AND p.processed_at IS NULL AND p.seq > d.seq
+                           ORDER BY p.seq LIMIT (SELECT rows FROM share)) q) x)
+             SELECT COALESCE((SELECT sum(n) FROM c), 0)::bigint AS events,
+                    (SELECT count(*) FROM c WHERE n > 0)::bigint AS aggregates,
+                    ((SELECT count(*) FROM dl) >= $1
+                     OR EXISTS (SELECT 1 FROM c WHERE scanned >= (SELECT rows FROM share))) AS capped"
+        ))
+        .bind(held_cap)
         .fetch_one(&mut *tx)
         .await
         .map_err(|e| map_sqlx("stats", e))?;
@@ -140,8 +175,13 @@ impl PostgresStore {
         let now: f64 = row.try_get("now").map_err(get)?;
         let oldest: Option<f64> = row.try_get("oldest").map_err(get)?;
         let mut by_type: BTreeMap<String, EventTypeStats> = BTreeMap::new();
+        let held_events: i64 = held.try_get("events").map_err(get)?;
+        let held_aggregates: i64 = held.try_get("aggregates").map_err(get)?;
+        let held_capped: bool = held.try_get("capped").map_err(get)?;
         let mut stats = StoreStats {
-            estimated: pending_estimated || dead_estimated,
+            estimated: pending_estimated || dead_estimated || held_capped,
+            held_back: u64::try_from(held_events).unwrap_or(0),
+            held_back_aggregates: u64::try_from(held_aggregates).unwrap_or(0),
             oldest_pending_age_seconds: oldest.map(|o| o.max(0.0)),
             ..StoreStats::default()
         };
