@@ -1269,40 +1269,11 @@ fn delayed(publisher: Arc<dyn Publisher>, delay: Duration) -> Arc<dyn Publisher>
     if delay.is_zero() {
         publisher
     } else {
-        Arc::new(Delayed {
+        Arc::new(Wrapped {
             inner: publisher,
             delay,
+            acks: None,
         })
-    }
-}
-
-/// A publisher whose calls take `delay` longer (`--publish-delay`): a slow broker.
-struct Delayed {
-    inner: Arc<dyn Publisher>,
-    delay: Duration,
-}
-
-#[async_trait]
-impl Publisher for Delayed {
-    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
-        tokio::time::sleep(self.delay).await;
-        self.inner.publish(events).await
-    }
-
-    async fn check(&self) -> Result<(), Error> {
-        self.inner.check().await
-    }
-
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-
-    fn keeps_order(&self) -> bool {
-        self.inner.keeps_order()
-    }
-
-    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
-        self.inner.call_limit()
     }
 }
 
@@ -1586,17 +1557,23 @@ async fn publisher_run(
     Ok(figures)
 }
 
-struct AckClock {
+/// The target's publisher as a benchmark run uses it: each call takes `delay` more
+/// (`--publish-delay`), and the time of each acknowledgement is kept when `acks` is set.
+struct Wrapped {
     inner: Arc<dyn Publisher>,
-    acks: Mutex<Vec<(Uuid, Instant)>>,
+    delay: Duration,
+    acks: Option<Mutex<Vec<(Uuid, Instant)>>>,
 }
 
 #[async_trait]
-impl Publisher for AckClock {
+impl Publisher for Wrapped {
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
         let outcomes = self.inner.publish(events).await;
-        let now = Instant::now();
-        if let Ok(mut acks) = self.acks.lock() {
+        if let Some(Ok(mut acks)) = self.acks.as_ref().map(Mutex::lock) {
+            let now = Instant::now();
             for (e, o) in events.iter().zip(&outcomes) {
                 if o.is_ok() {
                     acks.push((e.id, now));
@@ -1694,9 +1671,10 @@ async fn latency_inner(
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(Stamps, Stamps, f64, StageFigures), Error> {
     let relay_pool = connect(url, o.relay.max_in_flight as u32 + 2).await?;
-    let clock = Arc::new(AckClock {
+    let clock = Arc::new(Wrapped {
         inner: target.publisher().await?,
-        acks: Mutex::new(Vec::new()),
+        delay: Duration::ZERO,
+        acks: Some(Mutex::new(Vec::new())),
     });
     clock.check().await?;
     let store = Arc::new(PostgresStore::new(relay_pool.clone(), table.clone()));
@@ -1774,8 +1752,8 @@ async fn latency_inner(
     settled?;
     let acks = clock
         .acks
-        .lock()
-        .map(|mut a| std::mem::take(&mut *a))
+        .as_ref()
+        .and_then(|a| a.lock().ok().map(|mut a| std::mem::take(&mut *a)))
         .unwrap_or_default();
     Ok((committed, acks, seconds, counter.stages()))
 }
