@@ -95,9 +95,9 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
 }
 
-/// Which dead letters.
+/// Which dead letters: one of --id, --event-type, --aggregate-type (with --aggregate-id or not),
+/// --all.
 #[derive(Debug, Args)]
-#[group(required = false, multiple = false)]
 pub struct Selection {
     /// These event ids (repeatable).
     #[arg(long = "id", value_name = "UUID")]
@@ -105,6 +105,12 @@ pub struct Selection {
     /// Every dead letter of this event type.
     #[arg(long)]
     pub event_type: Option<String>,
+    /// Every dead letter of this aggregate type (with --aggregate-id, of that aggregate only).
+    #[arg(long)]
+    pub aggregate_type: Option<String>,
+    /// With --aggregate-type: the aggregate's id.
+    #[arg(long, requires = "aggregate_type")]
+    pub aggregate_id: Option<String>,
     /// Every dead letter.
     #[arg(long)]
     pub all: bool,
@@ -118,9 +124,22 @@ pub enum DeadLetterCommand {
         /// Which ones.
         #[command(flatten)]
         selection: Selection,
+        /// Only those dead-lettered longer ago than this (e.g. 1h, 2d).
+        #[arg(long, value_name = "DURATION", value_parser = outbox_core::duration::parse)]
+        older_than: Option<Duration>,
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
+        /// Machine-readable JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print one dead letter whole: payload, headers, destination, error, and the events of its
+    /// aggregate held back behind it.
+    Show {
+        /// The dead letter's event id.
+        #[arg(long)]
+        id: uuid::Uuid,
         /// Machine-readable JSON.
         #[arg(long)]
         json: bool,
@@ -487,11 +506,28 @@ async fn cmd_status(config: &Config, table: OutboxTable, json: bool) -> Result<(
 }
 
 fn filter_of(selection: &Selection, yes: bool, action: &str) -> Result<DeadLetterFilter, Failure> {
+    let given = [
+        !selection.ids.is_empty(),
+        selection.event_type.is_some(),
+        selection.aggregate_type.is_some(),
+        selection.all,
+    ];
+    if given.iter().filter(|g| **g).count() > 1 {
+        return Err(usage(format!(
+            "`dead-letters {action}` takes one of --id, --event-type, --aggregate-type or --all"
+        )));
+    }
     if !selection.ids.is_empty() {
         return Ok(DeadLetterFilter::Ids(selection.ids.clone()));
     }
     if let Some(t) = &selection.event_type {
         return Ok(DeadLetterFilter::EventType(t.clone()));
+    }
+    if let Some(t) = &selection.aggregate_type {
+        return Ok(DeadLetterFilter::Aggregate {
+            aggregate_type: t.clone(),
+            aggregate_id: selection.aggregate_id.clone(),
+        });
     }
     if selection.all {
         if !yes {
@@ -502,7 +538,7 @@ fn filter_of(selection: &Selection, yes: bool, action: &str) -> Result<DeadLette
         return Ok(DeadLetterFilter::All);
     }
     Err(usage(format!(
-        "`dead-letters {action}` needs --id <UUID>, --event-type <TYPE> or --all --yes"
+        "`dead-letters {action}` needs --id <UUID>, --event-type <TYPE>, --aggregate-type <TYPE> [--aggregate-id <ID>] or --all --yes"
     )))
 }
 
@@ -515,15 +551,19 @@ async fn cmd_dead_letters(
     match command {
         DeadLetterCommand::List {
             selection,
+            older_than,
             limit,
             json,
         } => {
-            let filter = if !selection.ids.is_empty() || selection.event_type.is_some() {
+            let filter = if !selection.ids.is_empty()
+                || selection.event_type.is_some()
+                || selection.aggregate_type.is_some()
+            {
                 filter_of(&selection, true, "list")?
             } else {
                 DeadLetterFilter::All
             };
-            let rows = pg.dead_letters(&filter, limit).await?;
+            let rows = pg.dead_letters(&filter, older_than, limit).await?;
             if json {
                 println!(
                     "{}",
@@ -547,6 +587,84 @@ async fn cmd_dead_letters(
                         .unwrap_or_default(),
                     d.last_error.unwrap_or_default()
                 );
+            }
+            Ok(())
+        }
+        DeadLetterCommand::Show { id, json } => {
+            let Some(d) = pg.dead_letter(id).await? else {
+                return Err(Failure {
+                    code: 1,
+                    message: format!(
+                        "no dead letter with id {id} (outbox dead-letters list shows them)"
+                    ),
+                });
+            };
+            let payload = match std::str::from_utf8(&d.event.payload) {
+                Ok(text) => serde_json::Value::String(text.to_string()),
+                Err(_) => serde_json::Value::Null,
+            };
+            let payload_hex = payload.is_null().then(|| {
+                d.event
+                    .payload
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+            });
+            if json {
+                let v = serde_json::json!({
+                    "id": d.letter.id,
+                    "aggregate_type": d.letter.aggregate_type,
+                    "aggregate_id": d.letter.aggregate_id,
+                    "event_type": d.letter.event_type,
+                    "attempts": d.letter.attempts,
+                    "last_error": d.letter.last_error,
+                    "created_at": d.letter.created_at,
+                    "dead_lettered_at": d.letter.dead_lettered_at,
+                    "destination": d.event.destination,
+                    "content_type": d.event.content_type,
+                    "headers": d.event.headers,
+                    "payload": payload,
+                    "payload_hex": payload_hex,
+                    "held_back": d.held_back,
+                });
+                println!("{v}");
+                return Ok(());
+            }
+            let l = &d.letter;
+            println!("dead letter {}", l.id);
+            println!("  aggregate:     {}/{}", l.aggregate_type, l.aggregate_id);
+            println!("  event type:    {}", l.event_type);
+            println!("  attempts:      {}", l.attempts);
+            println!("  written:       {}", l.created_at.to_rfc3339());
+            if let Some(at) = l.dead_lettered_at {
+                println!("  dead since:    {}", at.to_rfc3339());
+            }
+            println!(
+                "  destination:   {}",
+                d.event
+                    .destination
+                    .as_deref()
+                    .unwrap_or("(the configured routing)")
+            );
+            println!("  last error:    {}", l.last_error.as_deref().unwrap_or(""));
+            println!(
+                "  held back:     {} later events of its aggregate",
+                d.held_back
+            );
+            println!("  content type:  {}", d.event.content_type);
+            println!("  headers:");
+            for (k, v) in &d.event.headers {
+                println!("    {k}: {v}");
+            }
+            match (payload.as_str(), &payload_hex) {
+                (Some(text), _) => println!("  payload ({} bytes):\n{text}", d.event.payload.len()),
+                (None, Some(hex)) => {
+                    println!(
+                        "  payload ({} bytes, not UTF-8, hex):\n{hex}",
+                        d.event.payload.len()
+                    )
+                }
+                _ => {}
             }
             Ok(())
         }

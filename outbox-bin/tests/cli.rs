@@ -301,6 +301,62 @@ async fn dead_letters_and_cleanup_commands() {
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(status["stats"]["held_back"].as_i64(), Some(1), "{status}");
     assert_eq!(status["stats"]["held_back_aggregates"].as_i64(), Some(1));
+    // One dead letter whole, and what waits behind it.
+    let d1 = list.iter().find(|d| d["aggregate_id"] == "d-1").unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let out = run(outbox(
+        &table,
+        &["dead-letters", "show", "--id", &d1, "--json"],
+    ));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(shown["held_back"], 1, "{shown}");
+    assert_eq!(
+        shown["last_error"],
+        "payload_too_large (permanent): too big"
+    );
+    assert_eq!(shown["attempts"], 10);
+    let payload: serde_json::Value =
+        serde_json::from_str(shown["payload"].as_str().unwrap()).unwrap();
+    assert_eq!(payload["n"], 0, "{shown}");
+    let out = run(outbox(&table, &["dead-letters", "show", "--id", &d1]));
+    let human = text(&out.stdout);
+    assert!(
+        human.contains("held back:     1 later events") && human.contains("\"n\": 0"),
+        "{human}"
+    );
+    let missing = uuid::Uuid::new_v4().to_string();
+    let out = run(outbox(&table, &["dead-letters", "show", "--id", &missing]));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("no dead letter"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Listing by aggregate and by age.
+    let listed = |args: &[&str]| -> Vec<String> {
+        let mut all = vec!["dead-letters", "list", "--json"];
+        all.extend_from_slice(args);
+        let out = run(outbox(&table, &all));
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        rows.iter()
+            .map(|d| d["aggregate_id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(
+        listed(&["--aggregate-type", "order", "--aggregate-id", "d-2"]),
+        vec!["d-2"]
+    );
+    assert_eq!(listed(&["--aggregate-type", "order"]).len(), 2);
+    assert!(listed(&["--older-than", "1h"]).is_empty());
+    let out = run(outbox(
+        &table,
+        &["dead-letters", "retry", "--id", &d1, "--all", "--yes"],
+    ));
+    assert_eq!(out.status.code(), Some(2), "one selection at a time");
 
     let out = run(outbox(&table, &["dead-letters", "retry"]));
     assert_eq!(out.status.code(), Some(2));

@@ -17,8 +17,8 @@ pub use error::{classify_sqlstate, map_sqlx};
 pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATOR};
 pub use migrate::{migrate, schema_sql};
 pub use store::{
-    decode_event, DeadLetter, DeadLetterFilter, PostgresStore, Retention, DEFAULT_STATS_MAX_ROWS,
-    EVENT_COLUMNS,
+    decode_event, DeadLetter, DeadLetterDetail, DeadLetterFilter, PostgresStore, Retention,
+    DEFAULT_STATS_MAX_ROWS, EVENT_COLUMNS,
 };
 pub use table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use writer::{Writer, DEFAULT_MAX_PAYLOAD_BYTES};

@@ -214,7 +214,7 @@ async fn dead_letters_list_retry_discard() {
         .unwrap();
 
     let all = store
-        .dead_letters(&DeadLetterFilter::All, 100)
+        .dead_letters(&DeadLetterFilter::All, None, 100)
         .await
         .unwrap();
     assert_eq!(
@@ -224,10 +224,79 @@ async fn dead_letters_list_retry_discard() {
     assert_eq!(all[0].last_error.as_deref(), Some("too large"));
     assert_eq!(all[0].attempts, 2);
     let by_type = store
-        .dead_letters(&DeadLetterFilter::EventType("invoice.paid".into()), 100)
+        .dead_letters(
+            &DeadLetterFilter::EventType("invoice.paid".into()),
+            None,
+            100,
+        )
         .await
         .unwrap();
     assert_eq!(by_type.len(), 1);
+
+    // By aggregate (every one of a type, or one), and by age.
+    let of = |t: &str, id: Option<&str>| DeadLetterFilter::Aggregate {
+        aggregate_type: t.into(),
+        aggregate_id: id.map(Into::into),
+    };
+    let listed = |v: Vec<outbox_postgres::DeadLetter>| v.iter().map(|d| d.id).collect::<Vec<_>>();
+    assert_eq!(
+        listed(
+            store
+                .dead_letters(&of("order", None), None, 100)
+                .await
+                .unwrap()
+        ),
+        vec![ids[0], ids[2]]
+    );
+    assert_eq!(
+        listed(
+            store
+                .dead_letters(&of("order", Some("c")), None, 100)
+                .await
+                .unwrap()
+        ),
+        vec![ids[2]]
+    );
+    let hour = Some(Duration::from_secs(3600));
+    assert!(
+        store
+            .dead_letters(&DeadLetterFilter::All, hour, 100)
+            .await
+            .unwrap()
+            .is_empty(),
+        "none is an hour old"
+    );
+    sqlx::query(&format!(
+        "UPDATE {} SET dead_lettered_at = now() - interval '2 hours' WHERE id = $1",
+        store.table().qualified()
+    ))
+    .bind(ids[2])
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        listed(
+            store
+                .dead_letters(&DeadLetterFilter::All, hour, 100)
+                .await
+                .unwrap()
+        ),
+        vec![ids[2]]
+    );
+
+    // One whole, with what waits behind it: a's second event.
+    let d = store.dead_letter(ids[0]).await.unwrap().unwrap();
+    assert_eq!(d.letter.last_error.as_deref(), Some("too large"));
+    assert_eq!((d.letter.attempts, d.held_back), (2, 1));
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&d.event.payload).unwrap(),
+        serde_json::json!({"aggregate": "a", "n": 0})
+    );
+    assert!(d.event.headers.contains_key("traceparent"));
+    assert!(
+        store.dead_letter(ids[3]).await.unwrap().is_none(),
+        "a pending event is no dead letter"
+    );
 
     // Retry by id: the event is pending again with attempts reset; a's later event stays behind it.
     assert_eq!(
@@ -269,7 +338,7 @@ async fn dead_letters_list_retry_discard() {
     );
     assert_eq!(
         store
-            .dead_letters(&DeadLetterFilter::All, 100)
+            .dead_letters(&DeadLetterFilter::All, None, 100)
             .await
             .unwrap()
             .len(),

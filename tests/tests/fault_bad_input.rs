@@ -258,7 +258,7 @@ async fn bad_input(broker: Broker) {
     let verdict = sink.judge(&written.deliverable).await;
     let received = sink.received(usize::MAX, Duration::ZERO).await;
     let dead: HashMap<Uuid, String> = store
-        .dead_letters(&DeadLetterFilter::All, 100)
+        .dead_letters(&DeadLetterFilter::All, None, 100)
         .await
         .unwrap()
         .into_iter()

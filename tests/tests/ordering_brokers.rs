@@ -110,7 +110,7 @@ async fn held_back_behind_a_refused_event(sink: &Sink, bad: NewEvent, error_name
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let dead = store
-            .dead_letters(&outbox_postgres::DeadLetterFilter::All, 10)
+            .dead_letters(&outbox_postgres::DeadLetterFilter::All, None, 10)
             .await
             .unwrap();
         let got = sink.received(1, Duration::from_millis(100)).await;

@@ -55,7 +55,7 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
     want.sort();
     assert_eq!(ids, want, "every healthy event arrives, and nothing else");
     let dead = store
-        .dead_letters(&DeadLetterFilter::All, 10)
+        .dead_letters(&DeadLetterFilter::All, None, 10)
         .await
         .unwrap();
     assert_eq!(dead.len(), 1);

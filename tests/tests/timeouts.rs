@@ -101,7 +101,7 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
         "{failures:?}"
     );
     let dead = store
-        .dead_letters(&DeadLetterFilter::All, 10)
+        .dead_letters(&DeadLetterFilter::All, None, 10)
         .await
         .unwrap();
     assert!(dead.is_empty(), "dead letters after a stall: {dead:?}");

@@ -22,7 +22,7 @@ use outbox_core::{Batch, ClaimRequest, Error, Event, Store, StoreStats};
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;
 
-pub use operator::{DeadLetter, DeadLetterFilter};
+pub use operator::{DeadLetter, DeadLetterDetail, DeadLetterFilter};
 
 use sql::Sql;
 use stats::CountPass;

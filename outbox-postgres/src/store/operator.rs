@@ -17,6 +17,14 @@ pub enum DeadLetterFilter {
     Ids(Vec<Uuid>),
     /// Every dead letter of this event type.
     EventType(String),
+    /// Every dead letter of this aggregate (of every aggregate of the type when the id is `None`):
+    /// discarding them releases the events held back behind them.
+    Aggregate {
+        /// The aggregate type.
+        aggregate_type: String,
+        /// The aggregate id; `None` for every aggregate of the type.
+        aggregate_id: Option<String>,
+    },
     /// Every dead letter.
     All,
 }
@@ -26,6 +34,9 @@ impl DeadLetterFilter {
         match self {
             DeadLetterFilter::Ids(_) => "id = ANY($1::uuid[])",
             DeadLetterFilter::EventType(_) => "event_type = $1",
+            DeadLetterFilter::Aggregate { .. } => {
+                "aggregate_type = ($1::text[])[1] AND (($1::text[])[2] IS NULL OR aggregate_id = ($1::text[])[2])"
+            }
             DeadLetterFilter::All => "($1::text IS NULL)",
         }
     }
@@ -37,6 +48,10 @@ impl DeadLetterFilter {
         match self {
             DeadLetterFilter::Ids(ids) => q.bind(ids),
             DeadLetterFilter::EventType(t) => q.bind(t),
+            DeadLetterFilter::Aggregate {
+                aggregate_type,
+                aggregate_id,
+            } => q.bind(vec![Some(aggregate_type.clone()), aggregate_id.clone()]),
             DeadLetterFilter::All => q.bind(None::<String>),
         }
     }
@@ -63,32 +78,86 @@ pub struct DeadLetter {
     pub dead_lettered_at: Option<DateTime<Utc>>,
 }
 
+/// One dead letter whole, for an operator deciding what to do with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetterDetail {
+    /// What the list shows.
+    pub letter: DeadLetter,
+    /// The event as it would be published (payload, headers, destination, content type).
+    pub event: Event,
+    /// Pending events of its aggregate written after it: they wait until it is retried or discarded.
+    pub held_back: u64,
+}
+
 impl PostgresStore {
-    /// Lists dead letters, oldest first, at most `limit`.
+    /// Lists dead letters, oldest first, at most `limit`; with `older_than`, only those
+    /// dead-lettered longer ago than that.
     ///
     /// # Errors
     /// A database error.
     pub async fn dead_letters(
         &self,
         filter: &DeadLetterFilter,
+        older_than: Option<std::time::Duration>,
         limit: i64,
     ) -> Result<Vec<DeadLetter>, Error> {
         let sql = format!(
             "SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, dead_lettered_at
              FROM {} WHERE dead_lettered_at IS NOT NULL AND processed_at IS NULL AND {}
+               AND ($3::bigint IS NULL OR dead_lettered_at < now() - $3 * interval '1 millisecond')
              ORDER BY seq LIMIT $2",
             self.table.qualified(),
             filter.clause()
         );
+        let older_ms = older_than.map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         let rows = filter
             .bind(sqlx::query(&sql))
             .bind(limit)
+            .bind(older_ms)
             .fetch_all(&self.pool)
             .await
             .map_err(|e| map_sqlx("dead_letters", e))?;
         rows.iter()
             .map(|r| DeadLetter::from_row(r).map_err(|e| map_sqlx("dead_letters", e)))
             .collect()
+    }
+
+    /// The dead letter `id` whole, with how many events wait behind it; `None` when no dead letter
+    /// has that id.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn dead_letter(&self, id: Uuid) -> Result<Option<DeadLetterDetail>, Error> {
+        let t = self.table.qualified();
+        let row = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS}, e.last_error, e.dead_lettered_at,
+                    (SELECT count(*) FROM {t} p
+                     WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
+                       AND p.processed_at IS NULL AND p.dead_lettered_at IS NULL AND p.seq > e.seq) AS held_back
+             FROM {t} e WHERE e.id = $1 AND e.dead_lettered_at IS NOT NULL AND e.processed_at IS NULL"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| map_sqlx("dead_letter", e))?;
+        let Some(row) = row else { return Ok(None) };
+        let event = decode_event(&row)?;
+        let get = |e: sqlx::Error| map_sqlx("dead_letter", e);
+        let held_back: i64 = row.try_get("held_back").map_err(get)?;
+        Ok(Some(DeadLetterDetail {
+            letter: DeadLetter {
+                id: event.id,
+                aggregate_type: event.aggregate_type.clone(),
+                aggregate_id: event.aggregate_id.clone(),
+                event_type: event.event_type.clone(),
+                attempts: i32::try_from(event.attempts).unwrap_or(i32::MAX),
+                last_error: row.try_get("last_error").map_err(get)?,
+                created_at: event.created_at,
+                dead_lettered_at: row.try_get("dead_lettered_at").map_err(get)?,
+            },
+            event,
+            held_back: u64::try_from(held_back).unwrap_or(0),
+        }))
     }
 
     /// Makes matching dead letters pending again, with attempts reset (the last error is kept), and
