@@ -8,7 +8,9 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use tracing::{error, info, warn};
 
-use outbox_core::{CancellationToken, Error, ErrorKind, NewEvent, Publisher, Relay, Store};
+use outbox_core::{
+    CancellationToken, Error, ErrorKind, NewEvent, Publisher, Relay, Store, StoreStats,
+};
 use outbox_postgres::{
     connect_config, migrate, notify, schema_sql, DeadLetterFilter, OutboxTable, PostgresStore,
 };
@@ -119,7 +121,8 @@ pub struct Selection {
 /// `dead-letters` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum DeadLetterCommand {
-    /// List dead letters, oldest first (all of them unless --id or --event-type narrows).
+    /// List dead letters, oldest first (all of them unless --id, --event-type or --aggregate-type
+    /// narrows, or --older-than).
     List {
         /// Which ones.
         #[command(flatten)]
@@ -134,8 +137,8 @@ pub enum DeadLetterCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Print one dead letter whole: payload, headers, destination, error, and the events of its
-    /// aggregate held back behind it.
+    /// Print one dead letter whole: payload, headers, destination, error, and how many events of its
+    /// aggregate wait behind its first dead letter.
     Show {
         /// The dead letter's event id.
         #[arg(long)]
@@ -146,7 +149,7 @@ pub enum DeadLetterCommand {
     },
     /// Make dead letters pending again (attempts reset, last error kept).
     Retry {
-        /// Which ones (one of --id, --event-type, --all).
+        /// Which ones (one of --id, --event-type, --aggregate-type, --all).
         #[command(flatten)]
         selection: Selection,
         /// Confirm --all.
@@ -155,7 +158,7 @@ pub enum DeadLetterCommand {
     },
     /// Delete dead letters for good.
     Discard {
-        /// Which ones (one of --id, --event-type, --all).
+        /// Which ones (one of --id, --event-type, --aggregate-type, --all).
         #[command(flatten)]
         selection: Selection,
         /// Confirm --all.
@@ -348,11 +351,12 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     {
         let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
         let every = config.http.stats_interval;
+        let ordering = config.relay.ordering;
         tokio::spawn(async move {
             loop {
                 metrics.stats_refreshing();
                 match store.stats().await {
-                    Ok(s) => metrics.record_stats(&s),
+                    Ok(s) => metrics.record_stats(&held_back_under(ordering, s)),
                     Err(e) => {
                         metrics.stats_failed();
                         warn!(error = %e, "cannot count the outbox for metrics");
@@ -464,9 +468,19 @@ async fn watch_signals(mut signals: Signals, shutdown: CancellationToken) {
     shutdown.cancel();
 }
 
+/// `stats` as the relay's ordering sees them: without per-aggregate order a dead letter holds
+/// nothing back.
+fn held_back_under(ordering: outbox_core::OrderingPolicy, mut stats: StoreStats) -> StoreStats {
+    if ordering == outbox_core::OrderingPolicy::Unordered {
+        stats.held_back = 0;
+        stats.held_back_aggregates = 0;
+    }
+    stats
+}
+
 async fn cmd_status(config: &Config, table: OutboxTable, json: bool) -> Result<(), Failure> {
     let pg = store(config, table.clone()).await?;
-    let stats = pg.stats_complete().await?;
+    let stats = held_back_under(config.relay.ordering, pg.stats_complete().await?);
     if json {
         let v = serde_json::json!({ "table": table.qualified(), "stats": stats });
         println!("{v}");
@@ -626,6 +640,7 @@ async fn cmd_dead_letters(
                     "payload": payload,
                     "payload_hex": payload_hex,
                     "held_back": d.held_back,
+                    "blocking": d.blocking,
                 });
                 println!("{v}");
                 return Ok(());
@@ -646,9 +661,17 @@ async fn cmd_dead_letters(
                     .as_deref()
                     .unwrap_or("(the configured routing)")
             );
-            println!("  last error:    {}", l.last_error.as_deref().unwrap_or(""));
             println!(
-                "  held back:     {} later events of its aggregate",
+                "  last error:    {}",
+                l.last_error.as_deref().unwrap_or("").escape_default()
+            );
+            let behind = if d.blocking == l.id {
+                "behind this dead letter, the first of its aggregate".to_string()
+            } else {
+                format!("behind {}, the aggregate's first dead letter", d.blocking)
+            };
+            println!(
+                "  held back:     {} later events of its aggregate, {behind}",
                 d.held_back
             );
             println!("  content type:  {}", d.event.content_type);
@@ -656,15 +679,31 @@ async fn cmd_dead_letters(
             for (k, v) in &d.event.headers {
                 println!("    {k}: {v}");
             }
+            // Shown as text with control characters escaped (a terminal is not a place for them),
+            // at most 64 KiB of it; --json gives it all.
+            const SHOWN: usize = 64 * 1024;
+            let size = d.event.payload.len();
             match (payload.as_str(), &payload_hex) {
-                (Some(text), _) => println!("  payload ({} bytes):\n{text}", d.event.payload.len()),
-                (None, Some(hex)) => {
-                    println!(
-                        "  payload ({} bytes, not UTF-8, hex):\n{hex}",
-                        d.event.payload.len()
-                    )
+                (Some(text), _) => {
+                    let shown: String = text
+                        .chars()
+                        .take(SHOWN)
+                        .flat_map(|c| match c {
+                            '\n' | '\t' => vec![c],
+                            c if c.is_control() => c.escape_default().collect(),
+                            c => vec![c],
+                        })
+                        .collect();
+                    println!("  payload ({size} bytes):\n{shown}");
                 }
+                (None, Some(hex)) => println!(
+                    "  payload ({size} bytes, not UTF-8, hex):\n{}",
+                    &hex[..hex.len().min(2 * SHOWN)]
+                ),
                 _ => {}
+            }
+            if size > SHOWN {
+                println!("  (first {SHOWN} bytes shown; --json prints it all)");
             }
             Ok(())
         }
@@ -776,5 +815,31 @@ async fn cmd_publish_test(
                 publisher.name()
             ),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_per_aggregate_order_nothing_is_held_back() {
+        let stats = StoreStats {
+            held_back: 5,
+            held_back_aggregates: 2,
+            dead_letters: 2,
+            ..StoreStats::default()
+        };
+        let ordered = held_back_under(outbox_core::OrderingPolicy::PerAggregate, stats.clone());
+        assert_eq!((ordered.held_back, ordered.held_back_aggregates), (5, 2));
+        let unordered = held_back_under(outbox_core::OrderingPolicy::Unordered, stats);
+        assert_eq!(
+            (
+                unordered.held_back,
+                unordered.held_back_aggregates,
+                unordered.dead_letters
+            ),
+            (0, 0, 2)
+        );
     }
 }

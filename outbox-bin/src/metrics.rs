@@ -145,7 +145,7 @@ impl Metrics {
         );
         registry.register(
             "outbox_events_held_back",
-            "Pending events behind a dead letter of their aggregate (they wait until it is retried or discarded)",
+            "Pending events behind a dead letter of their aggregate (they wait until it is retried or discarded); a lower bound when outbox_stats_estimated is 1",
             held_back.clone(),
         );
         registry.register(

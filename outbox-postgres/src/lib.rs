@@ -18,7 +18,7 @@ pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATO
 pub use migrate::{migrate, schema_sql};
 pub use store::{
     decode_event, DeadLetter, DeadLetterDetail, DeadLetterFilter, PostgresStore, Retention,
-    DEFAULT_STATS_MAX_ROWS, EVENT_COLUMNS,
+    DEFAULT_STATS_MAX_ROWS, EVENT_COLUMNS, HELD_BACK_SHOWN,
 };
 pub use table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use writer::{Writer, DEFAULT_MAX_PAYLOAD_BYTES};

@@ -293,10 +293,34 @@ async fn dead_letters_list_retry_discard() {
         serde_json::json!({"aggregate": "a", "n": 0})
     );
     assert!(d.event.headers.contains_key("traceparent"));
+    assert_eq!(
+        d.blocking, ids[0],
+        "it is its aggregate's first dead letter"
+    );
     assert!(
         store.dead_letter(ids[3]).await.unwrap().is_none(),
         "a pending event is no dead letter"
     );
+    // A later dead letter of the same aggregate names the first as what holds the aggregate back.
+    let set_dead = |dead: bool| {
+        format!(
+            "UPDATE {} SET dead_lettered_at = {} WHERE id = $1",
+            store.table().qualified(),
+            if dead { "now()" } else { "NULL" }
+        )
+    };
+    sqlx::query(&set_dead(true))
+        .bind(ids[3])
+        .execute(&pool)
+        .await
+        .unwrap();
+    let later = store.dead_letter(ids[3]).await.unwrap().unwrap();
+    assert_eq!((later.blocking, later.held_back), (ids[0], 0));
+    sqlx::query(&set_dead(false))
+        .bind(ids[3])
+        .execute(&pool)
+        .await
+        .unwrap();
 
     // Retry by id: the event is pending again with attempts reset; a's later event stays behind it.
     assert_eq!(
@@ -352,6 +376,23 @@ async fn dead_letters_list_retry_discard() {
         0,
         "pending events are never discarded"
     );
+    // Discarding by aggregate releases that aggregate only.
+    sqlx::query(&set_dead(true))
+        .bind(ids[3])
+        .execute(&pool)
+        .await
+        .unwrap();
+    let other = DeadLetterFilter::Aggregate {
+        aggregate_type: "order".into(),
+        aggregate_id: Some("c".into()),
+    };
+    assert_eq!(store.discard_dead_letters(&other).await.unwrap(), 0);
+    let mine = DeadLetterFilter::Aggregate {
+        aggregate_type: "order".into(),
+        aggregate_id: Some("a".into()),
+    };
+    assert_eq!(store.discard_dead_letters(&mine).await.unwrap(), 1);
+    assert!(ts.state(ids[3]).await.unwrap().is_none());
 }
 
 #[tokio::test]

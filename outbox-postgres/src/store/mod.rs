@@ -22,7 +22,7 @@ use outbox_core::{Batch, ClaimRequest, Error, Event, Store, StoreStats};
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;
 
-pub use operator::{DeadLetter, DeadLetterDetail, DeadLetterFilter};
+pub use operator::{DeadLetter, DeadLetterDetail, DeadLetterFilter, HELD_BACK_SHOWN};
 
 use sql::Sql;
 use stats::CountPass;

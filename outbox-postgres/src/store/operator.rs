@@ -85,9 +85,17 @@ pub struct DeadLetterDetail {
     pub letter: DeadLetter,
     /// The event as it would be published (payload, headers, destination, content type).
     pub event: Event,
-    /// Pending events of its aggregate written after it: they wait until it is retried or discarded.
+    /// Pending events of its aggregate written after the aggregate's first dead letter (under
+    /// per-aggregate order they wait until it is retried or discarded); counted up to
+    /// [`HELD_BACK_SHOWN`].
     pub held_back: u64,
+    /// The aggregate's first dead letter: the one that holds its events back (this one, or an
+    /// earlier one).
+    pub blocking: Uuid,
 }
+
+/// The most held-back events [`PostgresStore::dead_letter`] counts (a bounded read).
+pub const HELD_BACK_SHOWN: i64 = 100_000;
 
 impl PostgresStore {
     /// Lists dead letters, oldest first, at most `limit`; with `older_than`, only those
@@ -104,7 +112,7 @@ impl PostgresStore {
         let sql = format!(
             "SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, dead_lettered_at
              FROM {} WHERE dead_lettered_at IS NOT NULL AND processed_at IS NULL AND {}
-               AND ($3::bigint IS NULL OR dead_lettered_at < now() - $3 * interval '1 millisecond')
+               AND ($3::bigint IS NULL OR now() - dead_lettered_at > $3 * interval '1 millisecond')
              ORDER BY seq LIMIT $2",
             self.table.qualified(),
             filter.clause()
@@ -130,13 +138,22 @@ impl PostgresStore {
     pub async fn dead_letter(&self, id: Uuid) -> Result<Option<DeadLetterDetail>, Error> {
         let t = self.table.qualified();
         let row = sqlx::query(&format!(
-            "SELECT {EVENT_COLUMNS}, e.last_error, e.dead_lettered_at,
-                    (SELECT count(*) FROM {t} p
-                     WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
-                       AND p.processed_at IS NULL AND p.dead_lettered_at IS NULL AND p.seq > e.seq) AS held_back
-             FROM {t} e WHERE e.id = $1 AND e.dead_lettered_at IS NOT NULL AND e.processed_at IS NULL"
+            "SELECT {EVENT_COLUMNS}, e.last_error, e.dead_lettered_at, f.id AS blocking,
+                    (SELECT count(*) FROM (
+                         SELECT 1 FROM {t} p
+                         WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
+                           AND p.processed_at IS NULL AND p.dead_lettered_at IS NULL AND p.seq > f.seq
+                         LIMIT $2) x) AS held_back
+             FROM {t} e
+             CROSS JOIN LATERAL (
+                 SELECT b.id, b.seq FROM {t} b
+                 WHERE b.aggregate_type = e.aggregate_type AND b.aggregate_id = e.aggregate_id
+                   AND b.processed_at IS NULL AND b.dead_lettered_at IS NOT NULL
+                 ORDER BY b.seq LIMIT 1) f
+             WHERE e.id = $1 AND e.dead_lettered_at IS NOT NULL AND e.processed_at IS NULL"
         ))
         .bind(id)
+        .bind(HELD_BACK_SHOWN)
         .fetch_optional(&self.pool)
         .await
         .map_err(|e| map_sqlx("dead_letter", e))?;
@@ -157,6 +174,7 @@ impl PostgresStore {
             },
             event,
             held_back: u64::try_from(held_back).unwrap_or(0),
+            blocking: row.try_get("blocking").map_err(get)?,
         }))
     }
 

@@ -88,7 +88,8 @@ impl PostgresStore {
 
     /// The counts of [`Store::stats`], each kind counted to its end now: for a command that wants
     /// the whole count (`outbox status`), at the cost of reading every pending row and dead letter
-    /// once, `stats_max_rows` at a time.
+    /// once, `stats_max_rows` at a time, and the held-back figures in one statement that reads every
+    /// dead letter and every row held behind one.
     ///
     /// # Errors
     /// As [`Store::stats`].
