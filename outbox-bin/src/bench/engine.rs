@@ -342,6 +342,21 @@ pub struct StageFigures {
     pub settle_p99_ms: f64,
 }
 
+impl StageFigures {
+    /// Claim, publish and settle, p50 / p99 ms each, in the table's columns.
+    fn steps(&self) -> String {
+        format!(
+            "{:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1}",
+            self.claim_p50_ms,
+            self.claim_p99_ms,
+            self.publish_p50_ms,
+            self.publish_p99_ms,
+            self.settle_p50_ms,
+            self.settle_p99_ms
+        )
+    }
+}
+
 /// Claim cost in one table state.
 #[derive(Debug, Clone, Serialize)]
 pub struct ClaimFigures {
@@ -563,17 +578,12 @@ impl BenchReport {
                 if let Some(g) = &d.stages {
                     let _ = writeln!(
                         s,
-                        "  {:<10} {:>6} {:>8} {:>12.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1}",
+                        "  {:<10} {:>6} {:>8} {:>12.1} {}",
                         d.publisher,
                         d.relays,
                         g.batches,
                         g.mean_batch_events,
-                        g.claim_p50_ms,
-                        g.claim_p99_ms,
-                        g.publish_p50_ms,
-                        g.publish_p99_ms,
-                        g.settle_p50_ms,
-                        g.settle_p99_ms
+                        g.steps()
                     );
                 }
             }
@@ -667,15 +677,10 @@ impl BenchReport {
                 let g = &l.stages;
                 let _ = writeln!(
                     s,
-                    "  {:<8} {:>12.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1} {:>7.1} /{:>6.1}",
+                    "  {:<8} {:>12.1} {}",
                     l.wakeup,
                     g.mean_batch_events,
-                    g.claim_p50_ms,
-                    g.claim_p99_ms,
-                    g.publish_p50_ms,
-                    g.publish_p99_ms,
-                    g.settle_p50_ms,
-                    g.settle_p99_ms
+                    g.steps()
                 );
             }
         }
