@@ -3,17 +3,16 @@
 //! published messages to land somewhere and be counted or cleared.
 
 use lapin::options::{
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
-    QueuePurgeOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
-use lapin::types::{FieldTable, LongString};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
 
 use outbox_core::Error;
 
 use crate::config::AmqpConfig;
 use crate::error::map_lapin;
-use crate::publisher::kind_of;
+use crate::publisher::{connect_channel, declare_exchange};
 
 /// A durable queue bound to `config.exchange`, declared (with the exchange, when
 /// `amqp.declare_exchange` is set) on a connection of its own.
@@ -48,28 +47,8 @@ impl BoundQueue {
                 "amqp.exchange is empty (the default exchange): a queue cannot be bound to it; set amqp.exchange",
             ));
         }
-        let props = ConnectionProperties::default()
-            .with_connection_name(LongString::from("outbox queue tool"));
-        let connection = Connection::connect(&config.url, props).await.map_err(|e| {
-            map_lapin("connect", e).with_context("broker", outbox_core::redact_url(&config.url))
-        })?;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| map_lapin("open channel", e))?;
-        channel
-            .exchange_declare(
-                config.exchange.as_str().into(),
-                kind_of(config.exchange_type),
-                ExchangeDeclareOptions {
-                    passive: !config.declare_exchange,
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| map_lapin("declare exchange", e))?;
+        let (connection, channel) = connect_channel(config, "outbox queue tool").await?;
+        declare_exchange(config, &channel).await?;
         channel
             .queue_declare(
                 name.into(),

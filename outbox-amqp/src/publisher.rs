@@ -92,6 +92,59 @@ fn short(field: &str, value: &str) -> Result<ShortString, Error> {
     })
 }
 
+/// Opens a connection to `config.url`, named `name` in the broker's connection list, and a channel
+/// on it.
+pub(crate) async fn connect_channel(
+    config: &AmqpConfig,
+    name: &str,
+) -> Result<(Connection, Channel), Error> {
+    let props = ConnectionProperties::default().with_connection_name(LongString::from(name));
+    let connection = Connection::connect(&config.url, props).await.map_err(|e| {
+        map_lapin("connect", e).with_context("broker", outbox_core::redact_url(&config.url))
+    })?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| map_lapin("open channel", e))?;
+    Ok((connection, channel))
+}
+
+/// Declares the configured exchange (durable) on `channel`, or only checks that it exists when
+/// `amqp.declare_exchange` is false.
+///
+/// # Errors
+/// A missing or mismatched exchange, as a retryable error saying how to fix it: an operator's fix,
+/// not the events' fault, so they wait until it is fixed.
+pub(crate) async fn declare_exchange(config: &AmqpConfig, channel: &Channel) -> Result<(), Error> {
+    let options = ExchangeDeclareOptions {
+        passive: !config.declare_exchange,
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            short("amqp.exchange", &config.exchange)?,
+            kind_of(config.exchange_type),
+            options,
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| {
+            let base = map_lapin("declare exchange", e);
+            Error::new(
+                base.kind(),
+                format!(
+                    "exchange {:?} cannot be used: {}; create it, fix amqp.exchange, or set amqp.declare_exchange = true",
+                    config.exchange,
+                    base.message()
+                ),
+            )
+            .temporary()
+            .with_context("adapter", "amqp")
+            .with_source(base)
+        })
+}
+
 pub(crate) fn kind_of(t: ExchangeType) -> ExchangeKind {
     match t {
         ExchangeType::Topic => ExchangeKind::Topic,
@@ -165,50 +218,14 @@ impl AmqpPublisher {
 
     async fn open(&self) -> Result<Link, Error> {
         let c = &self.config;
-        let props =
-            ConnectionProperties::default().with_connection_name(LongString::from("outbox relay"));
         let connect = async {
-            let connection = Connection::connect(&c.url, props).await.map_err(|e| {
-                map_lapin("connect", e).with_context("broker", outbox_core::redact_url(&c.url))
-            })?;
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| map_lapin("open channel", e))?;
+            let (connection, channel) = connect_channel(c, "outbox relay").await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await
                 .map_err(|e| map_lapin("confirm select", e))?;
             if !c.exchange.is_empty() {
-                let options = ExchangeDeclareOptions {
-                    passive: !c.declare_exchange,
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                };
-                channel
-                    .exchange_declare(
-                        short("amqp.exchange", &c.exchange)?,
-                        kind_of(c.exchange_type),
-                        options,
-                        FieldTable::default(),
-                    )
-                    .await
-                    .map_err(|e| {
-                        let base = map_lapin("declare exchange", e);
-                        // A missing or mismatched configured exchange is an operator's fix, not the
-                        // events' fault: they wait (retryably) until it is fixed.
-                        Error::new(
-                            base.kind(),
-                            format!(
-                                "exchange {:?} cannot be used: {}; create it, fix amqp.exchange, or set amqp.declare_exchange = true",
-                                c.exchange,
-                                base.message()
-                            ),
-                        )
-                        .temporary()
-                        .with_context("adapter", "amqp")
-                        .with_source(base)
-                    })?;
+                declare_exchange(c, &channel).await?;
             }
             Ok::<Link, Error>(Link {
                 connection: std::sync::Arc::new(connection),

@@ -160,6 +160,17 @@ async fn an_event_committed_later_never_overtakes_an_earlier_insert_of_its_aggre
 /// nothing rolled back is published, and nothing is published twice (no relay crashed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_on_few_aggregates_keep_commit_order_without_duplicates() {
+    racing_writers(7).await;
+}
+
+/// The same with batches of three over the five aggregates: the locked heads fill most batches, so
+/// the claim takes the batch from the statement that locked them (without reading the runs again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_writers_keep_commit_order_when_the_heads_fill_the_batches() {
+    racing_writers(3).await;
+}
+
+async fn racing_writers(batch_size: usize) {
     let seed = outbox_tests::harness::seed();
     println!("seed={seed} (OUTBOX_TEST_SEED reproduces the writers' choices)");
     let pg = pool(20).await;
@@ -177,7 +188,7 @@ async fn racing_writers_on_few_aggregates_keep_commit_order_without_duplicates()
         vec![pool(4).await, pool(4).await],
         &table,
         publisher.clone(),
-        7,
+        batch_size,
     );
 
     let writers = 16;

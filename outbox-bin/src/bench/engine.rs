@@ -597,45 +597,40 @@ impl BenchReport {
             }
             let r = &self.ratios;
             let show = |v: Option<f64>| v.map_or_else(|| "n/a".into(), |v| format!("{v:.2}x"));
+            let t = &self.target;
+            let n = o.relays;
+            let mut ratios = vec![(
+                "discard ceiling / yardstick, 1 relay".to_string(),
+                r.ceiling_vs_yardstick_1,
+            )];
+            if n != 1 {
+                ratios.push((
+                    format!("discard ceiling / yardstick, {n} relays"),
+                    r.ceiling_vs_yardstick_n,
+                ));
+            }
+            ratios.push((
+                format!("{t} / discard ceiling, 1 relay"),
+                r.target_vs_ceiling_1,
+            ));
+            if n != 1 {
+                ratios.push((
+                    format!("{t} / discard ceiling, {n} relays"),
+                    r.target_vs_ceiling_n,
+                ));
+            }
+            ratios.push((
+                format!("{t} / publisher alone, 1 relay"),
+                r.target_vs_publisher,
+            ));
+            ratios.push((format!("{t} / reference relay"), r.target_vs_reference));
+            for (label, value) in ratios {
+                let _ = writeln!(s, "  {label:<38} {}", show(value));
+            }
             let _ = writeln!(
                 s,
-                "  discard ceiling / yardstick, 1 relay    {}",
-                show(r.ceiling_vs_yardstick_1)
-            );
-            let _ = writeln!(
-                s,
-                "  discard ceiling / yardstick, {} relays   {}",
-                o.relays,
-                show(r.ceiling_vs_yardstick_n)
-            );
-            let _ = writeln!(
-                s,
-                "  {} / discard ceiling, 1 relay    {}",
-                self.target,
-                show(r.target_vs_ceiling_1)
-            );
-            let _ = writeln!(
-                s,
-                "  {} / discard ceiling, {} relays   {}",
-                self.target,
-                o.relays,
-                show(r.target_vs_ceiling_n)
-            );
-            let _ = writeln!(
-                s,
-                "  {} / publisher alone, 1 relay    {}",
-                self.target,
-                show(r.target_vs_publisher)
-            );
-            let _ = writeln!(
-                s,
-                "  {} / reference relay             {}",
-                self.target,
-                show(r.target_vs_reference)
-            );
-            let _ = writeln!(
-                s,
-                "  relay peak RSS (1 relay)        {}",
+                "  {:<38} {}",
+                "relay peak RSS (1 relay)",
                 mib(self.relay_peak_rss_bytes)
             );
         }

@@ -166,6 +166,11 @@ pub async fn run_contract(fx: &dyn BrokerFixture) {
     a_failed_event_holds_back_its_aggregate(fx).await;
     destinations_outside_the_allow_list_are_refused(fx).await;
     the_destination_cache_stays_bounded(fx).await;
+    broker_down(fx).await;
+}
+
+/// [`a_broker_that_is_down_fails_retryably_then_recovers`] on the fixture's [`BrokerFixture::outage`].
+pub async fn broker_down(fx: &dyn BrokerFixture) {
     let outage = fx.outage().await;
     a_broker_that_is_down_fails_retryably_then_recovers(outage.as_ref()).await;
 }
@@ -515,49 +520,20 @@ macro_rules! publisher_contract {
             use super::*;
             use $crate::testkit::{publisher_suite as suite, BrokerFixture};
 
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn acknowledges_in_order_and_carries_the_event() {
-                let fx = $fixture;
-                suite::run_all(&fx).await;
-                fx.dispose().await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn bad_events_fail_alone() {
-                let fx = $fixture;
-                suite::bad_events_fail_alone(&fx).await;
-                fx.dispose().await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_failed_event_holds_back_its_aggregate() {
-                let fx = $fixture;
-                suite::a_failed_event_holds_back_its_aggregate(&fx).await;
-                fx.dispose().await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn destinations_outside_the_allow_list_are_refused() {
-                let fx = $fixture;
-                suite::destinations_outside_the_allow_list_are_refused(&fx).await;
-                fx.dispose().await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn the_destination_cache_stays_bounded() {
-                let fx = $fixture;
-                suite::the_destination_cache_stays_bounded(&fx).await;
-                fx.dispose().await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_broker_that_is_down_fails_retryably_then_recovers() {
-                let fx = $fixture;
-                let outage = fx.outage().await;
-                suite::a_broker_that_is_down_fails_retryably_then_recovers(outage.as_ref()).await;
-                drop(outage);
-                fx.dispose().await;
-            }
+            $crate::publisher_contract!(@test $fixture, acknowledges_in_order_and_carries_the_event, suite::run_all);
+            $crate::publisher_contract!(@test $fixture, bad_events_fail_alone, suite::bad_events_fail_alone);
+            $crate::publisher_contract!(@test $fixture, a_failed_event_holds_back_its_aggregate, suite::a_failed_event_holds_back_its_aggregate);
+            $crate::publisher_contract!(@test $fixture, destinations_outside_the_allow_list_are_refused, suite::destinations_outside_the_allow_list_are_refused);
+            $crate::publisher_contract!(@test $fixture, the_destination_cache_stays_bounded, suite::the_destination_cache_stays_bounded);
+            $crate::publisher_contract!(@test $fixture, a_broker_that_is_down_fails_retryably_then_recovers, suite::broker_down);
+        }
+    };
+    (@test $fixture:expr, $name:ident, $check:path) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let fx = $fixture;
+            $check(&fx).await;
+            fx.dispose().await;
         }
     };
 }
