@@ -72,9 +72,9 @@ pub enum Command {
         /// Remove rows published longer ago than this (e.g. 7d, 12h). Default: database.keep_processed_for.
         #[arg(long, value_name = "DURATION", value_parser = outbox_core::duration::parse)]
         older_than: Option<Duration>,
-        /// Rows per delete statement.
-        #[arg(long, default_value_t = 10_000)]
-        batch_size: i64,
+        /// Rows per delete statement. Default: database.cleanup_batch_size.
+        #[arg(long)]
+        batch_size: Option<i64>,
     },
     /// Send one synthetic event through the configured publisher, to check connectivity, routing and
     /// permissions. Nothing is written to the outbox.
@@ -385,6 +385,22 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     } else {
         None
     };
+    if let (Some(older_than), true) = (
+        config.database.keep_processed_for,
+        config.database.auto_cleanup,
+    ) {
+        let schedule = crate::cleanup::CleanupSchedule {
+            older_than,
+            interval: config.database.cleanup_interval,
+            batch_size: config.database.cleanup_batch_size,
+        };
+        tokio::spawn(crate::cleanup::run(
+            pg.clone(),
+            schedule,
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+    }
     if config.database.notify {
         let (pool, table, wake, shutdown) = (
             pg.pool().clone(),
@@ -728,8 +744,9 @@ async fn cmd_cleanup(
     config: &Config,
     table: OutboxTable,
     older_than: Option<Duration>,
-    batch_size: i64,
+    batch_size: Option<i64>,
 ) -> Result<(), Failure> {
+    let batch_size = batch_size.unwrap_or(i64::from(config.database.cleanup_batch_size));
     let Some(older_than) = older_than.or(config.database.keep_processed_for) else {
         return Err(usage(
             "cleanup needs --older-than <DURATION> (or database.keep_processed_for in the configuration)",

@@ -277,13 +277,15 @@ impl Config {
         }
         let needed = self.pool_connections_needed();
         if needed > self.database.pool_size {
-            let listener = if self.database.notify {
-                " + 1 (the NOTIFY listener, database.notify = true)"
-            } else {
-                ""
-            };
+            let mut extra = String::new();
+            if self.database.notify {
+                extra += " + 1 (the NOTIFY listener, database.notify = true)";
+            }
+            if self.database.cleans_automatically() {
+                extra += " + 1 (automatic cleanup, database.keep_processed_for with database.auto_cleanup = true)";
+            }
             return Err(Error::config(format!(
-                "database.pool_size = {} is too small: the relay uses relay.max_in_flight = {} (one connection per batch in flight) + 1 (statistics) + 1 (readiness check){listener} = {needed} connections at once; set database.pool_size to at least {needed}, or lower relay.max_in_flight",
+                "database.pool_size = {} is too small: the relay uses relay.max_in_flight = {} (one connection per batch in flight) + 1 (statistics) + 1 (readiness check){extra} = {needed} connections at once; set database.pool_size to at least {needed}, or lower relay.max_in_flight",
                 self.database.pool_size, self.relay.max_in_flight
             )));
         }
@@ -292,13 +294,14 @@ impl Config {
 
     /// The connections the relay's pool must hold so that nothing waits for one: one per batch in
     /// flight (its claim stays open while the batch is published and settled), one for the
-    /// statistics task, one for the readiness check, and one for the NOTIFY listener when
-    /// `database.notify` is on.
+    /// statistics task, one for the readiness check, one for the NOTIFY listener when
+    /// `database.notify` is on, and one for the automatic cleanup when it runs.
     pub fn pool_connections_needed(&self) -> u32 {
         let in_flight = u32::try_from(self.relay.max_in_flight).unwrap_or(u32::MAX);
         in_flight
             .saturating_add(2)
             .saturating_add(u32::from(self.database.notify))
+            .saturating_add(u32::from(self.database.cleans_automatically()))
     }
 
     /// The configuration as TOML, secrets redacted (for `outbox config`).
@@ -598,6 +601,16 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("set database.pool_size to at least 4"), "{e}");
+        // Kept rows cleaned by the relay: one more connection, named; none when cleaned by hand.
+        let keep =
+            "[database]\npool_size = 4\nkeep_processed_for = \"1d\"\n[relay]\nmax_in_flight = 2\n";
+        let e = load_str(keep, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("+ 1 (automatic cleanup, database.keep_processed_for with database.auto_cleanup = true) = 5 connections"),
+            "{e}"
+        );
+        let by_hand = keep.replace("[relay]", "auto_cleanup = false\n[relay]");
+        assert!(load_str(&by_hand, &[]).is_ok());
     }
 
     #[test]

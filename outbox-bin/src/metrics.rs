@@ -28,6 +28,38 @@ pub struct OperationLabel {
     pub operation: String,
 }
 
+/// Label set of the cleanup rounds.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// How the round ended: `done`, `busy`, `failed` or `stopped` ([`CleanupOutcome::label`]).
+    pub outcome: String,
+}
+
+/// How an automatic cleanup round ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CleanupOutcome {
+    /// No expired row is left.
+    Done,
+    /// Another relay (or `outbox cleanup`) was cleaning; this round was skipped.
+    Busy,
+    /// A statement failed (the error is logged); the next round tries again.
+    Failed,
+    /// The relay is stopping.
+    Stopped,
+}
+
+impl CleanupOutcome {
+    /// The `outcome` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            CleanupOutcome::Done => "done",
+            CleanupOutcome::Busy => "busy",
+            CleanupOutcome::Failed => "failed",
+            CleanupOutcome::Stopped => "stopped",
+        }
+    }
+}
+
 /// The label value that stands for every event type past the cap.
 pub const OTHER_EVENT_TYPES: &str = "other";
 
@@ -61,6 +93,9 @@ pub struct Metrics {
     publish_duration: Histogram,
     claim_duration: Histogram,
     batch_size: Histogram,
+    cleanup_removed: Counter,
+    cleanup_runs: Family<OutcomeLabel, Counter>,
+    cleanup_last_success: Gauge<f64, AtomicU64>,
     liveness: Option<std::sync::Arc<crate::health::Liveness>>,
 }
 
@@ -98,6 +133,9 @@ impl Metrics {
         let publish_duration = seconds();
         let claim_duration = seconds();
         let batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
+        let cleanup_removed = Counter::default();
+        let cleanup_runs = Family::<OutcomeLabel, Counter>::default();
+        let cleanup_last_success = Gauge::<f64, AtomicU64>::default();
         registry.register(
             "outbox_events_published",
             "Events published (acknowledged by the broker)",
@@ -178,8 +216,26 @@ impl Metrics {
             "Events per claimed batch",
             batch_size.clone(),
         );
+        registry.register(
+            "outbox_cleanup_rows_removed",
+            "Expired published rows removed by this relay's automatic cleanup (database.keep_processed_for)",
+            cleanup_removed.clone(),
+        );
+        registry.register(
+            "outbox_cleanup_runs",
+            "Automatic cleanup rounds, by outcome: done, busy (another relay was cleaning), failed, stopped",
+            cleanup_runs.clone(),
+        );
+        registry.register(
+            "outbox_cleanup_last_success_timestamp_seconds",
+            "Unix time at which this relay last finished a cleanup round with no expired row left (0: never)",
+            cleanup_last_success.clone(),
+        );
         Metrics {
             registry,
+            cleanup_removed,
+            cleanup_runs,
+            cleanup_last_success,
             max_event_type_labels,
             failed_types: Default::default(),
             published,
@@ -267,6 +323,26 @@ impl Metrics {
                     event_type: event_type.to_string(),
                 })
                 .set(pending.min(i64::MAX as u64) as i64);
+        }
+    }
+
+    /// `rows` expired rows were removed by the automatic cleanup.
+    pub fn cleanup_removed(&self, rows: u64) {
+        self.cleanup_removed.inc_by(rows);
+    }
+
+    /// An automatic cleanup round ended.
+    pub fn cleanup_ran(&self, outcome: CleanupOutcome) {
+        self.cleanup_runs
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.label().to_string(),
+            })
+            .inc();
+        if outcome == CleanupOutcome::Done {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            self.cleanup_last_success.set(now);
         }
     }
 

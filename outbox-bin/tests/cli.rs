@@ -261,6 +261,152 @@ async fn migrate_relay_status_metrics_and_sigterm() {
     let _ = pg;
 }
 
+/// Waits (at most `within`) until `condition` holds; panics naming `what` and the last `detail`.
+fn wait_for(within: Duration, what: &str, mut condition: impl FnMut() -> (bool, String)) {
+    let deadline = Instant::now() + within;
+    loop {
+        let (done, detail) = condition();
+        if done {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {detail}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_remove_expired_kept_rows_themselves_one_at_a_time() {
+    let pg = pool(2).await;
+    let table = unmigrated_table();
+    let out = run(outbox(&table, &["migrate"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let count = |filter: &str| {
+        let sql = format!("SELECT count(*) FROM {} WHERE {filter}", table.qualified());
+        let pg = pg.clone();
+        move || {
+            let sql = sql.clone();
+            let pg = pg.clone();
+            std::thread::spawn(move || {
+                tokio::runtime::Runtime::new().unwrap().block_on(async {
+                    sqlx::query_scalar::<_, i64>(&sql)
+                        .fetch_one(&pg)
+                        .await
+                        .unwrap()
+                })
+            })
+            .join()
+            .unwrap()
+        }
+    };
+    let processed = count("processed_at IS NOT NULL");
+    let rows = count("true");
+    // Someone else cleans this table (its cleanup lock is held) while the relays start and publish.
+    let mut holder = pg.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('outbox-cleanup'), hashtext($1))")
+        .bind(table.qualified())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let ports = [free_port(), free_port()];
+    let relays: Vec<Running> = ports
+        .iter()
+        .map(|port| {
+            let mut c = outbox(&table, &["relay"]);
+            c.env("OUTBOX_HTTP__ENABLED", "true")
+                .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+                .env("OUTBOX_DATABASE__KEEP_PROCESSED_FOR", "1s")
+                .env("OUTBOX_DATABASE__CLEANUP_INTERVAL", "1s")
+                .env("OUTBOX_DATABASE__CLEANUP_BATCH_SIZE", "7");
+            Running::start(c)
+        })
+        .collect();
+    for r in &relays {
+        r.wait_log(
+            "automatic cleanup of published rows is on",
+            Duration::from_secs(30),
+        );
+    }
+    insert_plain(&table, "o-1", 20).await;
+    insert_plain(&table, "o-2", 20).await;
+    wait_for(
+        Duration::from_secs(60),
+        "every event published and kept",
+        || {
+            let n = processed();
+            (n == 40, format!("{n} processed"))
+        },
+    );
+    // Expired now (kept 1 s); each relay's next rounds find the lock taken and skip.
+    std::thread::sleep(Duration::from_millis(1100));
+    let busy = |port: u16| {
+        metric(
+            &http_get(port, "/metrics").1,
+            "outbox_cleanup_runs_total{outcome=\"busy\"}",
+        )
+    };
+    let before: Vec<f64> = ports.iter().map(|p| busy(*p)).collect();
+    wait_for(
+        Duration::from_secs(60),
+        "both relays skip a round after expiry",
+        || {
+            let now: Vec<f64> = ports.iter().map(|p| busy(*p)).collect();
+            (
+                now[0] > before[0] && now[1] > before[1],
+                format!("busy rounds {before:?} -> {now:?}"),
+            )
+        },
+    );
+    assert_eq!(rows(), 40, "nothing removed while another session cleans");
+    holder.commit().await.unwrap();
+    wait_for(Duration::from_secs(60), "the expired rows removed", || {
+        let n = rows();
+        (n == 0, format!("{n} rows left"))
+    });
+    let metrics: Vec<String> = ports.iter().map(|p| http_get(*p, "/metrics").1).collect();
+    let removed: f64 = metrics
+        .iter()
+        .map(|m| metric(m, "outbox_cleanup_rows_removed_total"))
+        .sum();
+    assert_eq!(removed, 40.0, "{metrics:?}");
+    wait_for(
+        Duration::from_secs(30),
+        "a round that found nothing left",
+        || {
+            let done: Vec<f64> = ports
+                .iter()
+                .map(|p| {
+                    metric(
+                        &http_get(*p, "/metrics").1,
+                        "outbox_cleanup_runs_total{outcome=\"done\"}",
+                    )
+                })
+                .collect();
+            (
+                done.iter().all(|d| *d >= 1.0),
+                format!("done rounds {done:?}"),
+            )
+        },
+    );
+    let last = metric(
+        &http_get(ports[0], "/metrics").1,
+        "outbox_cleanup_last_success_timestamp_seconds",
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        last > now - 600.0 && last <= now + 1.0,
+        "last success {last}, now {now}"
+    );
+    for r in &relays {
+        r.signal("-TERM");
+    }
+    for mut r in relays {
+        assert_eq!(r.wait_exit(Duration::from_secs(60)), 0);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_and_cleanup_commands() {
     let pg = pool(2).await;

@@ -12,6 +12,12 @@ use crate::table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 /// The default database URL: the local server, as user `postgres`.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
+/// The default time between two automatic cleanup rounds (`database.cleanup_interval`).
+pub const DEFAULT_CLEANUP_INTERVAL: Duration = Duration::from_secs(300);
+
+/// The default rows per cleanup statement (`database.cleanup_batch_size`).
+pub const DEFAULT_CLEANUP_BATCH_SIZE: u32 = 1000;
+
 /// Settings of the database side: where the outbox is and how it is kept.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -27,10 +33,20 @@ pub struct DatabaseConfig {
     pub schema: String,
     /// Outbox table. Default `outbox_events`.
     pub table: String,
-    /// Keep published rows this long (then `outbox cleanup` removes them) instead of deleting them
-    /// at once. Default: unset, published rows are deleted.
+    /// Keep published rows this long instead of deleting them at once; then the relay removes them
+    /// (`auto_cleanup`), or `outbox cleanup` does. Default: unset, published rows are deleted.
     #[serde(with = "duration::serde_opt", skip_serializing_if = "Option::is_none")]
     pub keep_processed_for: Option<Duration>,
+    /// With `keep_processed_for` set, the relay removes expired rows itself every `cleanup_interval`,
+    /// `cleanup_batch_size` rows per short transaction, one relay at a time (an advisory lock; the
+    /// others skip their turn). It holds one more pool connection while it runs. Default true.
+    pub auto_cleanup: bool,
+    /// Time between two automatic cleanup rounds (the first runs when the relay starts). Default 5m.
+    #[serde(with = "duration::serde_str")]
+    pub cleanup_interval: Duration,
+    /// Rows deleted per cleanup statement (automatic and `outbox cleanup`'s default), 1 to 100000.
+    /// Default 1000.
+    pub cleanup_batch_size: u32,
     /// Wake the relay with LISTEN/NOTIFY: `outbox migrate` installs a statement trigger that sends one
     /// payload-free notification per inserting transaction. Costs the writers a server-wide lock
     /// at commit (BENCHMARKS.md, "Writers with NOTIFY"); polling stays on as the fallback. Default false.
@@ -54,6 +70,9 @@ impl Default for DatabaseConfig {
             schema: DEFAULT_SCHEMA.into(),
             table: DEFAULT_TABLE.into(),
             keep_processed_for: None,
+            auto_cleanup: true,
+            cleanup_interval: DEFAULT_CLEANUP_INTERVAL,
+            cleanup_batch_size: DEFAULT_CLEANUP_BATCH_SIZE,
             notify: false,
             acquire_timeout: Duration::from_secs(10),
             stats_max_rows: crate::store::DEFAULT_STATS_MAX_ROWS,
@@ -71,6 +90,9 @@ impl std::fmt::Debug for DatabaseConfig {
             .field("schema", &self.schema)
             .field("table", &self.table)
             .field("keep_processed_for", &self.keep_processed_for)
+            .field("auto_cleanup", &self.auto_cleanup)
+            .field("cleanup_interval", &self.cleanup_interval)
+            .field("cleanup_batch_size", &self.cleanup_batch_size)
             .field("notify", &self.notify)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("stats_max_rows", &self.stats_max_rows)
@@ -103,12 +125,31 @@ impl DatabaseConfig {
                 crate::store::DEFAULT_STATS_MAX_ROWS
             )));
         }
+        if self.cleanup_interval < Duration::from_secs(1) {
+            return Err(Error::config(format!(
+                "database.cleanup_interval = {}: expected at least 1s (default {})",
+                duration::format(self.cleanup_interval),
+                duration::format(DEFAULT_CLEANUP_INTERVAL)
+            )));
+        }
+        if !(1..=100_000).contains(&self.cleanup_batch_size) {
+            return Err(Error::config(format!(
+                "database.cleanup_batch_size = {}: expected 1 to 100000 (default {DEFAULT_CLEANUP_BATCH_SIZE})",
+                self.cleanup_batch_size
+            )));
+        }
         if self.acquire_timeout.is_zero() {
             return Err(Error::config(
                 "database.acquire_timeout = 0s: expected a positive duration such as 10s",
             ));
         }
         OutboxTable::new(&self.schema, &self.table)
+    }
+
+    /// Whether the relay removes expired kept rows itself (`keep_processed_for` set and
+    /// `auto_cleanup` on).
+    pub fn cleans_automatically(&self) -> bool {
+        self.keep_processed_for.is_some() && self.auto_cleanup
     }
 
     /// What happens to published rows.
@@ -160,5 +201,15 @@ mod tests {
             ..DatabaseConfig::default()
         })
         .starts_with("database.table"));
+        assert!(bad(DatabaseConfig {
+            cleanup_interval: Duration::from_millis(500),
+            ..DatabaseConfig::default()
+        })
+        .starts_with("database.cleanup_interval"));
+        assert!(bad(DatabaseConfig {
+            cleanup_batch_size: 0,
+            ..DatabaseConfig::default()
+        })
+        .starts_with("database.cleanup_batch_size"));
     }
 }

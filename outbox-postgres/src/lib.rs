@@ -12,13 +12,16 @@ mod table;
 pub mod testing;
 mod writer;
 
-pub use config::{redact_url, DatabaseConfig, DEFAULT_DATABASE_URL};
+pub use config::{
+    redact_url, DatabaseConfig, DEFAULT_CLEANUP_BATCH_SIZE, DEFAULT_CLEANUP_INTERVAL,
+    DEFAULT_DATABASE_URL,
+};
 pub use error::{classify_sqlstate, map_sqlx};
 pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATOR};
 pub use migrate::{migrate, schema_sql};
 pub use store::{
-    decode_event, DeadLetter, DeadLetterDetail, DeadLetterFilter, PostgresStore, Retention,
-    DEFAULT_STATS_MAX_ROWS, EVENT_COLUMNS, HELD_BACK_SHOWN,
+    decode_event, CleanupBatch, CleanupLock, DeadLetter, DeadLetterDetail, DeadLetterFilter,
+    PostgresStore, Retention, DEFAULT_STATS_MAX_ROWS, EVENT_COLUMNS, HELD_BACK_SHOWN,
 };
 pub use table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use writer::{Writer, DEFAULT_MAX_PAYLOAD_BYTES};

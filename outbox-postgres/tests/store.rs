@@ -462,6 +462,110 @@ async fn cleanup_removes_only_old_processed_rows() {
         .is_err());
 }
 
+/// `n` events published and kept, their `processed_at` moved an hour back.
+async fn expired_rows(pool: &sqlx::PgPool, store: &PostgresStore, table: &OutboxTable, n: usize) {
+    PgTestStore::new(store.clone())
+        .insert((0..n).map(|i| sample_event(&format!("k{i}"), 0)).collect())
+        .await
+        .unwrap();
+    let b = store.claim(strict(n)).await.unwrap();
+    let settled = b
+        .events
+        .iter()
+        .map(|e| Settlement {
+            id: e.id,
+            action: Action::Published,
+        })
+        .collect();
+    b.lease.settle(settled).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET processed_at = processed_at - interval '1 hour'",
+        table.qualified()
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn cleanup_batches_take_turns_under_the_tables_cleanup_lock() {
+    use outbox_postgres::{CleanupBatch, CleanupLock};
+    let pool = pool(6).await;
+    let table = fresh_table(&pool).await;
+    let store = PostgresStore::with_retention(pool.clone(), table.clone(), Retention::Keep);
+    expired_rows(&pool, &store, &table, 10).await;
+    let hour = Duration::from_secs(600);
+    // Another session cleaning this table (its lock, as cleanup_batch takes it).
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('outbox-cleanup'), hashtext($1))")
+        .bind(table.qualified())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    // The relay's automatic cleanup skips its turn; nothing is removed.
+    assert_eq!(
+        store
+            .cleanup_batch(hour, 4, CleanupLock::Try)
+            .await
+            .unwrap(),
+        CleanupBatch::Busy
+    );
+    // Another table's cleanup is not held up by this one's lock.
+    let other = fresh_table(&pool).await;
+    let other_store = PostgresStore::with_retention(pool.clone(), other.clone(), Retention::Keep);
+    expired_rows(&pool, &other_store, &other, 3).await;
+    assert_eq!(
+        other_store
+            .cleanup_batch(hour, 4, CleanupLock::Try)
+            .await
+            .unwrap(),
+        CleanupBatch::Removed(3)
+    );
+    // `outbox cleanup` waits its turn: it is seen waiting on the lock, then runs once it is free.
+    let waiting = {
+        let store = store.clone();
+        tokio::spawn(async move { store.cleanup(hour, 4, |_| {}).await })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let waits: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event = 'advisory'
+               AND strpos(query, 'outbox-cleanup') > 0",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waits > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the manual cleanup never waited for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!waiting.is_finished());
+    let kept: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, 10, "nothing removed while another session cleans");
+    holder.commit().await.unwrap();
+    assert_eq!(waiting.await.unwrap().unwrap(), 10);
+    assert_eq!(
+        store
+            .cleanup_batch(hour, 4, CleanupLock::Try)
+            .await
+            .unwrap(),
+        CleanupBatch::Removed(0)
+    );
+    assert!(store
+        .cleanup_batch(hour, 0, CleanupLock::Try)
+        .await
+        .is_err());
+}
+
 #[tokio::test]
 async fn a_terminated_claiming_session_releases_its_events() {
     let pool = pool(4).await;

@@ -22,7 +22,9 @@ use outbox_core::{Batch, ClaimRequest, Error, Event, Store, StoreStats};
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;
 
-pub use operator::{DeadLetter, DeadLetterDetail, DeadLetterFilter, HELD_BACK_SHOWN};
+pub use operator::{
+    CleanupBatch, CleanupLock, DeadLetter, DeadLetterDetail, DeadLetterFilter, HELD_BACK_SHOWN,
+};
 
 use sql::Sql;
 use stats::CountPass;

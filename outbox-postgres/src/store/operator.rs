@@ -225,6 +225,8 @@ impl PostgresStore {
     /// Deletes processed rows older than `older_than`, `batch_size` rows per statement (each its own
     /// short transaction, so vacuum and writers are never held up), calling `progress` with the running
     /// total after each batch. Returns the total. Pending rows and dead letters are never touched.
+    /// Each batch waits for the cleanup lock (see [`PostgresStore::cleanup_batch`]), so a manual run
+    /// and a relay's automatic cleanup take turns.
     ///
     /// # Errors
     /// A database error, or [`ErrorKind::Config`] for a zero batch size.
@@ -234,6 +236,37 @@ impl PostgresStore {
         batch_size: i64,
         mut progress: impl FnMut(u64) + Send,
     ) -> Result<u64, Error> {
+        let mut total = 0u64;
+        loop {
+            match self
+                .cleanup_batch(older_than, batch_size, CleanupLock::Wait)
+                .await?
+            {
+                CleanupBatch::Removed(0) | CleanupBatch::Busy => break,
+                CleanupBatch::Removed(n) => {
+                    total += n;
+                    progress(total);
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Deletes at most `batch_size` processed rows older than `older_than` (the oldest first), in a
+    /// transaction that holds the table's cleanup lock: a transaction-scoped advisory lock in the
+    /// two-key space (`hashtext('outbox-cleanup')`, `hashtext(<schema.table>)`), which never meets
+    /// the writers' per-aggregate locks (single-key space). With [`CleanupLock::Try`] the batch is
+    /// skipped ([`CleanupBatch::Busy`]) when another session holds the lock, so of several relays
+    /// one cleans at a time; with [`CleanupLock::Wait`] it waits its turn.
+    ///
+    /// # Errors
+    /// A database error, or [`ErrorKind::Config`] for a batch size below 1.
+    pub async fn cleanup_batch(
+        &self,
+        older_than: std::time::Duration,
+        batch_size: i64,
+        lock: CleanupLock,
+    ) -> Result<CleanupBatch, Error> {
         if batch_size <= 0 {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -241,28 +274,58 @@ impl PostgresStore {
             ));
         }
         let t = self.table.qualified();
-        let sql = format!(
+        let delete = format!(
             "DELETE FROM {t} WHERE id IN (
                 SELECT id FROM {t}
                 WHERE processed_at IS NOT NULL AND processed_at < now() - $1 * interval '1 millisecond'
                 ORDER BY processed_at LIMIT $2)"
         );
         let ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-        let mut total = 0u64;
-        loop {
-            let n = sqlx::query(&sql)
-                .bind(ms)
-                .bind(batch_size)
-                .execute(&self.pool)
-                .await
-                .map_err(|e| map_sqlx("cleanup", e))?
-                .rows_affected();
-            if n == 0 {
-                break;
+        let map = |e| map_sqlx("cleanup", e);
+        let mut tx = self.pool.begin().await.map_err(map)?;
+        let take = match lock {
+            CleanupLock::Try => {
+                "SELECT pg_try_advisory_xact_lock(hashtext('outbox-cleanup'), hashtext($1))"
             }
-            total += n;
-            progress(total);
+            CleanupLock::Wait => {
+                "SELECT pg_advisory_xact_lock(hashtext('outbox-cleanup'), hashtext($1)) IS NOT NULL"
+            }
+        };
+        let locked: bool = sqlx::query_scalar(take)
+            .bind(&t)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map)?;
+        if !locked {
+            tx.rollback().await.map_err(map)?;
+            return Ok(CleanupBatch::Busy);
         }
-        Ok(total)
+        let removed = sqlx::query(&delete)
+            .bind(ms)
+            .bind(batch_size)
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?
+            .rows_affected();
+        tx.commit().await.map_err(map)?;
+        Ok(CleanupBatch::Removed(removed))
     }
+}
+
+/// Whether a cleanup batch waits for the table's cleanup lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CleanupLock {
+    /// Skip the batch when another session cleans (the relay's automatic cleanup).
+    Try,
+    /// Wait for the other session's batch to end (`outbox cleanup`).
+    Wait,
+}
+
+/// What one cleanup batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CleanupBatch {
+    /// This many expired rows were deleted (0: none are left).
+    Removed(u64),
+    /// Another session holds the cleanup lock; nothing was done.
+    Busy,
 }
