@@ -7,7 +7,9 @@
 #   started on 127.0.0.1:9092 with in-memory storage (log in .tools/tansu.log);
 # - an SQS endpoint: moto's server (PyPI moto==5.2.5 with flask and flask-cors), installed in .tools/
 #   and started through scripts/sqs-endpoint.py (.tools/bin/sqs-endpoint) on 127.0.0.1:4566 (log in
-#   .tools/moto.log).
+#   .tools/moto.log);
+# - the operations kit's checkers: promtool (Debian package prometheus, unpacked into .tools/),
+#   kubernetes-validate and the Dockerfile parser dockerfile (PyPI, in .tools/ops-venv).
 # Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test),
 #              AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f; another broker is used as is),
 #              KAFKA_BROKERS (default 127.0.0.1:9092; another broker is used as is),
@@ -156,7 +158,36 @@ ensure_sqs() {
   log "moto is up (pid $(cat "$TOOLS/moto.pid"))"
 }
 
+ensure_ops_tools() {
+  mkdir -p "$TOOLS/bin"
+  # promtool, from Debian's prometheus package, unpacked into .tools/ (no service is installed or started).
+  if [ ! -x "$TOOLS/bin/promtool" ]; then
+    log "installing promtool (Debian package prometheus, unpacked) into .tools/"
+    local dir="$TOOLS/prometheus"
+    rm -rf "$dir" && mkdir -p "$dir"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    if ! (cd "$dir" && apt-get download -q prometheus >/dev/null 2>&1); then
+      $sudo apt-get update -q >/dev/null 2>&1 || true
+      (cd "$dir" && apt-get download -q prometheus >/dev/null 2>&1) \
+        || { log "apt-get download prometheus failed; install promtool by hand (PROMTOOL=/path/to/promtool)"; exit 1; }
+    fi
+    dpkg-deb -x "$dir"/prometheus_*.deb "$dir/root"
+    ln -sf "$dir/root/usr/bin/promtool" "$TOOLS/bin/promtool"
+  fi
+  # kubernetes-validate (PyPI), the schema checker of the Kubernetes manifests, and dockerfile
+  # (PyPI), BuildKit's Dockerfile parser, in one virtual environment.
+  if [ ! -x "$TOOLS/bin/kubernetes-validate" ] || ! "$TOOLS/ops-venv/bin/python" -c "import dockerfile" 2>/dev/null; then
+    log "installing kubernetes-validate==1.37.0 and dockerfile==3.4.0 (PyPI) into .tools/"
+    python3 -m venv "$TOOLS/ops-venv"
+    "$TOOLS/ops-venv/bin/pip" install -q --disable-pip-version-check kubernetes-validate==1.37.0 dockerfile==3.4.0
+    ln -sf "$TOOLS/ops-venv/bin/kubernetes-validate" "$TOOLS/bin/kubernetes-validate"
+  fi
+  log "promtool, kubernetes-validate and the Dockerfile parser are in .tools/"
+}
+
 ensure_build_deps
+ensure_ops_tools
 ensure_postgres
 ensure_rabbitmq
 ensure_kafka

@@ -57,6 +57,17 @@ pub enum Command {
     /// relay.shutdown_timeout. Several relays on one database share the work and keep
     /// per-aggregate order.
     Relay,
+    /// Ask the running relay's /healthz (at http.listen, loopback when it listens on every
+    /// address): exit 0 when it answers 200, 1 otherwise. For container health checks (the image
+    /// has no curl).
+    Healthcheck {
+        /// Another endpoint than the configured one (host:port).
+        #[arg(long, value_name = "HOST:PORT")]
+        addr: Option<std::net::SocketAddr>,
+        /// How long to wait for the answer.
+        #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = outbox_core::duration::parse)]
+        timeout: Duration,
+    },
     /// Show pending events, the oldest pending age and dead letters, by event type.
     Status {
         /// Machine-readable JSON.
@@ -259,6 +270,7 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
     match command {
         Command::Migrate { print } => cmd_migrate(&config, &table, print).await,
         Command::Relay => cmd_relay(config, table).await,
+        Command::Healthcheck { addr, timeout } => cmd_healthcheck(&config, addr, timeout).await,
         Command::Status { json } => cmd_status(&config, table, json).await,
         Command::DeadLetters(c) => cmd_dead_letters(&config, table, c).await,
         Command::Cleanup {
@@ -737,6 +749,24 @@ async fn cmd_dead_letters(
             println!("discarded {n} dead letters");
             Ok(())
         }
+    }
+}
+
+async fn cmd_healthcheck(
+    config: &Config,
+    addr: Option<std::net::SocketAddr>,
+    timeout: Duration,
+) -> Result<(), Failure> {
+    let addr = addr.unwrap_or_else(|| crate::http::local_address(config.http.listen));
+    let (status, body) = crate::http::get_status(addr, "/healthz", timeout).await?;
+    if status == 200 {
+        println!("healthy: {}", body.trim());
+        Ok(())
+    } else {
+        Err(Failure {
+            code: 1,
+            message: format!("unhealthy (HTTP {status}): {}", body.trim()),
+        })
     }
 }
 

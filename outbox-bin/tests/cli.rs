@@ -246,11 +246,29 @@ async fn migrate_relay_status_metrics_and_sigterm() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    // The health check of the image reaches the relay at http.listen.
+    let mut check = outbox(&table, &["healthcheck"]);
+    check.env("OUTBOX_HTTP__LISTEN", format!("0.0.0.0:{port}"));
+    let out = run(check);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "healthy: ok\n");
+
     relay.signal("-TERM");
     assert_eq!(
         relay.wait_exit(Duration::from_secs(60)),
         0,
         "SIGTERM is a clean exit"
+    );
+    // No relay there: exit 1, saying what to check.
+    let mut check = outbox(&table, &["healthcheck", "--timeout", "2s"]);
+    check.env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"));
+    let out = run(check);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("cannot connect")
+            && text(&out.stderr).contains("http.enabled = true"),
+        "{}",
+        text(&out.stderr)
     );
     let out = run(outbox(&table, &["status"]));
     assert!(

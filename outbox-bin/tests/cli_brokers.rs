@@ -199,6 +199,26 @@ async fn healthz_fails_on_a_wedged_relay_and_not_on_a_broker_outage() {
         body.contains("stalled") && body.contains("http.liveness_timeout = 15s"),
         "{body}"
     );
+    // The image's health check says the same, with its exit code.
+    let healthcheck = {
+        let table = table.clone();
+        move || {
+            let table = table.clone();
+            tokio::task::spawn_blocking(move || {
+                run(outbox(
+                    &table,
+                    &["healthcheck", "--addr", &format!("127.0.0.1:{port}")],
+                ))
+            })
+        }
+    };
+    let out = healthcheck().await.unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("unhealthy (HTTP 503): stalled"),
+        "{}",
+        text(&out.stderr)
+    );
     lock.rollback().await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(90);
     loop {
@@ -212,6 +232,9 @@ async fn healthz_fails_on_a_wedged_relay_and_not_on_a_broker_outage() {
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    let out = healthcheck().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("healthy: ok"));
     relay.signal("-TERM");
     assert_eq!(relay.wait_exit(Duration::from_secs(60)), 0);
     let pending: i64 = sqlx::query_scalar(&format!(
