@@ -9,7 +9,8 @@
 #   and started through scripts/sqs-endpoint.py (.tools/bin/sqs-endpoint) on 127.0.0.1:4566 (log in
 #   .tools/moto.log);
 # - the operations kit's checkers: promtool (Debian package prometheus, unpacked into .tools/),
-#   kubernetes-validate and the Dockerfile parser dockerfile (PyPI, in .tools/ops-venv).
+#   kubernetes-validate and the Dockerfile parser dockerfile (PyPI, in .tools/ops-venv); the
+#   CloudEvents SDK for Python (PyPI cloudevents, in .tools/ce-venv) behind .tools/bin/cloudevents-decode.
 # Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test),
 #              AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f; another broker is used as is),
 #              KAFKA_BROKERS (default 127.0.0.1:9092; another broker is used as is),
@@ -183,7 +184,17 @@ ensure_ops_tools() {
     "$TOOLS/ops-venv/bin/pip" install -q --disable-pip-version-check kubernetes-validate==1.37.0 dockerfile==3.4.0
     ln -sf "$TOOLS/ops-venv/bin/kubernetes-validate" "$TOOLS/bin/kubernetes-validate"
   fi
-  log "promtool, kubernetes-validate and the Dockerfile parser are in .tools/"
+  # The CloudEvents SDK for Python (PyPI cloudevents), the third-party decoder of the message-format
+  # tests, behind .tools/bin/cloudevents-decode (scripts/cloudevents-decode.py).
+  if ! "$TOOLS/ce-venv/bin/python" -c "import cloudevents.core.bindings" 2>/dev/null; then
+    log "installing the CloudEvents SDK (PyPI cloudevents==2.2.0) into .tools/"
+    python3 -m venv "$TOOLS/ce-venv"
+    "$TOOLS/ce-venv/bin/pip" install -q --disable-pip-version-check cloudevents==2.2.0
+  fi
+  printf '#!/bin/sh\nexec "%s" "%s" "$@"\n' "$TOOLS/ce-venv/bin/python" "$PWD/scripts/cloudevents-decode.py" \
+    >"$TOOLS/bin/cloudevents-decode"
+  chmod +x "$TOOLS/bin/cloudevents-decode"
+  log "promtool, kubernetes-validate, the Dockerfile parser and the CloudEvents decoder are in .tools/"
 }
 
 ensure_build_deps

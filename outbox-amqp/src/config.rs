@@ -77,7 +77,16 @@ pub struct AmqpConfig {
     /// reach. Default: none (the configured exchange only).
     #[serde(default)]
     pub allowed_destinations: Vec<String>,
+    /// The header prefix of CloudEvents attributes in binary mode (`publisher.format =
+    /// "cloudevents-binary"`): `cloudEvents_` (the AMQP protocol binding, read by the CloudEvents SDKs'
+    /// AMQP codecs and Spring AMQP; RabbitMQ passes these headers to AMQP 1.0 consumers as
+    /// application properties), `cloudEvents:` (the binding's 1.0.2 form), or `ce-` (Knative's
+    /// RabbitMQ binding). Default `cloudEvents_`.
+    pub cloudevents_prefix: String,
 }
+
+/// The CloudEvents header prefixes an AMQP publisher may use (`amqp.cloudevents_prefix`).
+pub const CLOUDEVENTS_PREFIXES: [&str; 3] = ["cloudEvents_", "cloudEvents:", "ce-"];
 
 impl Default for AmqpConfig {
     fn default() -> Self {
@@ -96,6 +105,7 @@ impl Default for AmqpConfig {
             reconnect_initial_backoff: Duration::from_millis(500),
             reconnect_max_backoff: Duration::from_secs(30),
             allowed_destinations: Vec::new(),
+            cloudevents_prefix: CLOUDEVENTS_PREFIXES[0].into(),
         }
     }
 }
@@ -119,6 +129,7 @@ impl std::fmt::Debug for AmqpConfig {
             .field("reconnect_initial_backoff", &self.reconnect_initial_backoff)
             .field("reconnect_max_backoff", &self.reconnect_max_backoff)
             .field("allowed_destinations", &self.allowed_destinations)
+            .field("cloudevents_prefix", &self.cloudevents_prefix)
             .finish()
     }
 }
@@ -141,6 +152,12 @@ impl AmqpConfig {
     /// # Errors
     /// A config error naming the key (`amqp.<key>`), the value and what is expected.
     pub fn validate(&self) -> Result<Template, Error> {
+        if !CLOUDEVENTS_PREFIXES.contains(&self.cloudevents_prefix.as_str()) {
+            return Err(Error::config(format!(
+                "amqp.cloudevents_prefix = {:?}: expected one of {CLOUDEVENTS_PREFIXES:?}",
+                self.cloudevents_prefix
+            )));
+        }
         if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
             return Err(Error::config(format!(
                 "amqp.url = {:?}: expected amqp://user:password@host:port/vhost (or amqps:// for TLS)",

@@ -19,6 +19,7 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use outbox_core::format::Formatter;
 use outbox_core::publishers::{finish, Fence};
 use outbox_core::routing::{AllowList, Template};
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
@@ -44,8 +45,10 @@ struct LinkState {
 ///
 /// - Each event becomes one persistent message: `message_id` = event id, `type` = event type,
 ///   `timestamp` = creation time, `content_type`, and headers `outbox-event-id`,
-///   `outbox-aggregate-type`, `outbox-aggregate-id`, `outbox-event-type` plus every event header
-///   (`traceparent` included).
+///   `outbox-aggregate-type`, `outbox-aggregate-id`, `outbox-event-type`, the format's
+///   ([`AmqpPublisher::with_format`]: CloudEvents attributes prefixed `amqp.cloudevents_prefix` in
+///   binary mode, Debezium's `id` and `eventType`) plus every event header (`traceparent`
+///   included). The body is the payload (the JSON event in CloudEvents structured mode).
 /// - Exchange: [`AmqpConfig::exchange`], or the event's own destination. Routing key: the
 ///   [`AmqpConfig::routing_key`] template.
 /// - A batch is published without waiting per message; each outcome comes from the message's confirm:
@@ -60,6 +63,8 @@ pub struct AmqpPublisher {
     state: Mutex<LinkState>,
     /// Exchanges (event destinations) found to exist, the most recently used ones.
     known_exchanges: StdMutex<BoundedCache<String, ()>>,
+    /// The message format.
+    format: Formatter,
 }
 
 impl std::fmt::Debug for AmqpPublisher {
@@ -71,9 +76,8 @@ impl std::fmt::Debug for AmqpPublisher {
 }
 
 /// One event ready to send.
-struct Outgoing<'a> {
+struct Outgoing {
     index: usize,
-    event: &'a Event,
     exchange: ShortString,
     routing_key: ShortString,
     properties: BasicProperties,
@@ -185,6 +189,7 @@ impl AmqpPublisher {
                 last_error: None,
             }),
             known_exchanges: StdMutex::new(BoundedCache::new(DEFAULT_DESTINATION_CACHE)),
+            format: Formatter::default(),
         })
     }
 
@@ -196,6 +201,12 @@ impl AmqpPublisher {
             known_exchanges: StdMutex::new(BoundedCache::new(capacity)),
             ..self
         }
+    }
+
+    /// Sends events in `format` (CloudEvents, Debezium's conventions; default the outbox's own).
+    /// CloudEvents attribute headers take the prefix `amqp.cloudevents_prefix`.
+    pub fn with_format(self, format: Formatter) -> Self {
+        AmqpPublisher { format, ..self }
     }
 
     /// How many exchanges are remembered as existing now.
@@ -302,26 +313,32 @@ impl AmqpPublisher {
         }
     }
 
-    fn prepare<'a>(
+    fn prepare(
         &self,
         index: usize,
-        event: &'a Event,
+        event: &Event,
         frame_max: usize,
-    ) -> Result<Outgoing<'a>, Error> {
-        self.build(index, event, frame_max)
+        body_len: usize,
+    ) -> Result<Outgoing, Error> {
+        self.build(index, event, frame_max, body_len)
             .map_err(|e| e.with_context("event_id", event.id))
     }
 
-    fn build<'a>(
+    /// `body_len`: the size of the message body (the payload, or the JSON event in CloudEvents
+    /// structured mode).
+    fn build(
         &self,
         index: usize,
-        event: &'a Event,
+        event: &Event,
         frame_max: usize,
-    ) -> Result<Outgoing<'a>, Error> {
+        body_len: usize,
+    ) -> Result<Outgoing, Error> {
+        let extra = self.format.headers(event, &self.config.cloudevents_prefix);
         // The properties (headers included) travel in one content-header frame.
         let header_bytes: usize = event
             .headers
             .iter()
+            .chain(extra.iter().map(|(k, v)| (k, v)))
             .map(|(k, v)| k.len() + v.len() + 6)
             .sum::<usize>()
             + event.event_type.len()
@@ -337,13 +354,12 @@ impl AmqpPublisher {
             )
             .with_context("adapter", "amqp"));
         }
-        if event.payload.len() > self.config.max_message_bytes {
+        if body_len > self.config.max_message_bytes {
             return Err(Error::new(
                 ErrorKind::PayloadTooLarge,
                 format!(
-                    "payload is {} bytes; amqp.max_message_bytes is {}",
-                    event.payload.len(),
-                    self.config.max_message_bytes
+                    "the message body is {} bytes; amqp.max_message_bytes is {}",
+                    body_len, self.config.max_message_bytes
                 ),
             )
             .with_context("adapter", "amqp"));
@@ -365,7 +381,11 @@ impl AmqpPublisher {
             );
             Ok(())
         };
-        for (k, v) in &event.headers {
+        for (k, v) in event
+            .headers
+            .iter()
+            .chain(extra.iter().map(|(k, v)| (k, v)))
+        {
             put(&mut headers, k, v)?;
         }
         put(&mut headers, header::EVENT_ID, &event.id.to_string())?;
@@ -375,7 +395,7 @@ impl AmqpPublisher {
         let mut properties = BasicProperties::default()
             .with_message_id(short("message id", &event.id.to_string())?)
             .with_type(short("event type", &event.event_type)?)
-            .with_content_type(short("content type", &event.content_type)?)
+            .with_content_type(short("content type", self.format.content_type(event))?)
             .with_timestamp(event.created_at.timestamp().max(0) as u64)
             .with_app_id("outbox".into())
             .with_headers(headers);
@@ -384,7 +404,6 @@ impl AmqpPublisher {
         }
         Ok(Outgoing {
             index,
-            event,
             exchange,
             routing_key,
             properties,
@@ -507,6 +526,10 @@ impl Publisher for AmqpPublisher {
         // order, which hands its frames to the connection's I/O loop; the writes are then awaited
         // for the whole batch at once. (Awaiting each write before the next publish costs a round
         // trip through the I/O loop per message: BENCHMARKS.md, second machine.)
+        // The bodies outlive the sends that borrow them (the payloads themselves, but in CloudEvents
+        // structured mode).
+        let bodies: Vec<std::borrow::Cow<'_, [u8]>> =
+            events.iter().map(|e| self.format.body(e)).collect();
         let mut fence = Fence::new();
         let mut pending = Vec::with_capacity(events.len());
         let mut sending = Vec::with_capacity(events.len());
@@ -522,7 +545,7 @@ impl Publisher for AmqpPublisher {
             }
             let prepared = match event.destination.as_ref().and_then(|d| missing.get(d)) {
                 Some(err) => Err(err.clone().with_context("event_id", event.id)),
-                None => self.prepare(i, event, frame_max),
+                None => self.prepare(i, event, frame_max, bodies[i].len()),
             };
             let out = match prepared {
                 Ok(o) => o,
@@ -539,7 +562,7 @@ impl Publisher for AmqpPublisher {
                     mandatory: self.config.mandatory,
                     immediate: false,
                 },
-                &out.event.payload,
+                &bodies[out.index],
                 out.properties,
             ));
             match futures::poll!(send.as_mut()) {

@@ -16,7 +16,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::testkit::{
-    publisher_suite, BrokerFixture, Built, Outage, PublisherFixture, Received, Setup, TcpProxy,
+    publisher_suite, BrokerFixture, Built, CloudEventsBinding, Outage, PublisherFixture, Received,
+    Setup, TcpProxy,
 };
 use outbox_core::{ErrorKind, Event, Publisher};
 
@@ -53,6 +54,8 @@ pub struct Fixture {
     pub got: Arc<Mutex<Vec<Delivered>>>,
     /// What ended the consumer early, if anything (a consumer error is not a lost message).
     pub errors: Arc<Mutex<Vec<String>>>,
+    /// `amqp.cloudevents_prefix` of the publishers this fixture builds.
+    pub cloudevents_prefix: String,
 }
 
 fn text(v: &AMQPValue) -> String {
@@ -174,6 +177,7 @@ impl Fixture {
                     payload: d.data.clone(),
                     headers,
                     destination: d.exchange.to_string(),
+                    content_type: props.content_type().as_ref().map(|t| t.to_string()),
                 };
                 sink.lock().unwrap().push(Delivered {
                     received,
@@ -198,13 +202,21 @@ impl Fixture {
             connection,
             got,
             errors,
+            cloudevents_prefix: AmqpConfig::default().cloudevents_prefix,
         }
+    }
+
+    /// Publishers built by this fixture name CloudEvents attributes with `prefix`.
+    pub fn with_cloudevents_prefix(mut self, prefix: &str) -> Fixture {
+        self.cloudevents_prefix = prefix.to_string();
+        self
     }
 
     pub fn config(&self) -> AmqpConfig {
         AmqpConfig {
             url: amqp_url(),
             exchange: self.exchange.clone(),
+            cloudevents_prefix: self.cloudevents_prefix.clone(),
             ..AmqpConfig::default()
         }
     }
@@ -260,7 +272,8 @@ impl BrokerFixture for Fixture {
             allowed_destinations: setup.allowed_destinations,
             ..self.config()
         })
-        .unwrap();
+        .unwrap()
+        .with_format(setup.format);
         let publisher = Arc::new(match setup.destination_cache {
             Some(n) => publisher.with_exchange_cache(n),
             None => publisher,
@@ -341,6 +354,14 @@ impl BrokerFixture for Fixture {
             },
             proxy,
         })
+    }
+
+    fn cloudevents_binding(&self) -> CloudEventsBinding {
+        if self.cloudevents_prefix == "ce-" {
+            CloudEventsBinding::RabbitMq
+        } else {
+            CloudEventsBinding::Amqp
+        }
     }
 
     async fn dispose(&self) {

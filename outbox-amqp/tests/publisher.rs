@@ -13,6 +13,32 @@ const WAIT: Duration = Duration::from_secs(30);
 // The publisher contract (outbox_core::testkit::publisher_suite), one test per rule.
 outbox_core::publisher_contract!(Fixture::new().await);
 
+/// With `amqp.cloudevents_prefix = "ce-"`, binary-mode CloudEvents are read by Knative's RabbitMQ
+/// binding (the CloudEvents SDK's `rabbitmq` binding) instead of the AMQP one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_with_the_knative_prefix_are_read_by_its_binding() {
+    use outbox_core::testkit::{publisher_suite, BrokerFixture, CloudEventsBinding};
+    let fx = Fixture::new().await.with_cloudevents_prefix("ce-");
+    assert_eq!(fx.cloudevents_binding(), CloudEventsBinding::RabbitMq);
+    publisher_suite::messages_in_each_format_are_read_by_a_cloudevents_library(&fx).await;
+    fx.dispose().await;
+}
+
+#[test]
+fn an_unknown_cloudevents_prefix_is_a_config_error() {
+    let config = outbox_amqp::AmqpConfig {
+        cloudevents_prefix: "ce_".into(),
+        ..outbox_amqp::AmqpConfig::default()
+    };
+    let e = AmqpPublisher::new(config).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(
+        e.message().contains("amqp.cloudevents_prefix = \"ce_\"")
+            && e.message().contains("cloudEvents_"),
+        "{e}"
+    );
+}
+
 #[tokio::test]
 async fn messages_carry_the_event_in_native_fields() {
     let fx = Fixture::new().await;

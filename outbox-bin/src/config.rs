@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use outbox_core::format::{Formatter, MessageFormat, DEFAULT_CLOUDEVENTS_SOURCE};
 use outbox_core::{duration, Error, RelayConfig};
 use outbox_postgres::DatabaseConfig;
 
@@ -37,13 +38,50 @@ pub enum PublisherType {
 }
 
 /// `[publisher]`.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PublisherSection {
     /// `stdout` (default), `amqp`, `kafka` or `sqs`; the broker's own settings are in its section
     /// ([`crate::adapters`] maps each to its adapter).
     #[serde(rename = "type")]
     pub kind: PublisherType,
+    /// The shape of the messages (brokers only; [`outbox_core::format`]): `outbox` (default),
+    /// `cloudevents-binary`, `cloudevents-structured` or `debezium`.
+    pub format: MessageFormat,
+    /// The CloudEvents `source` attribute, a template with `{aggregate_type}`, `{event_type}`,
+    /// `{aggregate_id}`. Default `/outbox/{aggregate_type}`.
+    pub cloudevents_source: String,
+}
+
+impl Default for PublisherSection {
+    fn default() -> Self {
+        PublisherSection {
+            kind: PublisherType::default(),
+            format: MessageFormat::default(),
+            cloudevents_source: DEFAULT_CLOUDEVENTS_SOURCE.into(),
+        }
+    }
+}
+
+impl PublisherSection {
+    /// The formatter of `format` and `cloudevents_source`.
+    ///
+    /// # Errors
+    /// A config error naming `publisher.cloudevents_source` when the template does not parse, or
+    /// `publisher.format` when the stdout publisher is asked for another format than `outbox`.
+    pub fn formatter(&self) -> Result<Formatter, Error> {
+        if self.kind == PublisherType::Stdout && self.format != MessageFormat::Outbox {
+            return Err(Error::config(format!(
+                "publisher.format = \"{}\" applies to brokers; the stdout publisher prints each event as a JSON line: remove it or choose publisher.type = \"amqp\", \"kafka\" or \"sqs\"",
+                self.format
+            )));
+        }
+        Formatter::new(
+            self.format,
+            "publisher.cloudevents_source",
+            &self.cloudevents_source,
+        )
+    }
 }
 
 /// `[http]`: metrics and health endpoints.
@@ -289,6 +327,7 @@ impl Config {
                 self.database.pool_size, self.relay.max_in_flight
             )));
         }
+        self.publisher.formatter()?;
         adapters::adapter(self.publisher.kind).validate(self)
     }
 
@@ -611,6 +650,40 @@ mod tests {
         );
         let by_hand = keep.replace("[relay]", "auto_cleanup = false\n[relay]");
         assert!(load_str(&by_hand, &[]).is_ok());
+    }
+
+    #[test]
+    fn the_message_format_is_checked() {
+        let c = load_str(
+            "[publisher]\ntype = \"kafka\"\nformat = \"cloudevents-structured\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            c.publisher.formatter().unwrap().format(),
+            MessageFormat::CloudeventsStructured
+        );
+        let e = load_str("[publisher]\ntype = \"kafka\"\nformat = \"avro\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("publisher.format") && e.contains("cloudevents-binary"),
+            "{e}"
+        );
+        let e = load_str("", &[("OUTBOX_PUBLISHER__FORMAT", "debezium")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the stdout publisher prints each event as a JSON line"),
+            "{e}"
+        );
+        let e = load_str(
+            "[publisher]\ntype = \"sqs\"\nformat = \"cloudevents-binary\"\ncloudevents_source = \"/{tenant}\"\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("publisher.cloudevents_source"), "{e}");
     }
 
     #[test]

@@ -38,6 +38,30 @@ async fn publish_test_checks_connectivity_and_routing() {
         got[0].received.event_type.as_deref(),
         Some("outbox.publish_test")
     );
+    // publisher.format reaches the publisher the binary builds.
+    let mut c = with_amqp(&table, &fx, &["publish-test"]);
+    c.env("OUTBOX_PUBLISHER__FORMAT", "cloudevents-binary").env(
+        "OUTBOX_PUBLISHER__CLOUDEVENTS_SOURCE",
+        "/shop/{aggregate_type}",
+    );
+    let out = run(c);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let got = fx.wait_for(2, Duration::from_secs(10)).await;
+    let headers = &got[1].received.headers;
+    assert_eq!(
+        headers.get("cloudEvents_specversion").map(String::as_str),
+        Some("1.0")
+    );
+    assert_eq!(
+        headers.get("cloudEvents_id"),
+        got[1].received.event_id.map(|id| id.to_string()).as_ref()
+    );
+    assert!(
+        headers
+            .get("cloudEvents_source")
+            .is_some_and(|s| s.starts_with("/shop/")),
+        "{headers:?}"
+    );
     // An exchange nobody is bound to: the publish fails, and says why.
     let mut c = with_amqp(&table, &fx, &["publish-test"]);
     c.env("OUTBOX_AMQP__EXCHANGE", format!("{}.lonely", fx.exchange));

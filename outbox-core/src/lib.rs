@@ -6,6 +6,7 @@ pub mod cache;
 pub mod duration;
 mod error;
 mod event;
+pub mod format;
 mod policy;
 mod ports;
 pub mod publishers;

@@ -93,6 +93,14 @@ impl Template {
         })
     }
 
+    /// `prefix` followed by `{aggregate_type}` (a default that needs no parsing).
+    pub(crate) fn prefix_then_aggregate_type(prefix: &str) -> Template {
+        Template {
+            source: format!("{prefix}{{aggregate_type}}"),
+            parts: vec![Part::Text(prefix.to_string()), Part::AggregateType],
+        }
+    }
+
     /// The template as written.
     pub fn as_str(&self) -> &str {
         &self.source

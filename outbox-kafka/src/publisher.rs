@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use tokio::time::Instant;
 use tracing::{error, warn};
 
+use outbox_core::format::Formatter;
 use outbox_core::publishers::{finish, Fence};
 use outbox_core::routing::{AllowList, Template};
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
@@ -33,9 +34,12 @@ const MAX_TOPIC_LEN: usize = 249;
 /// the idempotent producer's gapless guarantee does not cover a message that times out in the
 /// producer's queue (`message.timeout.ms`) while a later one goes out once the broker is back.
 ///
-/// - Key = aggregate id, so one aggregate stays on one partition, in order; value = payload.
-/// - Headers: `outbox-event-id`, `outbox-event-type`, `outbox-aggregate-type`, `content-type` and
-///   every event header (`traceparent` included). Record timestamp = event creation time.
+/// - Key = aggregate id, so one aggregate stays on one partition, in order; value = payload (the
+///   JSON event in CloudEvents structured mode, [`KafkaPublisher::with_format`]).
+/// - Headers: `outbox-event-id`, `outbox-event-type`, `outbox-aggregate-type`, `content-type`, the
+///   format's (`ce_*` CloudEvents attributes in binary mode; `id` and `eventType` for Debezium's
+///   conventions) and every event header (`traceparent` included). Record timestamp = event
+///   creation time.
 /// - Topic: the [`KafkaConfig::topic`] template, or the event's own destination.
 /// - The idempotent producer (on by default, at most 5 requests in flight) keeps per-partition order
 ///   through retries. A full local queue is waited out up to `enqueue_timeout`, then reported as
@@ -48,6 +52,8 @@ pub struct KafkaPublisher {
     config: KafkaConfig,
     /// Publish calls in a row whose every delivery timed out.
     stalled_batches: AtomicU32,
+    /// The message format.
+    format: Formatter,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -80,9 +86,12 @@ pub fn check_topic(topic: &str) -> Result<(), Error> {
     }
 }
 
-fn headers(event: &Event) -> OwnedHeaders {
+/// The record's headers: `outbox-*`, `content-type` (the format's), the format's own (CloudEvents
+/// `ce_*` attributes, Debezium's `id` and `eventType`), then the event's headers.
+fn headers(event: &Event, format: &Formatter) -> OwnedHeaders {
     let id = event.id.to_string();
-    let mut h = OwnedHeaders::new_with_capacity(event.headers.len() + 4)
+    let extra = format.headers(event, CLOUDEVENTS_PREFIX);
+    let mut h = OwnedHeaders::new_with_capacity(event.headers.len() + extra.len() + 4)
         .insert(Header {
             key: header::EVENT_ID,
             value: Some(id.as_str()),
@@ -97,16 +106,23 @@ fn headers(event: &Event) -> OwnedHeaders {
         })
         .insert(Header {
             key: header::CONTENT_TYPE,
-            value: Some(event.content_type.as_str()),
+            value: Some(format.content_type(event)),
         });
-    for (k, v) in &event.headers {
+    for (k, v) in extra
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .chain(event.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+    {
         h = h.insert(Header {
-            key: k.as_str(),
-            value: Some(v.as_str()),
+            key: k,
+            value: Some(v),
         });
     }
     h
 }
+
+/// The prefix of CloudEvents attribute headers in binary mode (the Kafka protocol binding).
+pub const CLOUDEVENTS_PREFIX: &str = "ce_";
 
 fn create_producer(config: &KafkaConfig) -> Result<FutureProducer, Error> {
     let mut client = ClientConfig::new();
@@ -157,7 +173,14 @@ impl KafkaPublisher {
             allowed,
             config,
             stalled_batches: AtomicU32::new(0),
+            format: Formatter::default(),
         })
+    }
+
+    /// Sends events in `format` (CloudEvents, Debezium's conventions; default the outbox's own).
+    pub fn with_format(mut self, format: Formatter) -> Self {
+        self.format = format;
+        self
     }
 
     fn producer(&self) -> FutureProducer {
@@ -284,10 +307,11 @@ impl Publisher for KafkaPublisher {
                 fence.close(event);
                 continue;
             }
+            let body = self.format.body(event);
             let mut record = FutureRecord::to(&topic)
                 .key(event.aggregate_id.as_bytes())
-                .payload(event.payload.as_slice())
-                .headers(headers(event))
+                .payload(body.as_ref())
+                .headers(headers(event, &self.format))
                 .timestamp(event.created_at.timestamp_millis());
             loop {
                 match producer.send_result(record) {

@@ -16,7 +16,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use outbox_core::testkit::{
-    BrokerFixture, Built, Outage, OwnServer, PublisherFixture, Received, Setup,
+    BrokerFixture, Built, CloudEventsBinding, Outage, OwnServer, PublisherFixture, Received, Setup,
 };
 use outbox_core::{ErrorKind, Event, Publisher};
 
@@ -186,6 +186,7 @@ impl Fixture {
                         .map(|k| String::from_utf8_lossy(k).into_owned()),
                     event_type: headers.get(outbox_core::header::EVENT_TYPE).cloned(),
                     payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                    content_type: headers.get(outbox_core::header::CONTENT_TYPE).cloned(),
                     headers,
                     destination: m.topic().to_string(),
                 };
@@ -316,7 +317,8 @@ impl BrokerFixture for Fixture {
             allowed_destinations: setup.allowed_destinations,
             ..self.config()
         })
-        .unwrap();
+        .unwrap()
+        .with_format(setup.format);
         // The producer keeps no list of topics of its own (librdkafka's metadata cache is its).
         Built {
             publisher: Arc::new(publisher),
@@ -334,6 +336,10 @@ impl BrokerFixture for Fixture {
     }
 
     /// Kafka takes any bytes within its size limit.
+    fn cloudevents_binding(&self) -> CloudEventsBinding {
+        CloudEventsBinding::Kafka
+    }
+
     fn poison(&self) -> Vec<(Event, ErrorKind, &'static str)> {
         Vec::new()
     }

@@ -2,12 +2,15 @@
 
 use outbox_core::header;
 
-/// The event id of a received message: its `outbox-event-id` attribute. Use it as the deduplication
-/// key (for instance with `outbox_postgres::Inbox`).
+/// The event id of a received message: its `outbox-event-id` attribute, or `ce-id` when it was
+/// sent in CloudEvents binary mode. Use it as the deduplication key (for instance with
+/// `outbox_postgres::Inbox`).
 pub fn event_id(message: &aws_sdk_sqs::types::Message) -> Option<outbox_core::Uuid> {
-    message
-        .message_attributes()?
-        .get(header::EVENT_ID)?
+    let attributes = message.message_attributes()?;
+    let cloudevents_id = format!("{}id", crate::publisher::CLOUDEVENTS_PREFIX);
+    attributes
+        .get(header::EVENT_ID)
+        .or_else(|| attributes.get(&cloudevents_id))?
         .string_value()?
         .parse()
         .ok()
@@ -25,6 +28,10 @@ mod event_id_tests {
             .message_attributes(header::EVENT_ID, attribute(&id.to_string()).unwrap())
             .build();
         assert_eq!(event_id(&m), Some(id));
+        let cloudevent = aws_sdk_sqs::types::Message::builder()
+            .message_attributes("ce-id", attribute(&id.to_string()).unwrap())
+            .build();
+        assert_eq!(event_id(&cloudevent), Some(id));
         assert_eq!(
             event_id(&aws_sdk_sqs::types::Message::builder().build()),
             None

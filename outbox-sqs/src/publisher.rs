@@ -18,6 +18,7 @@ use base64::Engine;
 use futures::future::join_all;
 use tracing::debug;
 
+use outbox_core::format::{Formatter, MessageFormat};
 use outbox_core::publishers::{finish, Fence};
 use outbox_core::routing::{AllowList, Template};
 use outbox_core::{header, Error, ErrorKind, Event, PublishOutcome, Publisher};
@@ -58,6 +59,8 @@ pub struct SqsPublisher {
     allowed: AllowList,
     /// Queue names resolved to URLs, the most recently used ones (any writer can name any queue).
     urls: Mutex<BoundedCache<String, String>>,
+    /// The message format.
+    format: Formatter,
 }
 
 impl std::fmt::Debug for SqsPublisher {
@@ -157,22 +160,56 @@ pub(crate) fn attribute(value: &str) -> Result<MessageAttributeValue, Error> {
         })
 }
 
-/// The attributes of `event` (at most 10) and their size in bytes, with the body encoding if any.
-fn attributes(event: &Event, encoding: Option<&str>) -> (Vec<(String, String)>, usize) {
-    let mut attrs: Vec<(String, String)> = Vec::with_capacity(MAX_ATTRIBUTES);
-    let base = [
+/// The prefix of CloudEvents attributes in binary mode: SQS has no CloudEvents binding, so they are
+/// named as the HTTP binding names its headers (`ce-id`, ...; `content-type` is `datacontenttype`).
+pub const CLOUDEVENTS_PREFIX: &str = "ce-";
+
+/// How many CloudEvents attributes travel as message attributes in binary mode: `specversion`,
+/// `id`, `source`, `type`, `time` and `subject` (with `content-type`, seven of SQS's ten; the
+/// `partitionkey` and `aggregatetype` extensions are left out, the aggregate being the subject).
+pub const CLOUDEVENTS_ATTRIBUTES: usize = 6;
+
+/// The attributes the message format gives `event`: in CloudEvents binary mode the CloudEvents
+/// attributes and `content-type` (in place of the `outbox-*` attributes, which would not leave
+/// room: SQS allows ten); else `outbox-event-id`, `outbox-event-type`, `outbox-aggregate-type`,
+/// `outbox-aggregate-id`, `content-type` (the format's) and the format's own (Debezium's `id` and
+/// `eventType`).
+fn base_attributes(event: &Event, format: &Formatter) -> Vec<(String, String)> {
+    if format.format() == MessageFormat::CloudeventsBinary {
+        return format
+            .cloudevents_attributes(event)
+            .into_iter()
+            .take(CLOUDEVENTS_ATTRIBUTES)
+            .map(|(k, v)| (format!("{CLOUDEVENTS_PREFIX}{k}"), v))
+            .chain([(header::CONTENT_TYPE.to_string(), event.content_type.clone())])
+            .collect();
+    }
+    [
         (header::EVENT_ID, event.id.to_string()),
         (header::EVENT_TYPE, event.event_type.clone()),
         (header::AGGREGATE_TYPE, event.aggregate_type.clone()),
         (header::AGGREGATE_ID, event.aggregate_id.clone()),
-        (header::CONTENT_TYPE, event.content_type.clone()),
-    ];
+        (header::CONTENT_TYPE, format.content_type(event).to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .chain(format.headers(event, CLOUDEVENTS_PREFIX))
+    .collect()
+}
+
+/// The attributes of `event` (at most 10) and their size in bytes, with the body encoding if any.
+fn attributes(
+    event: &Event,
+    encoding: Option<&str>,
+    format: &Formatter,
+) -> (Vec<(String, String)>, usize) {
+    let mut attrs: Vec<(String, String)> = Vec::with_capacity(MAX_ATTRIBUTES);
     let mut folded: BTreeMap<String, String> = BTreeMap::new();
-    for (k, v) in base {
+    for (k, v) in base_attributes(event, format) {
         if !v.is_empty() && v.chars().all(valid_sqs_char) {
-            attrs.push((k.to_string(), v));
+            attrs.push((k, v));
         } else {
-            folded.insert(k.to_string(), v);
+            folded.insert(k, v);
         }
     }
     if let Some(enc) = encoding {
@@ -260,7 +297,15 @@ impl SqsPublisher {
             queue,
             allowed,
             urls: Mutex::new(BoundedCache::new(DEFAULT_DESTINATION_CACHE)),
+            format: Formatter::default(),
         })
+    }
+
+    /// Sends events in `format` (CloudEvents, Debezium's conventions; default the outbox's own).
+    /// In CloudEvents binary mode the attributes are `ce-specversion`, `ce-id`, `ce-source`,
+    /// `ce-type`, `ce-time`, `ce-subject` and `content-type`, in place of the `outbox-*` ones.
+    pub fn with_format(self, format: Formatter) -> Self {
+        SqsPublisher { format, ..self }
     }
 
     /// Remembers at most `capacity` resolved queue URLs (default
@@ -332,14 +377,15 @@ impl SqsPublisher {
     }
 
     fn prepare(&self, index: usize, event: &Event, queue_url: String) -> Result<Prepared, Error> {
-        let (body, encoding) = match std::str::from_utf8(&event.payload) {
+        let body = self.format.body(event);
+        let (body, encoding) = match std::str::from_utf8(&body) {
             Ok(text) if text.chars().all(valid_sqs_char) => (text.to_string(), None),
             _ => (
-                base64::engine::general_purpose::STANDARD.encode(&event.payload),
+                base64::engine::general_purpose::STANDARD.encode(&body),
                 Some("base64"),
             ),
         };
-        let (attrs, attr_size) = attributes(event, encoding);
+        let (attrs, attr_size) = attributes(event, encoding, &self.format);
         let size = body.len() + attr_size;
         if size > self.config.max_message_bytes {
             return Err(Error::new(
@@ -625,6 +671,7 @@ mod tests {
         let (attrs, size) = attributes(
             &ev(&[("traceparent", "00-abc-01"), ("x-tenant", "acme")]),
             None,
+            &Formatter::default(),
         );
         assert_eq!(
             names(&attrs),
@@ -642,6 +689,41 @@ mod tests {
     }
 
     #[test]
+    fn each_format_fits_its_attributes_in_ten() {
+        let e = ev(&[
+            ("traceparent", "00-abc-01"),
+            ("tracestate", "a=b"),
+            ("x-tenant", "acme"),
+        ]);
+        let format = |f| Formatter::new(f, "s", "/shop/{aggregate_type}").unwrap();
+        let (attrs, _) = attributes(
+            &e,
+            Some("base64"),
+            &format(MessageFormat::CloudeventsBinary),
+        );
+        assert_eq!(
+            names(&attrs),
+            [
+                "ce-specversion",
+                "ce-id",
+                "ce-source",
+                "ce-type",
+                "ce-time",
+                "ce-subject",
+                "content-type",
+                "outbox-encoding",
+                "traceparent",
+                "outbox-headers"
+            ]
+        );
+        let (attrs, _) = attributes(&e, None, &format(MessageFormat::Debezium));
+        assert_eq!(names(&attrs)[5..7], ["id", "eventType"]);
+        assert_eq!(attrs.len(), MAX_ATTRIBUTES);
+        let (attrs, _) = attributes(&e, None, &format(MessageFormat::CloudeventsStructured));
+        assert_eq!(attrs[4].1, outbox_core::format::CLOUDEVENTS_JSON);
+    }
+
+    #[test]
     fn what_does_not_fit_is_folded_into_one_json_attribute() {
         let many: Vec<(String, String)> =
             (0..8).map(|i| (format!("h{i}"), format!("v{i}"))).collect();
@@ -649,7 +731,7 @@ mod tests {
             many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         headers.push(("traceparent", "00-abc-01"));
         headers.push(("bad name!", "x"));
-        let (attrs, _) = attributes(&ev(&headers), Some("base64"));
+        let (attrs, _) = attributes(&ev(&headers), Some("base64"), &Formatter::default());
         assert_eq!(attrs.len(), MAX_ATTRIBUTES, "never more than SQS allows");
         let n = names(&attrs);
         assert!(

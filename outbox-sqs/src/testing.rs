@@ -18,7 +18,8 @@ use aws_sdk_sqs::Client;
 use base64::Engine;
 
 use outbox_core::testkit::{
-    publisher_suite, BrokerFixture, Built, Outage, OwnServer, PublisherFixture, Received, Setup,
+    publisher_suite, BrokerFixture, Built, CloudEventsBinding, Outage, OwnServer, PublisherFixture,
+    Received, Setup,
 };
 use outbox_core::{ErrorKind, Event, Publisher};
 
@@ -291,6 +292,7 @@ impl Fixture {
                         aggregate_id: headers.get(outbox_core::header::AGGREGATE_ID).cloned(),
                         event_type: headers.get(outbox_core::header::EVENT_TYPE).cloned(),
                         payload,
+                        content_type: headers.get(outbox_core::header::CONTENT_TYPE).cloned(),
                         headers,
                         destination: url.clone(),
                     };
@@ -450,7 +452,8 @@ impl BrokerFixture for Fixture {
                 ..self.config()
             },
         )
-        .unwrap();
+        .unwrap()
+        .with_format(setup.format);
         let publisher = Arc::new(match setup.destination_cache {
             Some(n) => publisher.with_queue_url_cache(n),
             None => publisher,
@@ -476,6 +479,10 @@ impl BrokerFixture for Fixture {
     /// On a standard queue, delays over SQS's 900 s (refused per entry of a batch, next to the
     /// entries it takes); a FIFO queue has no per-message delay, and the publisher makes any other
     /// content fit.
+    fn cloudevents_binding(&self) -> CloudEventsBinding {
+        CloudEventsBinding::Sqs
+    }
+
     fn poison(&self) -> Vec<(Event, ErrorKind, &'static str)> {
         if self.queue_name.ends_with(".fifo") {
             return Vec::new();

@@ -43,7 +43,9 @@ impl Adapter for Amqp {
     }
 
     async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error> {
-        Ok(Arc::new(AmqpPublisher::new(config.amqp.clone())?))
+        Ok(Arc::new(
+            AmqpPublisher::new(config.amqp.clone())?.with_format(config.publisher.formatter()?),
+        ))
     }
 
     async fn bench_target(

@@ -46,7 +46,9 @@ impl Adapter for Kafka {
     }
 
     async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error> {
-        Ok(Arc::new(KafkaPublisher::new(config.kafka.clone())?))
+        Ok(Arc::new(
+            KafkaPublisher::new(config.kafka.clone())?.with_format(config.publisher.formatter()?),
+        ))
     }
 
     async fn bench_target(

@@ -38,7 +38,11 @@ impl Adapter for Sqs {
     }
 
     async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error> {
-        Ok(Arc::new(SqsPublisher::new(config.sqs.clone()).await?))
+        Ok(Arc::new(
+            SqsPublisher::new(config.sqs.clone())
+                .await?
+                .with_format(config.publisher.formatter()?),
+        ))
     }
 
     async fn bench_target(

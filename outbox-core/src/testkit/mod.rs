@@ -80,6 +80,8 @@ pub struct Received {
     pub headers: BTreeMap<String, String>,
     /// Where it was received (topic, queue...).
     pub destination: String,
+    /// The message's content type: AMQP's property, the `content-type` header or attribute.
+    pub content_type: Option<String>,
 }
 
 /// Builds a publisher and reads back what the broker received, for the publisher conformance suite.
@@ -102,6 +104,8 @@ pub struct Setup {
     pub allowed_destinations: Vec<String>,
     /// How many destinations the publisher may remember, where it keeps a cache of them.
     pub destination_cache: Option<usize>,
+    /// The message format (`with_format`); default the outbox's own.
+    pub format: crate::format::Formatter,
 }
 
 /// A publisher a [`BrokerFixture`] built for a check.
@@ -151,8 +155,105 @@ pub trait BrokerFixture: PublisherFixture {
     /// A broker of the fixture's own (or a path to it) that the suite may take down and bring back.
     async fn outage(&self) -> Box<dyn Outage>;
 
+    /// How a CloudEvents consumer of this broker reads a message
+    /// ([`publisher_suite::messages_in_each_format_are_read_by_a_cloudevents_library`]).
+    fn cloudevents_binding(&self) -> CloudEventsBinding;
+
     /// Removes what the fixture created on the broker (best effort).
     async fn dispose(&self) {}
+}
+
+/// The protocol binding a CloudEvents SDK reads a broker's messages with (the decoder
+/// `.tools/bin/cloudevents-decode`, the CloudEvents SDK for Python, installed by
+/// `scripts/test-env.sh`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloudEventsBinding {
+    /// The Kafka protocol binding: `ce_` headers, `content-type`, the key.
+    Kafka,
+    /// The AMQP protocol binding: `cloudEvents_` application properties, the content type property.
+    Amqp,
+    /// Knative's RabbitMQ binding: `ce-` headers, the content type property.
+    RabbitMq,
+    /// The HTTP binding's names (`ce-` attributes, `content-type`), as SQS carries them; SQS bodies
+    /// are text, so binary payloads travel only in structured mode.
+    Sqs,
+}
+
+impl CloudEventsBinding {
+    fn decoder_name(self) -> &'static str {
+        match self {
+            CloudEventsBinding::Kafka => "kafka",
+            CloudEventsBinding::Amqp => "amqp",
+            CloudEventsBinding::RabbitMq => "rabbitmq",
+            CloudEventsBinding::Sqs => "http",
+        }
+    }
+
+    /// Whether message bodies carry any bytes (SQS bodies are text).
+    pub fn carries_binary_bodies(self) -> bool {
+        self != CloudEventsBinding::Sqs
+    }
+}
+
+/// What a CloudEvents SDK read from one message: `{"attributes": {...}, "data": ...}` (or
+/// `"data_b64"` for bytes), or `{"error": "..."}`.
+///
+/// Decodes `messages` with the CloudEvents SDK for Python (`.tools/bin/cloudevents-decode`, from
+/// `scripts/test-env.sh`) through `binding`, binary or structured mode chosen from the content type
+/// as the SDK's consumers do.
+///
+/// # Panics
+/// When the decoder is not installed (the message says how to install it) or does not answer.
+pub fn decode_cloudevents(
+    binding: CloudEventsBinding,
+    messages: &[Received],
+) -> Vec<serde_json::Value> {
+    use std::io::Write;
+    let decoder = std::env::var("CLOUDEVENTS_DECODE").map_or_else(
+        |_| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../.tools/bin/cloudevents-decode")
+        },
+        std::path::PathBuf::from,
+    );
+    assert!(
+        decoder.exists(),
+        "the CloudEvents decoder is not installed: run `bash scripts/test-env.sh` (it installs the CloudEvents SDK for Python into .tools/), or set CLOUDEVENTS_DECODE"
+    );
+    let mut input = String::new();
+    for m in messages {
+        let request = serde_json::json!({
+            "binding": binding.decoder_name(),
+            "headers": m.headers,
+            "key": m.aggregate_id,
+            "content_type": m.content_type,
+            "body_b64": crate::format::base64_for_tests(&m.payload),
+        });
+        input.push_str(&request.to_string());
+        input.push('\n');
+    }
+    let mut child = std::process::Command::new(&decoder)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", decoder.display()));
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(input.as_bytes())
+            .unwrap_or_else(|e| panic!("cannot write to the decoder: {e}"));
+    }
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("the decoder failed: {e}"));
+    assert!(
+        out.status.success(),
+        "the decoder exited with {}",
+        out.status
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("decoder output {l:?}: {e}")))
+        .collect()
 }
 
 /// A broker, or the way to it, that a check takes down and brings back.

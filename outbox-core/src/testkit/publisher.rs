@@ -239,6 +239,7 @@ impl PublisherFixture for Arc<ScriptedPublisher> {
                             payload: e.payload,
                             headers,
                             destination: e.destination.unwrap_or_default(),
+                            content_type: Some(e.content_type),
                         }
                     })
                     .collect();

@@ -119,7 +119,7 @@ fn parse_headers(text: &str) -> BTreeMap<String, String> {
 }
 
 impl PostgresStore {
-    /// A store over `table` (migrate it first with [`crate::migrate`]). Published rows are deleted.
+    /// A store over `table` (migrate it first with [`crate::migrate()`]). Published rows are deleted.
     pub fn new(pool: PgPool, table: OutboxTable) -> Self {
         Self::with_retention(pool, table, Retention::Delete)
     }
@@ -163,10 +163,10 @@ impl PostgresStore {
         self.retention
     }
 
-    /// Applies the schema migrations to this store's table (see [`crate::migrate`]).
+    /// Applies the schema migrations to this store's table (see [`crate::migrate()`]).
     ///
     /// # Errors
-    /// As [`crate::migrate`].
+    /// As [`crate::migrate()`].
     pub async fn migrate(&self) -> Result<Vec<i64>, Error> {
         crate::migrate::migrate(&self.pool, &self.table).await
     }
