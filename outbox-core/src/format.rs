@@ -3,12 +3,12 @@
 //!
 //! - [`MessageFormat::Outbox`] (default): the payload as the body, the event's fields in the
 //!   broker's native fields and `outbox-*` headers.
-//! - [`MessageFormat::CloudEventsBinary`]: CloudEvents 1.0, binary content mode. The body is the
+//! - [`MessageFormat::CloudeventsBinary`]: CloudEvents 1.0, binary content mode. The body is the
 //!   payload, the content type is `datacontenttype`, and the attributes travel as headers named by
 //!   the broker's binding: `ce_` on Kafka (Kafka protocol binding), `cloudEvents_` on RabbitMQ
 //!   (AMQP protocol binding; `ce-` for Knative's RabbitMQ binding), `ce-` message attributes on SQS
 //!   (named as the HTTP binding's headers, which SQS has no binding of its own to replace).
-//! - [`MessageFormat::CloudEventsStructured`]: CloudEvents 1.0, structured content mode: the body is
+//! - [`MessageFormat::CloudeventsStructured`]: CloudEvents 1.0, structured content mode: the body is
 //!   the JSON event format (`application/cloudevents+json`), the payload in `data` (JSON payloads
 //!   as JSON, other text as a string, anything else in `data_base64`).
 //! - [`MessageFormat::Debezium`]: the conventions of Debezium's outbox event router: the body is the
