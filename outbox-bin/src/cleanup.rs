@@ -76,6 +76,7 @@ pub async fn run(
         every = %outbox_core::duration::format(schedule.interval),
         "automatic cleanup of published rows is on"
     );
+    metrics.cleanup_started();
     loop {
         let (outcome, removed) = round(&store, &schedule, &metrics, &shutdown).await;
         metrics.cleanup_ran(outcome);

@@ -61,9 +61,9 @@ pub enum Command {
     /// address): exit 0 when it answers 200, 1 otherwise. For container health checks (the image
     /// has no curl).
     Healthcheck {
-        /// Another endpoint than the configured one (host:port).
+        /// Another endpoint than the configured one (host:port, such as localhost:9464).
         #[arg(long, value_name = "HOST:PORT")]
-        addr: Option<std::net::SocketAddr>,
+        addr: Option<String>,
         /// How long to wait for the answer.
         #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = outbox_core::duration::parse)]
         timeout: Duration,
@@ -211,6 +211,12 @@ fn usage(message: impl Into<String>) -> Failure {
 pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
     // The benchmark's progress lines are its log; the relays it runs log warnings only unless the
     // level is set explicitly.
+    // Docker reserves exit code 2 of a health check: every failure of one is 1.
+    let usage_code: u8 = if matches!(cli.command, Command::Healthcheck { .. }) {
+        1
+    } else {
+        2
+    };
     let quiet = matches!(cli.command, Command::Bench(_))
         && !env
             .iter()
@@ -219,7 +225,7 @@ pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             eprintln!("outbox: configuration error: {}", e.message());
-            return ExitCode::from(2);
+            return ExitCode::from(usage_code);
         }
     };
     if quiet {
@@ -245,7 +251,7 @@ pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
             eprintln!("outbox: {}", f.message);
-            ExitCode::from(f.code)
+            ExitCode::from(f.code.min(usage_code))
         }
     }
 }
@@ -338,6 +344,7 @@ async fn cmd_migrate(config: &Config, table: &OutboxTable, print: bool) -> Resul
 }
 
 async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
+    config.check_relay_pool()?;
     // Signals are watched from the start: SIGTERM while connecting is a clean exit too.
     let shutdown = CancellationToken::new();
     tokio::spawn(watch_signals(Signals::install(), shutdown.clone()));
@@ -754,10 +761,29 @@ async fn cmd_dead_letters(
 
 async fn cmd_healthcheck(
     config: &Config,
-    addr: Option<std::net::SocketAddr>,
+    addr: Option<String>,
     timeout: Duration,
 ) -> Result<(), Failure> {
-    let addr = addr.unwrap_or_else(|| crate::http::local_address(config.http.listen));
+    let addr = match addr {
+        None => crate::http::local_address(config.http.listen),
+        Some(given) => tokio::net::lookup_host(&given)
+            .await
+            .ok()
+            .and_then(|found| {
+                // localhost: the IPv4 loopback, which the relay's default listen address is.
+                let found: Vec<_> = found.collect();
+                found
+                    .iter()
+                    .find(|a| a.is_ipv4())
+                    .or(found.first())
+                    .copied()
+            })
+            .ok_or_else(|| {
+                usage(format!(
+                    "--addr {given}: expected HOST:PORT, such as localhost:9464"
+                ))
+            })?,
+    };
     let (status, body) = crate::http::get_status(addr, "/healthz", timeout).await?;
     if status == 200 {
         println!("healthy: {}", body.trim());

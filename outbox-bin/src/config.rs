@@ -313,6 +313,17 @@ impl Config {
                 )));
             }
         }
+        self.publisher.formatter()?;
+        adapters::adapter(self.publisher.kind).validate(self)
+    }
+
+    /// Checks that `database.pool_size` holds every connection the relay uses at once
+    /// ([`Config::pool_connections_needed`]). Only `outbox relay` needs it: the other subcommands
+    /// (`migrate` in an init container, `status`, `cleanup`...) use one or two connections.
+    ///
+    /// # Errors
+    /// A config error naming each user of the pool, the total and the fix.
+    pub fn check_relay_pool(&self) -> Result<(), Error> {
         let needed = self.pool_connections_needed();
         if needed > self.database.pool_size {
             let mut extra = String::new();
@@ -327,8 +338,7 @@ impl Config {
                 self.database.pool_size, self.relay.max_in_flight
             )));
         }
-        self.publisher.formatter()?;
-        adapters::adapter(self.publisher.kind).validate(self)
+        Ok(())
     }
 
     /// The connections the relay's pool must hold so that nothing waits for one: one per batch in
@@ -610,7 +620,16 @@ mod tests {
             e.contains("cannot read the configuration file /nonexistent/outbox.toml"),
             "{e}"
         );
-        let e = load_str(
+        // Only the relay needs its whole pool: any other subcommand loads the same file.
+        let relay_pool = |toml: &str, env: &[(&str, &str)]| {
+            load_str(toml, env).and_then(|c| c.check_relay_pool().map(|()| c))
+        };
+        assert!(load_str(
+            "[database]\npool_size = 2\n[relay]\nmax_in_flight = 4\n",
+            &[]
+        )
+        .is_ok());
+        let e = relay_pool(
             "[database]\npool_size = 2\n[relay]\nmax_in_flight = 4\n",
             &[],
         )
@@ -618,12 +637,12 @@ mod tests {
         .to_string();
         assert!(e.contains("database.pool_size = 2 is too small"), "{e}");
         // One formula counts every user of the pool: batches, statistics, readiness, listener.
-        let ok = load_str(
+        let ok = relay_pool(
             "[database]\npool_size = 4\n[relay]\nmax_in_flight = 2\n",
             &[],
         );
         assert!(ok.is_ok(), "{ok:?}");
-        let e = load_str(
+        let e = relay_pool(
             "[database]\npool_size = 4\nnotify = true\n[relay]\nmax_in_flight = 2\n",
             &[],
         )
@@ -633,7 +652,7 @@ mod tests {
             e.contains("+ 1 (the NOTIFY listener, database.notify = true) = 5 connections"),
             "{e}"
         );
-        let e = load_str(
+        let e = relay_pool(
             "[database]\npool_size = 3\n[relay]\nmax_in_flight = 2\n",
             &[],
         )
@@ -643,13 +662,13 @@ mod tests {
         // Kept rows cleaned by the relay: one more connection, named; none when cleaned by hand.
         let keep =
             "[database]\npool_size = 4\nkeep_processed_for = \"1d\"\n[relay]\nmax_in_flight = 2\n";
-        let e = load_str(keep, &[]).unwrap_err().to_string();
+        let e = relay_pool(keep, &[]).unwrap_err().to_string();
         assert!(
             e.contains("+ 1 (automatic cleanup, database.keep_processed_for with database.auto_cleanup = true) = 5 connections"),
             "{e}"
         );
         let by_hand = keep.replace("[relay]", "auto_cleanup = false\n[relay]");
-        assert!(load_str(&by_hand, &[]).is_ok());
+        assert!(relay_pool(&by_hand, &[]).is_ok());
     }
 
     #[test]

@@ -228,9 +228,22 @@ impl Metrics {
         );
         registry.register(
             "outbox_cleanup_last_success_timestamp_seconds",
-            "Unix time at which this relay last finished a cleanup round with no expired row left (0: never)",
+            "Unix time at which this relay last finished a cleanup round with no expired row left, or started its automatic cleanup (0: automatic cleanup is off)",
             cleanup_last_success.clone(),
         );
+        // Every outcome's series exists from the start, so that the first of each counts in rates.
+        for outcome in [
+            CleanupOutcome::Done,
+            CleanupOutcome::Busy,
+            CleanupOutcome::Failed,
+            CleanupOutcome::Stopped,
+        ] {
+            cleanup_runs
+                .get_or_create(&OutcomeLabel {
+                    outcome: outcome.label().to_string(),
+                })
+                .inc_by(0);
+        }
         Metrics {
             registry,
             cleanup_removed,
@@ -331,6 +344,12 @@ impl Metrics {
         self.cleanup_removed.inc_by(rows);
     }
 
+    /// The automatic cleanup starts: its last success counts from now (an alert on a cleanup that
+    /// never succeeds then fires as one that stopped succeeding).
+    pub fn cleanup_started(&self) {
+        self.cleanup_last_success.set(unix_now());
+    }
+
     /// An automatic cleanup round ended.
     pub fn cleanup_ran(&self, outcome: CleanupOutcome) {
         self.cleanup_runs
@@ -339,10 +358,7 @@ impl Metrics {
             })
             .inc();
         if outcome == CleanupOutcome::Done {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64());
-            self.cleanup_last_success.set(now);
+            self.cleanup_last_success.set(unix_now());
         }
     }
 
@@ -371,6 +387,13 @@ impl Metrics {
         }
         out
     }
+}
+
+/// Seconds since the Unix epoch.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn secs(d: Duration) -> f64 {

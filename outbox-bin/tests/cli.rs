@@ -252,6 +252,23 @@ async fn migrate_relay_status_metrics_and_sigterm() {
     let out = run(check);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "healthy: ok\n");
+    let out = run(outbox(
+        &table,
+        &["healthcheck", "--addr", &format!("localhost:{port}")],
+    ));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "a host name: {}",
+        text(&out.stderr)
+    );
+    let out = run(outbox(&table, &["healthcheck", "--addr", "nowhere"]));
+    assert_eq!(out.status.code(), Some(1), "never 2 (Docker reserves it)");
+    assert!(
+        text(&out.stderr).contains("expected HOST:PORT"),
+        "{}",
+        text(&out.stderr)
+    );
 
     relay.signal("-TERM");
     assert_eq!(

@@ -264,7 +264,7 @@ fn alert_rules_pass_promtool_checks_and_unit_tests() {
     c.args(["check", "rules", "outbox-alerts.yml"])
         .current_dir(&dir);
     let out = check(c, "promtool check rules");
-    assert!(out.contains("SUCCESS: 11 rules found"), "{out}");
+    assert!(out.contains("SUCCESS: 12 rules found"), "{out}");
     let mut c = Command::new(promtool());
     c.args(["test", "rules", "outbox-alerts.test.yml"])
         .current_dir(&dir);
@@ -490,16 +490,18 @@ fn kubernetes_manifests_validate_and_agree_with_the_image_and_configuration() {
         .filter(|f| f.ends_with(".yaml"))
         .collect();
     files.sort();
+    // What `kubectl apply -f kubernetes/` applies: no Secret among them (the example is one level
+    // down, out of its reach).
     assert_eq!(
         files,
         [
             "configmap.yaml",
             "deployment.yaml",
             "poddisruptionbudget.yaml",
-            "secret.yaml",
             "service.yaml"
         ]
     );
+    files.push("example/secret.yaml".into());
     // The oldest Kubernetes still commonly run, and the checker's newest.
     for version in ["1.29.0", "1.37.0"] {
         let mut c = Command::new(tool("kubernetes-validate", "KUBERNETES_VALIDATE"));
@@ -515,7 +517,7 @@ fn kubernetes_manifests_validate_and_agree_with_the_image_and_configuration() {
     let toml = config["data"]["outbox.toml"].as_str().unwrap();
     let work = workdir();
     std::fs::write(work.join("outbox.toml"), toml).unwrap();
-    let secret = yaml(&dir.join("secret.yaml"));
+    let secret = yaml(&dir.join("example/secret.yaml"));
     let mut c = Command::new(bin());
     c.args(["--config", "outbox.toml", "config"])
         .current_dir(&work);
@@ -568,6 +570,15 @@ fn kubernetes_manifests_validate_and_agree_with_the_image_and_configuration() {
     assert_eq!(migrate, ["--config", "/etc/outbox/outbox.toml", "migrate"]);
     let dockerfile = std::fs::read_to_string(deploy().join("Dockerfile")).unwrap();
     assert!(dockerfile.contains("EXPOSE 9464") && dockerfile.contains("USER 10001:10001"));
+    // The image's own configuration loads too, and puts the endpoint where the probes look.
+    let mut c = Command::new(bin());
+    c.args(["--config"])
+        .arg(deploy().join("outbox.toml"))
+        .arg("config")
+        .current_dir(&work);
+    let shown = check(c, "outbox config (the image's file)");
+    assert!(shown.contains("listen = \"0.0.0.0:9464\""), "{shown}");
+    assert!(shown.contains("format = \"json\""), "{shown}");
 }
 
 /// The Dockerfile as the official parser reads it (PyPI `dockerfile`, the Go parser of BuildKit):
@@ -646,6 +657,16 @@ fn the_dockerfile_builds_what_the_tests_build_and_ships_what_the_binary_links() 
         "runs as {user}"
     );
     assert_eq!(find("HEALTHCHECK")[1..], ["outbox", "healthcheck"]);
+    assert_eq!(find("WORKDIR"), ["/etc/outbox"]);
+    assert!(
+        runtime.iter().any(|(c, v)| c == "COPY"
+            && v == &["outbox-bin/deploy/outbox.toml", "/etc/outbox/outbox.toml"]),
+        "the image carries its configuration file where the relay and the health check read it"
+    );
+    assert!(
+        runtime.iter().all(|(c, _)| c != "ENV"),
+        "no ENV: it would override the mounted configuration file"
+    );
     assert_eq!(find("ENTRYPOINT"), ["outbox"]);
     assert_eq!(find("CMD"), ["relay"]);
     let help = Command::new(bin())
@@ -654,7 +675,20 @@ fn the_dockerfile_builds_what_the_tests_build_and_ships_what_the_binary_links() 
         .unwrap();
     assert!(help.status.success(), "outbox healthcheck exists");
     // Every shared library the binary links comes with the base image or a package installed in the
-    // runtime stage.
+    // runtime stage. The binary and the package names are this machine's: the check holds for the
+    // image when this machine runs the runtime's Debian release, which it checks first.
+    let base = runtime[0].1[0].clone();
+    let release = std::fs::read_to_string("/etc/os-release").unwrap_or_default();
+    let codename = release
+        .lines()
+        .find_map(|l| l.strip_prefix("VERSION_CODENAME="))
+        .unwrap_or("")
+        .trim_matches('"')
+        .to_string();
+    assert!(
+        base.starts_with(&format!("debian:{codename}")),
+        "this check compares the binary built here with the image's {base}: it needs a Debian {codename} host of that release (this one is {codename:?})"
+    );
     let runtime_runs = runs(runtime);
     let ldd = check(
         {

@@ -126,7 +126,7 @@ impl Formatter {
         vec![
             ("specversion", CLOUDEVENTS_SPEC_VERSION.to_string()),
             ("id", event.id.to_string()),
-            ("source", self.source.render(event)),
+            ("source", self.source.render_with(event, uri_segment)),
             ("type", event.event_type.clone()),
             ("time", time(event)),
             ("subject", event.aggregate_id.clone()),
@@ -171,7 +171,9 @@ impl Formatter {
 
     /// The JSON event format of `event`: the attributes, `datacontenttype`, the tracing extension
     /// when present, and the payload in `data` (embedded as JSON when the content type is JSON and
-    /// the payload is valid JSON; a string when it is other UTF-8 text) or `data_base64`.
+    /// the payload is valid JSON; a string when the content type is text, [`is_text`], and the
+    /// payload UTF-8) or else in `data_base64`, so that a consumer gets one type of data for one
+    /// content type whatever the bytes.
     fn structured(&self, event: &Event) -> Vec<u8> {
         let mut attributes = serde_json::Map::new();
         for (k, v) in self.cloudevents_attributes(event) {
@@ -185,8 +187,13 @@ impl Formatter {
                 attributes.insert(name.to_string(), v.clone().into());
             }
         }
-        let json_payload = is_json(&event.content_type)
+        let json_payload = (event.content_type.is_empty() || is_json(&event.content_type))
             && serde_json::from_slice::<serde::de::IgnoredAny>(&event.payload).is_ok();
+        let text_payload = if is_text(&event.content_type) {
+            std::str::from_utf8(&event.payload).ok()
+        } else {
+            None
+        };
         let mut out = serde_json::to_vec(&attributes).unwrap_or_else(|_| b"{}".to_vec());
         // Reopen the object to append the data member (the payload is not parsed into a value).
         out.pop();
@@ -196,7 +203,7 @@ impl Formatter {
         if json_payload {
             out.extend_from_slice(b"\"data\":");
             out.extend_from_slice(&event.payload);
-        } else if let Ok(text) = std::str::from_utf8(&event.payload) {
+        } else if let Some(text) = text_payload {
             out.extend_from_slice(b"\"data\":");
             out.extend_from_slice(
                 serde_json::to_string(text)
@@ -211,6 +218,25 @@ impl Formatter {
         out.push(b'}');
         out
     }
+}
+
+/// `value` as one segment of a URI reference: every character but the unreserved ones and the
+/// sub-delimiters, `:` and `@` percent-encoded (UTF-8), `/` included, so that an aggregate type
+/// with spaces or slashes still makes a valid `source`.
+fn uri_segment(value: &str) -> Cow<'_, str> {
+    let keep = |b: u8| b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&b);
+    if value.bytes().all(keep) {
+        return Cow::Borrowed(value);
+    }
+    let mut out = String::with_capacity(value.len() * 3);
+    for b in value.bytes() {
+        if keep(b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// `time`: the creation time in RFC 3339, microseconds, UTC.
@@ -229,6 +255,18 @@ pub fn is_json(content_type: &str) -> bool {
         .trim()
         .to_ascii_lowercase();
     essence == "application/json" || essence == "text/json" || essence.ends_with("+json")
+}
+
+/// Whether `content_type` is text carried as a string in structured mode: `text/*`, XML
+/// (`*/xml`, `*/*+xml`).
+pub fn is_text(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence.starts_with("text/") || essence.ends_with("/xml") || essence.ends_with("+xml")
 }
 
 /// Standard base64 with padding, for the test kit's decoder requests.
@@ -345,9 +383,16 @@ mod tests {
         // Text that is not JSON: a string.
         let v = structured(&event(b"plain \"text\"\n", "text/plain"));
         assert_eq!(v["data"], "plain \"text\"\n");
-        // A JSON content type whose payload is not JSON: a string too, never broken JSON.
+        // A JSON content type whose payload is not JSON: its bytes, never broken JSON.
         let v = structured(&event(b"{not json", "application/json"));
-        assert_eq!(v["data"], "{not json");
+        assert_eq!(v["data_base64"], "e25vdCBqc29u");
+        // A binary content type whose bytes happen to be UTF-8: bytes still, as for any other
+        // payload of that type.
+        let v = structured(&event(b"\x08\x96\x01", "application/x-protobuf"));
+        assert_eq!(v["data_base64"], "CJYB");
+        assert!(v.get("data").is_none());
+        let v = structured(&event(b"<a>1</a>", "application/soap+xml"));
+        assert_eq!(v["data"], "<a>1</a>");
         // Binary: base64.
         let v = structured(&event(&[0, 1, 2, 0xff, 0xfe], "application/octet-stream"));
         assert_eq!(v["data_base64"], "AAEC//4=");
@@ -383,6 +428,26 @@ mod tests {
         .unwrap_err()
         .message()
         .contains("publisher.cloudevents_source"));
+    }
+
+    #[test]
+    fn the_source_is_a_uri_reference_whatever_the_values() {
+        let mut e = event(b"{}", "application/json");
+        e.aggregate_type = "Sales Order/EU 100%".into();
+        let f = Formatter::new(
+            MessageFormat::CloudeventsBinary,
+            "s",
+            "/shop/{aggregate_type}",
+        )
+        .unwrap();
+        assert_eq!(
+            f.cloudevents_attributes(&e)[2].1,
+            "/shop/Sales%20Order%2FEU%20100%25"
+        );
+        e.aggregate_type = "zoë".into();
+        assert_eq!(f.cloudevents_attributes(&e)[2].1, "/shop/zo%C3%AB");
+        e.aggregate_type = "order-v2_x.y~z".into();
+        assert_eq!(f.cloudevents_attributes(&e)[2].1, "/shop/order-v2_x.y~z");
     }
 
     #[test]

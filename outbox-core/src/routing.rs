@@ -113,13 +113,22 @@ impl Template {
 
     /// The destination of `event`.
     pub fn render(&self, event: &Event) -> String {
+        self.render_with(event, std::borrow::Cow::Borrowed)
+    }
+
+    /// The template for `event`, each placeholder's value passed through `value` (to escape it).
+    pub fn render_with<'e>(
+        &self,
+        event: &'e Event,
+        value: impl Fn(&'e str) -> std::borrow::Cow<'e, str>,
+    ) -> String {
         let mut out = String::with_capacity(self.source.len() + 32);
         for p in &self.parts {
             match p {
                 Part::Text(t) => out.push_str(t),
-                Part::AggregateType => out.push_str(&event.aggregate_type),
-                Part::AggregateId => out.push_str(&event.aggregate_id),
-                Part::EventType => out.push_str(&event.event_type),
+                Part::AggregateType => out.push_str(&value(&event.aggregate_type)),
+                Part::AggregateId => out.push_str(&value(&event.aggregate_id)),
+                Part::EventType => out.push_str(&value(&event.event_type)),
             }
         }
         out

@@ -108,10 +108,16 @@ fn headers(event: &Event, format: &Formatter) -> OwnedHeaders {
             key: header::CONTENT_TYPE,
             value: Some(format.content_type(event)),
         });
+    // An event header of a name the format sets is left out: one value per name, the format's.
+    let own = event
+        .headers
+        .iter()
+        .filter(|(k, _)| !extra.iter().any(|(name, _)| name == *k))
+        .map(|(k, v)| (k.as_str(), v.as_str()));
     for (k, v) in extra
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
-        .chain(event.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .chain(own)
     {
         h = h.insert(Header {
             key: k,
@@ -144,11 +150,11 @@ impl KafkaPublisher {
             return error;
         }
         let headers: usize = event.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
-        let size = event.payload.len() + event.aggregate_id.len() + headers;
+        let size = self.format.body(event).len() + event.aggregate_id.len() + headers;
         Error::new(
             ErrorKind::PayloadTooLarge,
             format!(
-                "the record is about {size} bytes (payload, key and headers); kafka.message_max_bytes is {} \
+                "the record is about {size} bytes (body, key and headers); kafka.message_max_bytes is {} \
                  (the broker's message.max.bytes or the topic's max.message.bytes may be lower): \
                  move large data out of the event, or raise the limits",
                 self.config.message_max_bytes

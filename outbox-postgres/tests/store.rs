@@ -528,11 +528,13 @@ async fn cleanup_batches_take_turns_under_the_tables_cleanup_lock() {
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
+        // A session waiting for this table's cleanup lock (not granted yet).
         let waits: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event = 'advisory'
-               AND strpos(query, 'outbox-cleanup') > 0",
+            "SELECT count(*) FROM pg_locks
+             WHERE locktype = 'advisory' AND NOT granted AND objsubid = 2
+               AND classid = hashtext('outbox-cleanup')::oid AND objid = hashtext($1)::oid",
         )
+        .bind(table.qualified())
         .fetch_one(&pool)
         .await
         .unwrap();

@@ -377,14 +377,48 @@ impl SqsPublisher {
     }
 
     fn prepare(&self, index: usize, event: &Event, queue_url: String) -> Result<Prepared, Error> {
+        let format = self.format.format();
         let body = self.format.body(event);
         let (body, encoding) = match std::str::from_utf8(&body) {
             Ok(text) if text.chars().all(valid_sqs_char) => (text.to_string(), None),
+            // The JSON event with the characters SQS refuses escaped: the same JSON.
+            Ok(text) if format == MessageFormat::CloudeventsStructured => {
+                (sqs_safe_json(text), None)
+            }
+            _ if format == MessageFormat::CloudeventsBinary => {
+                return Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "the payload ({} bytes of {}) is not text SQS can carry (binary, or characters SQS refuses), \
+                         so in CloudEvents binary mode no CloudEvents consumer could read it as sent: \
+                         use publisher.format = \"cloudevents-structured\" (bytes travel in data_base64)",
+                        event.payload.len(),
+                        event.content_type
+                    ),
+                )
+                .with_context("adapter", "sqs"));
+            }
             _ => (
                 base64::engine::general_purpose::STANDARD.encode(&body),
                 Some("base64"),
             ),
         };
+        if format == MessageFormat::CloudeventsBinary {
+            // Every CloudEvents attribute travels as an attribute of its own, never folded.
+            if let Some((name, _)) = base_attributes(event, &self.format)
+                .into_iter()
+                .find(|(_, v)| v.is_empty() || !v.chars().all(valid_sqs_char))
+            {
+                return Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "the CloudEvents attribute {name} is empty or has characters SQS refuses in a message attribute: \
+                         use publisher.format = \"cloudevents-structured\""
+                    ),
+                )
+                .with_context("adapter", "sqs"));
+            }
+        }
         let (attrs, attr_size) = attributes(event, encoding, &self.format);
         let size = body.len() + attr_size;
         if size > self.config.max_message_bytes {

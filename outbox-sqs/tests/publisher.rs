@@ -25,6 +25,56 @@ async fn bad_events_fail_alone_on_a_standard_queue() {
     publisher_suite::bad_events_fail_alone(&fx).await;
 }
 
+/// SQS bodies are text: in CloudEvents binary mode a payload that is not SQS text is refused for good
+/// (no CloudEvents consumer could read its base64), naming structured mode; in structured mode a
+/// JSON payload with characters SQS refuses travels as escaped JSON, still one JSON event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_bodies_sqs_cannot_carry_are_refused_or_escaped() {
+    use outbox_core::format::{Formatter, MessageFormat};
+    use outbox_core::testkit::{decode_cloudevents, CloudEventsBinding, Setup};
+    let fx = Fixture::new(true).await;
+    let built = |format| {
+        fx.build(Setup {
+            format: Formatter::new(format, "s", "/shop/{aggregate_type}").unwrap(),
+            ..Setup::default()
+        })
+    };
+    let binary = built(MessageFormat::CloudeventsBinary).await.publisher;
+    let mut bytes = event("ce-bytes", 0);
+    bytes.payload = vec![0, 159, 146, 150];
+    bytes.content_type = "application/octet-stream".into();
+    let out = binary.publish(std::slice::from_ref(&bytes)).await;
+    let e = out[0].as_ref().unwrap_err();
+    assert_eq!(e.kind(), outbox_core::ErrorKind::InvalidInput);
+    assert!(!e.is_retryable());
+    assert!(e.message().contains("cloudevents-structured"), "{e}");
+
+    let structured = built(MessageFormat::CloudeventsStructured).await.publisher;
+    let mut odd = event("ce-odd", 0);
+    odd.payload = serde_json::json!({"text": "not a character: \u{FFFE}"})
+        .to_string()
+        .into_bytes();
+    let out = structured.publish(std::slice::from_ref(&odd)).await;
+    assert!(out[0].is_ok(), "{out:?}");
+    let got = fx.wait_for(1, WAIT).await;
+    let r = got
+        .iter()
+        .find(|d| d.received.event_id == Some(odd.id))
+        .unwrap();
+    assert!(
+        !r.attributes.contains_key("outbox-encoding"),
+        "{:?}",
+        r.attributes
+    );
+    let decoded = decode_cloudevents(CloudEventsBinding::Sqs, std::slice::from_ref(&r.received));
+    assert_eq!(
+        decoded[0]["data"]["text"], "not a character: \u{FFFE}",
+        "{decoded:?}"
+    );
+    assert_eq!(decoded[0]["attributes"]["id"], odd.id.to_string());
+    fx.dispose().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_configured_queue_fails_the_check() {
     let fx = Fixture::new(false).await;

@@ -300,6 +300,12 @@ impl PostgresStore {
             tx.rollback().await.map_err(map)?;
             return Ok(CleanupBatch::Busy);
         }
+        // A batch that hangs (a lock, an overloaded server) must not hold the cleanup lock, and so
+        // every relay's cleanup, for ever: it fails instead, and the next round tries again.
+        sqlx::query("SET LOCAL statement_timeout = '60s'")
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
         let removed = sqlx::query(&delete)
             .bind(ms)
             .bind(batch_size)
