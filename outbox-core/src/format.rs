@@ -248,24 +248,24 @@ fn time(event: &Event) -> String {
 
 /// Whether `content_type` is JSON (`application/json`, `*/*+json`, `text/json`; parameters ignored).
 pub fn is_json(content_type: &str) -> bool {
-    let essence = content_type
+    let essence = essence(content_type);
+    essence == "application/json" || essence == "text/json" || essence.ends_with("+json")
+}
+
+/// The media type of `content_type` without its parameters, in lower case.
+fn essence(content_type: &str) -> String {
+    content_type
         .split(';')
         .next()
         .unwrap_or("")
         .trim()
-        .to_ascii_lowercase();
-    essence == "application/json" || essence == "text/json" || essence.ends_with("+json")
+        .to_ascii_lowercase()
 }
 
 /// Whether `content_type` is text carried as a string in structured mode: `text/*`, XML
 /// (`*/xml`, `*/*+xml`).
 pub fn is_text(content_type: &str) -> bool {
-    let essence = content_type
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
+    let essence = essence(content_type);
     essence.starts_with("text/") || essence.ends_with("/xml") || essence.ends_with("+xml")
 }
 

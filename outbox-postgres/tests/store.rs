@@ -404,16 +404,7 @@ async fn cleanup_removes_only_old_processed_rows() {
     ts.insert((0..25).map(|i| sample_event(&format!("k{i}"), 0)).collect())
         .await
         .unwrap();
-    let b = store.claim(strict(20)).await.unwrap();
-    let settled: Vec<_> = b
-        .events
-        .iter()
-        .map(|e| Settlement {
-            id: e.id,
-            action: Action::Published,
-        })
-        .collect();
-    b.lease.settle(settled).await.unwrap();
+    store_suite::settle_all(store.claim(strict(20)).await.unwrap(), Action::Published).await;
     // A dead letter, and 5 pending rows.
     let b = store.claim(strict(1)).await.unwrap();
     let dl = b.events[0].id;
@@ -468,16 +459,7 @@ async fn expired_rows(pool: &sqlx::PgPool, store: &PostgresStore, table: &Outbox
         .insert((0..n).map(|i| sample_event(&format!("k{i}"), 0)).collect())
         .await
         .unwrap();
-    let b = store.claim(strict(n)).await.unwrap();
-    let settled = b
-        .events
-        .iter()
-        .map(|e| Settlement {
-            id: e.id,
-            action: Action::Published,
-        })
-        .collect();
-    b.lease.settle(settled).await.unwrap();
+    store_suite::settle_all(store.claim(strict(n)).await.unwrap(), Action::Published).await;
     sqlx::query(&format!(
         "UPDATE {} SET processed_at = processed_at - interval '1 hour'",
         table.qualified()

@@ -29,7 +29,11 @@ async fn insert(store: &Arc<dyn TestStore>, events: Vec<NewEvent>) -> Vec<Uuid> 
     ids
 }
 
-async fn settle_all(batch: Batch, action: Action) {
+/// Settles every event of `batch` with `action`.
+///
+/// # Panics
+/// When the settlement fails.
+pub async fn settle_all(batch: Batch, action: Action) {
     let s = batch
         .events
         .iter()
