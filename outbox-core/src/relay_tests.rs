@@ -654,7 +654,7 @@ struct FailingLease {
 impl crate::Lease for FailingLease {
     async fn settle(self: Box<Self>, settlements: Vec<crate::Settlement>) -> Result<(), Error> {
         let n = self.settles.fetch_add(1, Ordering::SeqCst) + 1;
-        if n % self.settle_every == 0 {
+        if n.is_multiple_of(self.settle_every) {
             self.failed_settles.lock().unwrap().extend(&self.ids);
             // The session is gone: the claim ends unrecorded (the inner lease releases on drop).
             return Err(Error::new(
@@ -674,7 +674,7 @@ impl crate::Lease for FailingLease {
 impl crate::Store for FailingStore {
     async fn claim(&self, r: crate::ClaimRequest) -> Result<crate::Batch, Error> {
         let n = self.claims.fetch_add(1, Ordering::SeqCst) + 1;
-        if n % self.claim_every == 0 {
+        if n.is_multiple_of(self.claim_every) {
             return Err(Error::new(
                 ErrorKind::Connection,
                 "injected claim failure: connection refused",

@@ -10,6 +10,7 @@ mod store;
 mod table;
 #[cfg(feature = "test-utils")]
 pub mod testing;
+pub mod wal;
 mod writer;
 
 pub use config::{

@@ -1,0 +1,473 @@
+//! The WAL source's slot: the publication and the logical replication slot it reads, their setup,
+//! status and removal.
+//!
+//! The slot is read through PostgreSQL's SQL slot functions (`pg_logical_slot_peek_binary_changes`
+//! with the built-in `pgoutput` plugin, `pg_replication_slot_advance` to confirm), over the same sqlx
+//! pool as everything else: sqlx cannot open a replication connection, and a second client stack
+//! (TLS, authentication) beside it would buy streaming at the price of every deployment's
+//! configuration twice. The pgoutput messages are decoded by the `pg_walstream` crate's parser
+//! (its parser only: no connection, TLS or C code), not by hand.
+//!
+//! The publication holds the outbox table's inserts only (`publish = 'insert'`: the relay's own
+//! updates and deletes are not decoded) and is created before the slot (a slot older than its
+//! publication fails to decode the changes in between). An abandoned slot keeps every WAL segment
+//! from its restart position on: [`WalStatus::retained_bytes`] says how much, and `outbox wal drop`
+//! removes both.
+
+use chrono::{DateTime, Utc};
+use pg_walstream::protocol::{LogicalReplicationMessage, LogicalReplicationParser};
+use serde::Serialize;
+use sqlx::{PgPool, Row};
+
+use outbox_core::{Error, ErrorKind};
+
+use crate::error::map_sqlx;
+use crate::table::OutboxTable;
+
+/// The pgoutput protocol version read (1: whole transactions only, no streaming of transactions in
+/// progress, so a peek never returns part of one).
+pub const PROTO_VERSION: &str = "1";
+
+/// The default amount of retained WAL above which `outbox wal status` and the relay warn: 1 GiB.
+pub const DEFAULT_RETAINED_WAL_WARNING: u64 = 1 << 30;
+
+/// `[wal]`: the WAL source's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WalConfig {
+    /// The replication slot. Default `<schema>_<table>_slot`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot: Option<String>,
+    /// The publication. Default `<schema>_<table>_pub`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub publication: Option<String>,
+    /// Bytes of WAL the slot may keep before `outbox wal status` (and the relay) warn: an abandoned
+    /// slot keeps every segment and fills the disk. Default 1 GiB.
+    pub retained_wal_warning: u64,
+}
+
+impl Default for WalConfig {
+    fn default() -> Self {
+        WalConfig {
+            slot: None,
+            publication: None,
+            retained_wal_warning: DEFAULT_RETAINED_WAL_WARNING,
+        }
+    }
+}
+
+impl WalConfig {
+    /// The slot of `table` these settings name.
+    ///
+    /// # Errors
+    /// A config error naming `wal.slot` or `wal.publication`.
+    pub fn slot(&self, table: &OutboxTable) -> Result<WalSlot, Error> {
+        WalSlot::new(
+            table.clone(),
+            self.slot.as_deref(),
+            self.publication.as_deref(),
+        )
+    }
+}
+
+/// The publication and slot of one outbox table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WalSlot {
+    table: OutboxTable,
+    slot: String,
+    publication: String,
+}
+
+/// A slot or publication name: 1 to 63 characters of a-z, 0-9 and `_`.
+fn check_name(key: &str, value: &str) -> Result<(), Error> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::config(format!(
+            "{key} = {value:?}: expected 1 to 63 characters of a-z, 0-9 and _ (the rule of PostgreSQL's replication slot names)"
+        )))
+    }
+}
+
+impl WalSlot {
+    /// The slot and publication of `table`, named `slot` and `publication`, or by default
+    /// `<schema>_<table>` with `_slot` and `_pub` (unique per table in a database).
+    ///
+    /// # Errors
+    /// A config error naming `wal.slot` or `wal.publication` when a name is not valid.
+    pub fn new(
+        table: OutboxTable,
+        slot: Option<&str>,
+        publication: Option<&str>,
+    ) -> Result<Self, Error> {
+        let base = format!("{}_{}", table.schema(), table.table());
+        let slot = slot.map_or_else(|| format!("{base}_slot"), str::to_string);
+        let publication = publication.map_or_else(|| format!("{base}_pub"), str::to_string);
+        check_name("wal.slot", &slot)?;
+        check_name("wal.publication", &publication)?;
+        Ok(WalSlot {
+            table,
+            slot,
+            publication,
+        })
+    }
+
+    /// The slot's name.
+    pub fn slot(&self) -> &str {
+        &self.slot
+    }
+
+    /// The publication's name.
+    pub fn publication(&self) -> &str {
+        &self.publication
+    }
+
+    /// The outbox table.
+    pub fn table(&self) -> &OutboxTable {
+        &self.table
+    }
+
+    /// Creates the publication (the table's inserts) and then the slot (`pgoutput`), each unless it
+    /// exists. Returns what was created.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] when the server's `wal_level` is not `logical` (naming the setting and
+    /// the restart it needs) or the table does not exist (run `outbox migrate`); a database error.
+    pub async fn setup(&self, pool: &PgPool) -> Result<WalSetup, Error> {
+        check_wal_level(&wal_level(pool).await?)?;
+        let map = |e| map_sqlx("wal setup", e);
+        let mut created = WalSetup::default();
+        let has_publication: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+                .bind(&self.publication)
+                .fetch_one(pool)
+                .await
+                .map_err(map)?;
+        if !has_publication {
+            let table_exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(self.table.qualified())
+                .fetch_one(pool)
+                .await
+                .map_err(map)?;
+            if !table_exists {
+                return Err(Error::config(format!(
+                    "{} does not exist: run `outbox migrate` before `outbox wal setup`",
+                    self.table.qualified()
+                )));
+            }
+            let create = format!(
+                "CREATE PUBLICATION \"{}\" FOR TABLE {} WITH (publish = 'insert')",
+                self.publication,
+                self.table.qualified()
+            );
+            sqlx::query(&create).execute(pool).await.map_err(map)?;
+            created.publication = true;
+        }
+        let has_slot: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+        )
+        .bind(&self.slot)
+        .fetch_one(pool)
+        .await
+        .map_err(map)?;
+        if !has_slot {
+            sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+                .bind(&self.slot)
+                .execute(pool)
+                .await
+                .map_err(map)?;
+            created.slot = true;
+        }
+        Ok(created)
+    }
+
+    /// Drops the slot and then the publication, each if it exists. Returns what was dropped.
+    ///
+    /// # Errors
+    /// A database error; SQLSTATE 55006 (a reader holds the slot right now) says to stop the relays
+    /// reading it first.
+    pub async fn drop(&self, pool: &PgPool) -> Result<WalSetup, Error> {
+        let mut dropped = WalSetup::default();
+        let slot: Option<String> = sqlx::query_scalar(
+            "SELECT slot_name::text FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(&self.slot)
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| map_sqlx("wal drop", e))?;
+        if slot.is_some() {
+            sqlx::query("SELECT pg_drop_replication_slot($1)")
+                .bind(&self.slot)
+                .execute(pool)
+                .await
+                .map_err(|e| {
+                    let in_use = matches!(&e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55006"));
+                    let error = map_sqlx("wal drop", e);
+                    if in_use {
+                        Error::new(
+                            ErrorKind::Rejected,
+                            format!(
+                                "the slot {} is being read right now: stop the relays that read it, then drop it",
+                                self.slot
+                            ),
+                        )
+                        .with_source(error)
+                    } else {
+                        error
+                    }
+                })?;
+            dropped.slot = true;
+        }
+        dropped.publication = !self.publication_missing(pool).await?;
+        let drop = format!("DROP PUBLICATION IF EXISTS \"{}\"", self.publication);
+        sqlx::query(&drop)
+            .execute(pool)
+            .await
+            .map_err(|e| map_sqlx("wal drop", e))?;
+        Ok(dropped)
+    }
+
+    async fn publication_missing(&self, pool: &PgPool) -> Result<bool, Error> {
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+                .bind(&self.publication)
+                .fetch_one(pool)
+                .await
+                .map_err(|e| map_sqlx("wal status", e))?;
+        Ok(!exists)
+    }
+
+    /// Where the slot stands: whether it and the publication exist, who reads it, how far behind
+    /// the server's WAL it is (bytes, and seconds since the oldest transaction it has not
+    /// confirmed committed), and how much WAL it keeps on disk.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn status(&self, pool: &PgPool) -> Result<WalStatus, Error> {
+        let map = |e| map_sqlx("wal status", e);
+        let wal_level = wal_level(pool).await?;
+        let publication = !self.publication_missing(pool).await?;
+        let row = sqlx::query(
+            "SELECT s.active, s.active_pid,
+                    s.confirmed_flush_lsn::text AS confirmed_lsn, s.restart_lsn::text AS restart_lsn,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint AS lag_bytes,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint AS retained_bytes,
+                    s.wal_status, s.safe_wal_size
+             FROM pg_replication_slots s WHERE s.slot_name = $1",
+        )
+        .bind(&self.slot)
+        .fetch_optional(pool)
+        .await
+        .map_err(map)?;
+        let mut status = WalStatus {
+            slot: self.slot.clone(),
+            publication: self.publication.clone(),
+            wal_level,
+            publication_exists: publication,
+            ..WalStatus::default()
+        };
+        let Some(row) = row else {
+            return Ok(status);
+        };
+        status.slot_exists = true;
+        status.active = row.try_get("active").map_err(map)?;
+        status.active_pid = row.try_get("active_pid").map_err(map)?;
+        status.confirmed_lsn = row.try_get("confirmed_lsn").map_err(map)?;
+        status.restart_lsn = row.try_get("restart_lsn").map_err(map)?;
+        status.lag_bytes = row.try_get("lag_bytes").map_err(map)?;
+        status.retained_bytes = row.try_get("retained_bytes").map_err(map)?;
+        status.wal_status = row.try_get("wal_status").map_err(map)?;
+        status.safe_wal_size = row.try_get("safe_wal_size").map_err(map)?;
+        if publication && !status.active {
+            status.oldest_unconfirmed_commit = self.oldest_unconfirmed_commit(pool).await?;
+            status.lag_seconds = Some(status.oldest_unconfirmed_commit.map_or(0.0, |t| {
+                (Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0
+            }));
+        }
+        Ok(status)
+    }
+
+    /// The commit time of the first transaction the slot holds that is not confirmed (its Begin
+    /// message), or `None` when it holds none: one transaction peeked, nothing consumed.
+    async fn oldest_unconfirmed_commit(
+        &self,
+        pool: &PgPool,
+    ) -> Result<Option<DateTime<Utc>>, Error> {
+        let rows: Vec<Vec<u8>> = sqlx::query_scalar(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, 1,
+                 'proto_version', $2, 'publication_names', $3, 'messages', 'true')",
+        )
+        .bind(&self.slot)
+        .bind(PROTO_VERSION)
+        .bind(&self.publication)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| map_sqlx("wal status", e))?;
+        let mut parser = LogicalReplicationParser::with_protocol_version(1);
+        for data in rows {
+            let message = parser.parse_wal_message(&data).map_err(|e| {
+                Error::new(
+                    ErrorKind::Unexpected,
+                    format!(
+                        "the slot {} returned a message that is not pgoutput: {e}",
+                        self.slot
+                    ),
+                )
+            })?;
+            if let LogicalReplicationMessage::Begin { timestamp, .. } = message.message {
+                return Ok(Some(postgres_time(timestamp)));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// A PostgreSQL timestamp (microseconds since 2000-01-01 UTC) as a UTC time.
+pub fn postgres_time(micros: i64) -> DateTime<Utc> {
+    const POSTGRES_EPOCH_SECS: i64 = 946_684_800;
+    DateTime::from_timestamp_micros(micros.saturating_add(POSTGRES_EPOCH_SECS * 1_000_000))
+        .unwrap_or_default()
+}
+
+/// The server's `wal_level`.
+///
+/// # Errors
+/// A database error.
+pub async fn wal_level(pool: &PgPool) -> Result<String, Error> {
+    sqlx::query_scalar("SELECT current_setting('wal_level')")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| map_sqlx("wal", e))
+}
+
+/// `Ok` when `wal_level` is `logical`, else a config error naming the setting and the restart.
+///
+/// # Errors
+/// As said.
+pub fn check_wal_level(wal_level: &str) -> Result<(), Error> {
+    if wal_level == "logical" {
+        return Ok(());
+    }
+    Err(Error::config(format!(
+        "the server's wal_level is {wal_level}; the WAL source needs logical: set wal_level = logical \
+         (ALTER SYSTEM SET wal_level = logical, or in postgresql.conf) and restart PostgreSQL (the \
+         setting takes effect only at a restart), or use the polling source"
+    )))
+}
+
+/// What [`WalSlot::setup`] created or [`WalSlot::drop`] dropped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct WalSetup {
+    /// The publication.
+    pub publication: bool,
+    /// The slot.
+    pub slot: bool,
+}
+
+/// Where a slot stands ([`WalSlot::status`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct WalStatus {
+    /// The slot's name.
+    pub slot: String,
+    /// The publication's name.
+    pub publication: String,
+    /// The server's `wal_level` (the WAL source needs `logical`).
+    pub wal_level: String,
+    /// Whether the publication exists.
+    pub publication_exists: bool,
+    /// Whether the slot exists.
+    pub slot_exists: bool,
+    /// Whether a session reads the slot right now.
+    pub active: bool,
+    /// That session's process id.
+    pub active_pid: Option<i32>,
+    /// The position confirmed: everything before it is settled.
+    pub confirmed_lsn: Option<String>,
+    /// The oldest WAL position the slot keeps.
+    pub restart_lsn: Option<String>,
+    /// Bytes of WAL written since the confirmed position.
+    pub lag_bytes: Option<i64>,
+    /// Seconds since the commit of the oldest transaction not confirmed (0 when there is none;
+    /// `None` while a reader holds the slot or without the publication).
+    pub lag_seconds: Option<f64>,
+    /// The commit time of that transaction.
+    pub oldest_unconfirmed_commit: Option<DateTime<Utc>>,
+    /// Bytes of WAL the slot keeps on disk (from its restart position).
+    pub retained_bytes: Option<i64>,
+    /// PostgreSQL's `wal_status` of the slot: `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+    /// Bytes that can still be written before the slot is in danger (`max_slot_wal_keep_size`;
+    /// `None` when unlimited).
+    pub safe_wal_size: Option<i64>,
+}
+
+impl WalStatus {
+    /// Whether the slot keeps more than `limit` bytes of WAL, or is losing WAL it needs.
+    pub fn retains_too_much(&self, limit: u64) -> bool {
+        let over = self
+            .retained_bytes
+            .is_some_and(|b| u64::try_from(b).unwrap_or(0) > limit);
+        let endangered = matches!(self.wal_status.as_deref(), Some("unreserved" | "lost"));
+        over || endangered
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_slot_rules_and_default_per_table() {
+        let t = OutboxTable::new("shop", "outbox_events").unwrap();
+        let w = WalSlot::new(t.clone(), None, None).unwrap();
+        assert_eq!(w.slot(), "shop_outbox_events_slot");
+        assert_eq!(w.publication(), "shop_outbox_events_pub");
+        let e = WalSlot::new(t.clone(), Some("Bad-Name"), None).unwrap_err();
+        assert!(e.message().starts_with("wal.slot = \"Bad-Name\""), "{e}");
+        let e = WalSlot::new(t, None, Some(&"p".repeat(64))).unwrap_err();
+        assert!(e.message().starts_with("wal.publication"), "{e}");
+    }
+
+    #[test]
+    fn wal_level_other_than_logical_names_the_setting_and_the_restart() {
+        assert!(check_wal_level("logical").is_ok());
+        let e = check_wal_level("replica").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(
+            e.message().contains("wal_level is replica")
+                && e.message().contains("wal_level = logical")
+                && e.message().contains("restart PostgreSQL"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn postgres_timestamps_count_from_2000() {
+        assert_eq!(postgres_time(0).to_rfc3339(), "2000-01-01T00:00:00+00:00");
+        assert_eq!(
+            postgres_time(86_400_000_001).timestamp_micros(),
+            946_771_200_000_001
+        );
+    }
+
+    #[test]
+    fn too_much_retained_wal_or_an_endangered_slot_warns() {
+        let s = WalStatus {
+            retained_bytes: Some(2 << 30),
+            ..WalStatus::default()
+        };
+        assert!(s.retains_too_much(DEFAULT_RETAINED_WAL_WARNING));
+        assert!(!s.retains_too_much(4 << 30));
+        let lost = WalStatus {
+            retained_bytes: Some(10),
+            wal_status: Some("lost".into()),
+            ..WalStatus::default()
+        };
+        assert!(lost.retains_too_much(DEFAULT_RETAINED_WAL_WARNING));
+    }
+}
