@@ -39,7 +39,9 @@ async fn setup_status_and_drop_of_a_tables_slot() {
     let pool = pool(4).await;
     logical(&pool).await;
     let table = fresh_table(&pool).await;
-    let slot = WalSlot::new(table.clone(), None, None).unwrap();
+    let slot = WalSlot::new(table.clone(), None, None)
+        .unwrap()
+        .with_message_prefix(table.schema());
     let _guard = Dropped(slot.clone(), pool.clone());
 
     let before = slot.status(&pool).await.unwrap();
@@ -125,4 +127,174 @@ async fn setup_of_an_unmigrated_table_says_to_migrate() {
         !status.slot_exists,
         "no slot without its publication: {status:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() {
+    use outbox_core::{NewEvent, Payload};
+    use outbox_postgres::wal::{MessageWriter, WalItem, WalReader};
+    use outbox_postgres::Writer;
+    let pool = pool(4).await;
+    logical(&pool).await;
+    let table = fresh_table(&pool).await;
+    // Messages are database-wide: this test's own prefix keeps other tests' messages out.
+    let prefix = table.schema().to_string();
+    let slot = WalSlot::new(table.clone(), None, None)
+        .unwrap()
+        .with_message_prefix(prefix.clone());
+    let _guard = Dropped(slot.clone(), pool.clone());
+    slot.setup(&pool).await.unwrap();
+    let reader = WalReader::new(slot.clone());
+    let writer = Writer::new(table.clone());
+    let messages = MessageWriter::new(prefix.clone());
+    // What this outbox holds (transactions of other tests' messages come with no items).
+    let ours = |txs: Vec<outbox_postgres::wal::WalTransaction>| -> Vec<_> {
+        txs.into_iter().filter(|t| !t.items.is_empty()).collect()
+    };
+
+    // 1: the writer API, a JSON event with a header and a binary one.
+    let json = NewEvent::new(
+        "order",
+        "a",
+        "order.created",
+        serde_json::json!({"total": 9, "note": "Zoë"}),
+    )
+    .with_header(
+        "traceparent",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    );
+    let mut binary = NewEvent::new("order", "a", "order.scanned", serde_json::Value::Null);
+    binary.payload = Payload::Binary {
+        content_type: "application/x-protobuf".into(),
+        data: vec![0, 1, 0xfe, 0xff],
+    };
+    let mut tx = pool.begin().await.unwrap();
+    writer
+        .enqueue_many(&mut tx, vec![json.clone(), binary.clone()])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // 2: plain SQL, a table-less event through the API and one from plain SQL without an id.
+    let tableless = NewEvent::new("invoice", "c", "invoice.sent", serde_json::json!([1, 2]))
+        .with_destination("billing");
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'b', 'order.paid', '{{\"by\": \"card\"}}')",
+        table.qualified()
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    messages.emit(&mut tx, tableless.clone()).await.unwrap();
+    sqlx::query("SELECT pg_logical_emit_message(true, $1, json_build_object('aggregate_type', 'cart', 'aggregate_id', 'd', 'event_type', 'cart.emptied', 'payload', json_build_object('items', 0))::text)")
+        .bind(&prefix)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // Another prefix is not ours.
+    sqlx::query("SELECT pg_logical_emit_message(true, 'someone-else', 'x')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // 3: rolled back, so never an event.
+    let mut tx = pool.begin().await.unwrap();
+    writer
+        .enqueue(
+            &mut tx,
+            NewEvent::new("order", "z", "order.lost", serde_json::json!({})),
+        )
+        .await
+        .unwrap();
+    messages
+        .emit(
+            &mut tx,
+            NewEvent::new("order", "z", "order.lost", serde_json::json!({})),
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    // 4: a message that cannot be an event.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_logical_emit_message(true, $1, 'not json')")
+        .bind(&prefix)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let txs = ours(reader.peek(&pool, 1000).await.unwrap());
+    assert_eq!(txs.len(), 3, "three committed transactions: {txs:#?}");
+    assert!(txs[0].end_lsn < txs[1].end_lsn && txs[1].end_lsn < txs[2].end_lsn);
+    let events = |i: usize| -> Vec<outbox_core::Event> {
+        txs[i]
+            .items
+            .iter()
+            .map(|item| match item {
+                WalItem::Event(e) => e.clone(),
+                other => panic!("not an event: {other:?}"),
+            })
+            .collect()
+    };
+    let first = events(0);
+    assert_eq!(first.len(), 2);
+    assert_eq!(first[0].id, json.id);
+    assert_eq!(first[0].event_type, "order.created");
+    let payload: serde_json::Value = serde_json::from_slice(&first[0].payload).unwrap();
+    assert_eq!(payload, serde_json::json!({"total": 9, "note": "Zoë"}));
+    assert_eq!(first[0].headers, json.headers);
+    assert_eq!(first[0].content_type, "application/json");
+    let stored: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(&format!(
+        "SELECT created_at FROM {} WHERE id = $1",
+        table.qualified()
+    ))
+    .bind(json.id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(first[0].created_at, stored, "the row's own creation time");
+    assert_eq!(first[1].id, binary.id);
+    assert_eq!(first[1].payload, vec![0, 1, 0xfe, 0xff]);
+    assert_eq!(first[1].content_type, "application/x-protobuf");
+
+    let second = events(1);
+    assert_eq!(second.len(), 3, "{second:#?}");
+    assert_eq!(
+        (
+            second[0].aggregate_id.as_str(),
+            second[0].event_type.as_str()
+        ),
+        ("b", "order.paid")
+    );
+    assert_eq!(second[1].id, tableless.id);
+    assert_eq!(second[1].destination.as_deref(), Some("billing"));
+    assert_eq!(second[1].payload, b"[1,2]");
+    assert_eq!(
+        second[1].created_at, txs[1].commit_time,
+        "a message is created when it commits"
+    );
+    assert_eq!(second[2].event_type, "cart.emptied");
+    let again = ours(reader.peek(&pool, 1000).await.unwrap());
+    assert_eq!(
+        again[1].items[2], txs[1].items[2],
+        "an event without an id gets the same one on every read"
+    );
+    match &txs[2].items[..] {
+        [WalItem::Undecodable { error, raw, .. }] => {
+            assert!(error.contains("not JSON"), "{error}");
+            assert_eq!(raw, "not json");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Nothing is consumed until confirmed; confirming moves past whole transactions, never back.
+    assert_eq!(again, txs);
+    reader.confirm(&pool, txs[0].end_lsn).await.unwrap();
+    let rest = ours(reader.peek(&pool, 1000).await.unwrap());
+    assert_eq!(rest, txs[1..].to_vec());
+    reader.confirm(&pool, txs[2].end_lsn).await.unwrap();
+    reader.confirm(&pool, txs[0].end_lsn).await.unwrap();
+    assert!(ours(reader.peek(&pool, 1000).await.unwrap()).is_empty());
+    let status = slot.status(&pool).await.unwrap();
+    assert_eq!(status.oldest_unconfirmed_commit, None);
 }

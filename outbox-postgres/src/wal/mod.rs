@@ -15,7 +15,6 @@
 //! removes both.
 
 use chrono::{DateTime, Utc};
-use pg_walstream::protocol::{LogicalReplicationMessage, LogicalReplicationParser};
 use serde::Serialize;
 use sqlx::{PgPool, Row};
 
@@ -23,6 +22,9 @@ use outbox_core::{Error, ErrorKind};
 
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;
+
+mod decode;
+pub use decode::{MessageWriter, WalItem, WalReader, WalTransaction, DEFAULT_MESSAGE_PREFIX};
 
 /// The pgoutput protocol version read (1: whole transactions only, no streaming of transactions in
 /// progress, so a peek never returns part of one).
@@ -44,6 +46,9 @@ pub struct WalConfig {
     /// Bytes of WAL the slot may keep before `outbox wal status` (and the relay) warn: an abandoned
     /// slot keeps every segment and fills the disk. Default 1 GiB.
     pub retained_wal_warning: u64,
+    /// The prefix of table-less events' messages (`pg_logical_emit_message(true, '<prefix>', ...)`).
+    /// Messages are database-wide: give each outbox of a database its own. Default `outbox`.
+    pub message_prefix: String,
 }
 
 impl Default for WalConfig {
@@ -52,6 +57,7 @@ impl Default for WalConfig {
             slot: None,
             publication: None,
             retained_wal_warning: DEFAULT_RETAINED_WAL_WARNING,
+            message_prefix: DEFAULT_MESSAGE_PREFIX.into(),
         }
     }
 }
@@ -62,11 +68,17 @@ impl WalConfig {
     /// # Errors
     /// A config error naming `wal.slot` or `wal.publication`.
     pub fn slot(&self, table: &OutboxTable) -> Result<WalSlot, Error> {
-        WalSlot::new(
+        if self.message_prefix.is_empty() {
+            return Err(Error::config(
+                "wal.message_prefix is empty: expected a prefix such as \"outbox\"",
+            ));
+        }
+        Ok(WalSlot::new(
             table.clone(),
             self.slot.as_deref(),
             self.publication.as_deref(),
-        )
+        )?
+        .with_message_prefix(self.message_prefix.clone()))
     }
 }
 
@@ -76,6 +88,7 @@ pub struct WalSlot {
     table: OutboxTable,
     slot: String,
     publication: String,
+    prefix: String,
 }
 
 /// A slot or publication name: 1 to 63 characters of a-z, 0-9 and `_`.
@@ -114,7 +127,21 @@ impl WalSlot {
             table,
             slot,
             publication,
+            prefix: DEFAULT_MESSAGE_PREFIX.into(),
         })
+    }
+
+    /// Takes logical decoding messages with `prefix` as table-less events (default `outbox`).
+    /// Messages are database-wide: several outboxes of one database that write table-less events
+    /// need a prefix each.
+    pub fn with_message_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The prefix of table-less events' messages.
+    pub fn message_prefix(&self) -> &str {
+        &self.prefix
     }
 
     /// The slot's name.
@@ -292,40 +319,23 @@ impl WalSlot {
         Ok(status)
     }
 
-    /// The commit time of the first transaction the slot holds that is not confirmed (its Begin
-    /// message), or `None` when it holds none: one transaction peeked, nothing consumed.
+    /// The commit time of the first transaction the slot holds with an event of this outbox (a row
+    /// of its table or a message with its prefix) that is not confirmed, among the first
+    /// [`STATUS_PEEK`] changes; `None` when there is none. Nothing is consumed.
     async fn oldest_unconfirmed_commit(
         &self,
         pool: &PgPool,
     ) -> Result<Option<DateTime<Utc>>, Error> {
-        let rows: Vec<Vec<u8>> = sqlx::query_scalar(
-            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, 1,
-                 'proto_version', $2, 'publication_names', $3, 'messages', 'true')",
-        )
-        .bind(&self.slot)
-        .bind(PROTO_VERSION)
-        .bind(&self.publication)
-        .fetch_all(pool)
-        .await
-        .map_err(|e| map_sqlx("wal status", e))?;
-        let mut parser = LogicalReplicationParser::with_protocol_version(1);
-        for data in rows {
-            let message = parser.parse_wal_message(&data).map_err(|e| {
-                Error::new(
-                    ErrorKind::Unexpected,
-                    format!(
-                        "the slot {} returned a message that is not pgoutput: {e}",
-                        self.slot
-                    ),
-                )
-            })?;
-            if let LogicalReplicationMessage::Begin { timestamp, .. } = message.message {
-                return Ok(Some(postgres_time(timestamp)));
-            }
-        }
-        Ok(None)
+        let held = WalReader::new(self.clone()).peek(pool, STATUS_PEEK).await?;
+        Ok(held
+            .iter()
+            .find(|t| !t.items.is_empty())
+            .map(|t| t.commit_time))
     }
 }
+
+/// How many changes `outbox wal status` reads to find the oldest unconfirmed event.
+pub const STATUS_PEEK: i32 = 1000;
 
 /// A PostgreSQL timestamp (microseconds since 2000-01-01 UTC) as a UTC time.
 pub fn postgres_time(micros: i64) -> DateTime<Utc> {

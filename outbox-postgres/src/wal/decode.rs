@@ -1,0 +1,573 @@
+//! Reading the slot: committed transactions, in commit order, as events.
+//!
+//! Two write forms reach the slot:
+//! - **Rows of the outbox table** (the writer API or plain SQL `INSERT`s), decoded from pgoutput's
+//!   text form of each column.
+//! - **Table-less events**: `pg_logical_emit_message(true, '<prefix>', <json>)` inside the business
+//!   transaction ([`MessageWriter`]; plain SQL can call it too). The message is transactional: it
+//!   is decoded only if its transaction commits, in its place among the transaction's changes. Its
+//!   content is a JSON object:
+//!
+//!   ```json
+//!   {"id": "0192...",                 // optional: by default derived from the message's position
+//!    "aggregate_type": "order", "aggregate_id": "42", "event_type": "order.created",
+//!    "payload": {"total": 99},        // any JSON; or "payload_base64": "..." for bytes
+//!    "content_type": "application/json",       // optional (JSON payloads default to it)
+//!    "headers": {"traceparent": "..."},        // optional, strings
+//!    "destination": "orders.v2"}               // optional
+//!   ```
+//!   The event's creation time is its transaction's commit time.
+//!
+//! A change that cannot be an event (a message that is not such an object, a non-transactional
+//! message, a row missing a column) is returned as [`WalItem::Undecodable`] in its place, with what is
+//! wrong, so that the reader dead-letters it rather than losing it or stopping on it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use chrono::{DateTime, Utc};
+use pg_walstream::protocol::{LogicalReplicationMessage, LogicalReplicationParser, TupleData};
+use serde_json::Value;
+use sqlx::{PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use outbox_core::{Error, ErrorKind, Event, NewEvent, Payload, JSON_CONTENT_TYPE};
+
+use super::{postgres_time, WalSlot, PROTO_VERSION};
+use crate::error::map_sqlx;
+
+/// The default prefix of table-less events' messages.
+pub const DEFAULT_MESSAGE_PREFIX: &str = "outbox";
+
+/// One committed transaction's events, in the order they were written.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WalTransaction {
+    /// The position just past the transaction's commit: confirming it confirms the transaction.
+    pub end_lsn: u64,
+    /// When it committed.
+    pub commit_time: DateTime<Utc>,
+    /// Its events (and the changes that could not be events), in order.
+    pub items: Vec<WalItem>,
+}
+
+/// A change of a transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WalItem {
+    /// An event.
+    Event(Event),
+    /// A change that cannot be an event: its position, what is wrong, and its content as text.
+    Undecodable {
+        /// Where it is in the WAL.
+        lsn: u64,
+        /// What is wrong, and how to write it right.
+        error: String,
+        /// The message's content or the row's columns, as text.
+        raw: String,
+    },
+}
+
+/// Reads a slot's transactions, never consuming them: they stay in the slot until
+/// [`WalReader::confirm`] moves its confirmed position past them.
+#[derive(Debug, Clone)]
+pub struct WalReader {
+    slot: WalSlot,
+}
+
+impl WalReader {
+    /// A reader of `slot` (its table's rows and the messages with its prefix).
+    pub fn new(slot: WalSlot) -> Self {
+        WalReader { slot }
+    }
+
+    /// The slot.
+    pub fn slot(&self) -> &WalSlot {
+        &self.slot
+    }
+
+    /// The committed transactions the slot holds from its confirmed position on: whole ones, at
+    /// least `max_changes` changes' worth when there are that many (a transaction is never cut).
+    /// A transaction with nothing of this outbox (another table's outbox's messages: messages are
+    /// database-wide) comes with no items, for its position to be confirmed too.
+    ///
+    /// # Errors
+    /// A database error (SQLSTATE 55006 when another session reads the slot at this moment); an
+    /// unexpected error when the slot returns something that is not pgoutput.
+    pub async fn peek(
+        &self,
+        pool: &PgPool,
+        max_changes: i32,
+    ) -> Result<Vec<WalTransaction>, Error> {
+        let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+            "SELECT (lsn - '0/0'::pg_lsn)::bigint, data
+             FROM pg_logical_slot_peek_binary_changes($1, NULL, $2,
+                 'proto_version', $3, 'publication_names', $4, 'messages', 'true')",
+        )
+        .bind(self.slot.slot())
+        .bind(max_changes)
+        .bind(PROTO_VERSION)
+        .bind(self.slot.publication())
+        .fetch_all(pool)
+        .await
+        .map_err(|e| map_sqlx("wal read", e))?;
+        self.decode(&rows)
+    }
+
+    /// Moves the slot's confirmed position to `end_lsn` (never back): the transactions before it are
+    /// settled and are not read again.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn confirm(&self, pool: &PgPool, end_lsn: u64) -> Result<(), Error> {
+        let lsn = i64::try_from(end_lsn).unwrap_or(i64::MAX);
+        sqlx::query(
+            "SELECT pg_replication_slot_advance(s.slot_name,
+                 GREATEST('0/0'::pg_lsn + $2::numeric, s.confirmed_flush_lsn))
+             FROM pg_replication_slots s WHERE s.slot_name = $1",
+        )
+        .bind(self.slot.slot())
+        .bind(lsn)
+        .execute(pool)
+        .await
+        .map_err(|e| map_sqlx("wal confirm", e))?;
+        Ok(())
+    }
+
+    /// The transactions of `changes` (position and pgoutput bytes, as a peek returns them).
+    ///
+    /// # Errors
+    /// An unexpected error naming the position when a change is not a pgoutput message.
+    pub fn decode(&self, changes: &[(i64, Vec<u8>)]) -> Result<Vec<WalTransaction>, Error> {
+        let mut parser = LogicalReplicationParser::with_protocol_version(1);
+        let mut relations: HashMap<u32, (String, String, Vec<String>)> = HashMap::new();
+        let mut out = Vec::new();
+        let mut open: Option<(DateTime<Utc>, Vec<WalItem>)> = None;
+        for (lsn, data) in changes {
+            let lsn = u64::try_from(*lsn).unwrap_or(0);
+            let message = parser
+                .parse_wal_message(data)
+                .map_err(|e| {
+                    Error::new(
+                        ErrorKind::Unexpected,
+                        format!(
+                            "the slot {} returned a change at {lsn:#x} that is not pgoutput: {e}",
+                            self.slot.slot()
+                        ),
+                    )
+                })?
+                .message;
+            match message {
+                LogicalReplicationMessage::Begin { timestamp, .. } => {
+                    open = Some((postgres_time(timestamp), Vec::new()));
+                }
+                LogicalReplicationMessage::Relation {
+                    relation_id,
+                    namespace,
+                    relation_name,
+                    columns,
+                    ..
+                } => {
+                    relations.insert(
+                        relation_id,
+                        (
+                            namespace.to_string(),
+                            relation_name.to_string(),
+                            columns.iter().map(|c| c.name.to_string()).collect(),
+                        ),
+                    );
+                }
+                LogicalReplicationMessage::Insert { relation_id, tuple } => {
+                    let Some((_, items)) = open.as_mut() else {
+                        continue;
+                    };
+                    let ours = relations.get(&relation_id).filter(|(ns, name, _)| {
+                        ns == self.slot.table().schema() && name == self.slot.table().table()
+                    });
+                    if let Some((_, _, names)) = ours {
+                        items.push(row_event(lsn, names, &tuple));
+                    }
+                }
+                LogicalReplicationMessage::Message {
+                    flags,
+                    prefix,
+                    content,
+                    ..
+                } if prefix == self.slot.message_prefix() => match open.as_mut() {
+                    Some((commit_time, items)) if flags & 1 == 1 => {
+                        items.push(message_event(lsn, &content, *commit_time));
+                    }
+                    // A non-transactional message: emitted even when its transaction rolls back,
+                    // so not an event of a committed transaction.
+                    _ => out.push(WalTransaction {
+                        end_lsn: lsn,
+                        commit_time: Utc::now(),
+                        items: vec![WalItem::Undecodable {
+                            lsn,
+                            error: format!(
+                                "a non-transactional message with prefix {prefix:?}: emit events with pg_logical_emit_message(true, ...), so that they exist only if their transaction commits"
+                            ),
+                            raw: String::from_utf8_lossy(&content).into_owned(),
+                        }],
+                    }),
+                },
+                LogicalReplicationMessage::Commit {
+                    end_lsn, timestamp, ..
+                } => {
+                    if let Some((_, mut items)) = open.take() {
+                        let commit_time = postgres_time(timestamp);
+                        for item in &mut items {
+                            if let WalItem::Event(e) = item {
+                                if e.created_at == DateTime::<Utc>::default() {
+                                    e.created_at = commit_time;
+                                }
+                            }
+                        }
+                        out.push(WalTransaction {
+                            end_lsn,
+                            commit_time,
+                            items,
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The event of an inserted outbox row, from pgoutput's text form of its columns.
+fn row_event(lsn: u64, names: &[String], tuple: &TupleData) -> WalItem {
+    let mut values: HashMap<&str, Option<String>> = HashMap::new();
+    for (name, column) in names.iter().zip(tuple.columns.iter()) {
+        let value = if column.is_null() {
+            None
+        } else {
+            Some(String::from_utf8_lossy(column.as_bytes()).into_owned())
+        };
+        values.insert(name.as_str(), value);
+    }
+    let raw = || {
+        let shown: BTreeMap<&str, &Option<String>> = values.iter().map(|(k, v)| (*k, v)).collect();
+        format!("{shown:?}")
+    };
+    let text = |k: &str| values.get(k).cloned().flatten();
+    let required = |k: &str| text(k).ok_or_else(|| format!("the row has no {k}"));
+    let event = (|| -> Result<Event, String> {
+        let id: Uuid = required("id")?
+            .parse()
+            .map_err(|e| format!("id is not a UUID: {e}"))?;
+        let payload = match text("payload_bytes") {
+            Some(hex) => decode_bytea(&hex).ok_or("payload_bytes is not bytea hex text")?,
+            None => required("payload")?.into_bytes(),
+        };
+        let created_at = text("created_at")
+            .and_then(|t| parse_timestamptz(&t))
+            .unwrap_or_default();
+        Ok(Event {
+            id,
+            aggregate_type: required("aggregate_type")?,
+            aggregate_id: required("aggregate_id")?,
+            event_type: required("event_type")?,
+            payload,
+            content_type: text("content_type").unwrap_or_else(|| JSON_CONTENT_TYPE.into()),
+            headers: text("headers").map(|h| string_map(&h)).unwrap_or_default(),
+            destination: text("destination"),
+            created_at,
+            attempts: 0,
+        })
+    })();
+    match event {
+        Ok(e) => WalItem::Event(e),
+        Err(error) => WalItem::Undecodable {
+            lsn,
+            error,
+            raw: raw(),
+        },
+    }
+}
+
+/// `\x0102...` (bytea's hex output) as bytes.
+fn decode_bytea(text: &str) -> Option<Vec<u8>> {
+    let hex = text.strip_prefix("\\x")?;
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// timestamptz's ISO output (`2026-12-04 10:11:12.345678+00`, any offset) as UTC.
+fn parse_timestamptz(text: &str) -> Option<DateTime<Utc>> {
+    let with_minutes = match text.rfind(['+', '-']) {
+        // `+00` → `+00:00` for the parser; `+05:30` stays.
+        Some(i) if i > 10 && text.len() - i == 3 => format!("{text}:00"),
+        _ => text.to_string(),
+    };
+    DateTime::parse_from_str(&with_minutes, "%Y-%m-%d %H:%M:%S%.f%:z")
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
+}
+
+/// A JSON object's members as strings (other values keep their JSON text); anything else, none.
+fn string_map(text: &str) -> BTreeMap<String, String> {
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(map)) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+/// The event a table-less message carries (see the module's documentation for the encoding).
+fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>) -> WalItem {
+    let raw = || String::from_utf8_lossy(content).into_owned();
+    let event = (|| -> Result<Event, String> {
+        let value: Value = serde_json::from_slice(content)
+            .map_err(|e| format!("the message is not JSON ({e}); expected an object with aggregate_type, aggregate_id, event_type and payload"))?;
+        let Value::Object(map) = value else {
+            return Err("the message is not a JSON object; expected one with aggregate_type, aggregate_id, event_type and payload".into());
+        };
+        let string = |k: &str| -> Result<String, String> {
+            match map.get(k) {
+                Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+                _ => Err(format!("the message has no {k} (a non-empty string)")),
+            }
+        };
+        let optional = |k: &str| map.get(k).and_then(Value::as_str).map(str::to_string);
+        let id = match optional("id") {
+            Some(s) => s.parse().map_err(|e| format!("id is not a UUID: {e}"))?,
+            None => derived_id(lsn),
+        };
+        let (payload, default_type) = match (map.get("payload"), optional("payload_base64")) {
+            (_, Some(b64)) => (
+                decode_base64(&b64).ok_or("payload_base64 is not base64")?,
+                "application/octet-stream",
+            ),
+            (Some(json), None) => (json.to_string().into_bytes(), JSON_CONTENT_TYPE),
+            (None, None) => {
+                return Err("the message has no payload (JSON) nor payload_base64".into())
+            }
+        };
+        Ok(Event {
+            id,
+            aggregate_type: string("aggregate_type")?,
+            aggregate_id: string("aggregate_id")?,
+            event_type: string("event_type")?,
+            payload,
+            content_type: optional("content_type").unwrap_or_else(|| default_type.into()),
+            headers: map
+                .get("headers")
+                .map(|h| string_map(&h.to_string()))
+                .unwrap_or_default(),
+            destination: optional("destination"),
+            created_at: commit_time,
+            attempts: 0,
+        })
+    })();
+    match event {
+        Ok(e) => WalItem::Event(e),
+        Err(error) => WalItem::Undecodable {
+            lsn,
+            error,
+            raw: raw(),
+        },
+    }
+}
+
+/// The id of a message written without one: the same for every read of that message (its position).
+fn derived_id(lsn: u64) -> Uuid {
+    let mut bytes = [0u8; 16];
+    bytes[..6].copy_from_slice(b"outbox");
+    bytes[8..].copy_from_slice(&lsn.to_be_bytes());
+    uuid::Builder::from_custom_bytes(bytes).into_uuid()
+}
+
+/// Standard base64 (padding optional).
+fn decode_base64(text: &str) -> Option<Vec<u8>> {
+    let value = |c: u8| -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    };
+    let clean: Vec<u8> = text.bytes().filter(|b| *b != b'=').collect();
+    let mut out = Vec::with_capacity(clean.len() * 3 / 4);
+    for chunk in clean.chunks(4) {
+        let mut n = 0u32;
+        for (i, c) in chunk.iter().enumerate() {
+            n |= value(*c)? << (18 - 6 * i);
+        }
+        let bytes = n.to_be_bytes();
+        out.extend_from_slice(&bytes[1..chunk.len()]);
+    }
+    Some(out)
+}
+
+/// Writes table-less events: a transactional logical decoding message in the caller's transaction,
+/// nothing in the outbox table (no index entries, no rows to delete, no vacuum debt). Read by the WAL
+/// source only.
+#[derive(Debug, Clone)]
+pub struct MessageWriter {
+    prefix: String,
+}
+
+impl Default for MessageWriter {
+    fn default() -> Self {
+        MessageWriter {
+            prefix: DEFAULT_MESSAGE_PREFIX.into(),
+        }
+    }
+}
+
+impl MessageWriter {
+    /// A writer of messages with `prefix` (the reader's `wal.message_prefix`).
+    pub fn new(prefix: impl Into<String>) -> Self {
+        MessageWriter {
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The JSON content of `event`'s message.
+    pub fn encode(event: &NewEvent) -> String {
+        let mut map = serde_json::Map::new();
+        map.insert("id".into(), event.id.to_string().into());
+        map.insert("aggregate_type".into(), event.aggregate_type.clone().into());
+        map.insert("aggregate_id".into(), event.aggregate_id.clone().into());
+        map.insert("event_type".into(), event.event_type.clone().into());
+        match &event.payload {
+            Payload::Json(v) => {
+                map.insert("payload".into(), v.clone());
+            }
+            Payload::Binary { content_type, data } => {
+                map.insert("payload_base64".into(), encode_base64(data).into());
+                map.insert("content_type".into(), content_type.clone().into());
+            }
+        }
+        if !event.headers.is_empty() {
+            map.insert(
+                "headers".into(),
+                Value::Object(
+                    event
+                        .headers
+                        .iter()
+                        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                        .collect(),
+                ),
+            );
+        }
+        if let Some(d) = &event.destination {
+            map.insert("destination".into(), d.clone().into());
+        }
+        Value::Object(map).to_string()
+    }
+
+    /// Emits `event` in `tx`: it exists only if `tx` commits, and comes out of the slot in commit
+    /// order. Returns its id.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn emit(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        event: NewEvent,
+    ) -> Result<Uuid, Error> {
+        sqlx::query("SELECT pg_logical_emit_message(true, $1, $2)")
+            .bind(&self.prefix)
+            .bind(Self::encode(&event))
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| map_sqlx("wal emit", e))?;
+        Ok(event.id)
+    }
+}
+
+/// Standard base64 with padding.
+fn encode_base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for (i, shift) in [18, 12, 6, 0].into_iter().enumerate() {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[((n >> shift) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn column_texts_decode() {
+        assert_eq!(decode_bytea("\\x00ff10"), Some(vec![0, 255, 16]));
+        assert_eq!(decode_bytea("00ff"), None);
+        let t = parse_timestamptz("2026-12-04 10:11:12.345678+00").unwrap();
+        assert_eq!(t.to_rfc3339(), "2026-12-04T10:11:12.345678+00:00");
+        let t = parse_timestamptz("2026-12-04 10:11:12+05:30").unwrap();
+        assert_eq!(t.to_rfc3339(), "2026-12-04T04:41:12+00:00");
+        for bytes in [&b""[..], b"f", b"fo", b"foo", b"\x00\xff\xfe\x01"] {
+            assert_eq!(decode_base64(&encode_base64(bytes)).as_deref(), Some(bytes));
+        }
+        assert_eq!(derived_id(7), derived_id(7));
+        assert_ne!(derived_id(7), derived_id(8));
+    }
+
+    #[test]
+    fn messages_name_what_is_missing() {
+        let now = Utc::now();
+        let bad = |content: &str| match message_event(1, content.as_bytes(), now) {
+            WalItem::Undecodable { error, raw, .. } => {
+                assert_eq!(raw, content);
+                error
+            }
+            WalItem::Event(e) => panic!("decoded {e:?}"),
+        };
+        assert!(bad("not json").contains("not JSON"));
+        assert!(bad("[1]").contains("not a JSON object"));
+        assert!(
+            bad(r#"{"aggregate_type":"o","aggregate_id":"1","payload":{}}"#).contains("event_type")
+        );
+        assert!(
+            bad(r#"{"aggregate_type":"o","aggregate_id":"1","event_type":"e"}"#)
+                .contains("no payload")
+        );
+        let e = NewEvent::new(
+            "order",
+            "42",
+            "order.created",
+            serde_json::json!({"total": 9}),
+        )
+        .with_header("traceparent", "00-1-2-01");
+        match message_event(5, MessageWriter::encode(&e).as_bytes(), now) {
+            WalItem::Event(got) => {
+                assert_eq!(got.id, e.id);
+                assert_eq!(got.payload, br#"{"total":9}"#);
+                assert_eq!(
+                    got.headers.get("traceparent").map(String::as_str),
+                    Some("00-1-2-01")
+                );
+                assert_eq!(got.created_at, now);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
