@@ -272,6 +272,11 @@ pub struct WriterFigures {
     /// ordering rule costs when writers do not share aggregates (every transaction here writes its
     /// own; writers of one aggregate also wait for each other, by design).
     pub ordering_rule_overhead: f64,
+    /// The same transactions with a table-less event instead of the outbox insert (the WAL source's
+    /// `pg_logical_emit_message`, `outbox_postgres::wal::MessageWriter`).
+    pub with_message_tps: f64,
+    /// `1 - with_message / without`: the share of throughput the table-less event costs.
+    pub message_overhead: f64,
 }
 
 /// One drain of a pre-filled backlog.
@@ -546,6 +551,16 @@ impl BenchReport {
                 s,
                 "  overhead of the ordering rule  {:>11.1}%   (of the tx/s with outbox)",
                 w.ordering_rule_overhead * 100.0
+            );
+            let _ = writeln!(
+                s,
+                "  business tx/s, table-less      {:>12.0}   (a pg_logical_emit_message event, the WAL source's)",
+                w.with_message_tps
+            );
+            let _ = writeln!(
+                s,
+                "  overhead of a table-less event {:>11.1}%",
+                w.message_overhead * 100.0
             );
         }
         if !self.drain.is_empty() {
@@ -913,7 +928,7 @@ async fn writer_phase(
     )
     .await?;
     let pool = connect(url, o.writers as u32).await?;
-    let (mut without, mut with, mut noop, mut unordered) = (0.0, 0.0, 0.0, 0.0);
+    let (mut without, mut with, mut noop, mut unordered, mut message) = (0.0, 0.0, 0.0, 0.0, 0.0);
     let trigger = format!(
         "ALTER TABLE {} {{}} TRIGGER \"{}_writer_order\"",
         table.qualified(),
@@ -926,6 +941,7 @@ async fn writer_phase(
             Extra::Outbox,
             Extra::Noop,
             Extra::OutboxUnordered,
+            Extra::Message,
         ] {
             exec(admin, &format!("TRUNCATE {orders}, {}", table.qualified())).await?;
             let unordered_run = matches!(extra, Extra::OutboxUnordered);
@@ -946,6 +962,7 @@ async fn writer_phase(
                 Extra::Outbox => with += tps / 2.0,
                 Extra::Noop => noop += tps / 2.0,
                 Extra::OutboxUnordered => unordered += tps / 2.0,
+                Extra::Message => message += tps / 2.0,
             }
         }
     }
@@ -959,6 +976,8 @@ async fn writer_phase(
         noop_statement_overhead: ratio(noop, without).map_or(0.0, |r| 1.0 - r),
         with_outbox_without_ordering_tps: unordered,
         ordering_rule_overhead: ratio(with, unordered).map_or(0.0, |r| 1.0 - r),
+        with_message_tps: message,
+        message_overhead: ratio(message, without).map_or(0.0, |r| 1.0 - r),
     })
 }
 
@@ -971,6 +990,8 @@ enum Extra {
     Noop,
     /// The outbox insert with the writer-order trigger disabled.
     OutboxUnordered,
+    /// A table-less event (a transactional logical decoding message) instead of the insert.
+    Message,
 }
 
 impl Extra {
@@ -980,6 +1001,7 @@ impl Extra {
             Extra::Outbox => "with outbox",
             Extra::Noop => "with SELECT 1",
             Extra::OutboxUnordered => "with outbox, no ordering trigger",
+            Extra::Message => "with a table-less event",
         }
     }
 }
@@ -995,14 +1017,17 @@ async fn writer_run(
         "INSERT INTO {orders} (customer, total, body) VALUES ($1, $2, $3::jsonb) RETURNING id"
     ));
     let writer = Writer::new(table.clone());
+    // A prefix of the benchmark's own: no outbox's reader takes these messages.
+    let messages = outbox_postgres::wal::MessageWriter::new(format!("{}-bench", o.schema));
     let started = Instant::now();
     let deadline = started + o.writer_duration;
     let mut tasks = Vec::new();
     for w in 0..o.writers {
-        let (pool, insert, writer, pad) = (
+        let (pool, insert, writer, messages, pad) = (
             pool.clone(),
             insert.clone(),
             writer.clone(),
+            messages.clone(),
             o.payload_bytes,
         );
         tasks.push(tokio::spawn(async move {
@@ -1023,6 +1048,14 @@ async fn writer_run(
                     Extra::Outbox | Extra::OutboxUnordered => {
                         writer
                             .enqueue(
+                                &mut tx,
+                                NewEvent::new("order", id.to_string(), "order.created", body),
+                            )
+                            .await?;
+                    }
+                    Extra::Message => {
+                        messages
+                            .emit(
                                 &mut tx,
                                 NewEvent::new("order", id.to_string(), "order.created", body),
                             )
@@ -1053,7 +1086,7 @@ async fn writer_run(
         .map_err(|e| map_sqlx("bench", e))?;
     let expected = match extra {
         Extra::Outbox | Extra::OutboxUnordered => total,
-        Extra::None | Extra::Noop => 0,
+        Extra::None | Extra::Noop | Extra::Message => 0,
     };
     if u64::try_from(events).ok() != Some(expected) {
         return Err(Error::new(
