@@ -89,6 +89,7 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
     assert!(num(w, "with_message_tps") > 0.0);
     let expected_message = 1.0 - num(w, "with_message_tps") / num(w, "without_outbox_tps");
     assert!((num(w, "message_overhead") - expected_message).abs() < 1e-9);
+    assert!(num(w, "with_message_in_statement_tps") > 0.0);
 
     let drain = r["drain"].as_array().unwrap();
     let runs: Vec<(String, String, u64, u64)> = drain

@@ -277,6 +277,12 @@ pub struct WriterFigures {
     pub with_message_tps: f64,
     /// `1 - with_message / without`: the share of throughput the table-less event costs.
     pub message_overhead: f64,
+    /// The same transactions with the table-less event written by the business statement itself
+    /// (`WITH o AS (INSERT ... RETURNING id) SELECT pg_logical_emit_message(...) FROM o`): no round
+    /// trip of its own.
+    pub with_message_in_statement_tps: f64,
+    /// `1 - with_message_in_statement / without`.
+    pub message_in_statement_overhead: f64,
 }
 
 /// One drain of a pre-filled backlog.
@@ -561,6 +567,16 @@ impl BenchReport {
                 s,
                 "  overhead of a table-less event {:>11.1}%",
                 w.message_overhead * 100.0
+            );
+            let _ = writeln!(
+                s,
+                "  business tx/s, in statement    {:>12.0}   (the table-less event written by the business statement)",
+                w.with_message_in_statement_tps
+            );
+            let _ = writeln!(
+                s,
+                "  overhead, in statement         {:>11.1}%",
+                w.message_in_statement_overhead * 100.0
             );
         }
         if !self.drain.is_empty() {
@@ -928,7 +944,8 @@ async fn writer_phase(
     )
     .await?;
     let pool = connect(url, o.writers as u32).await?;
-    let (mut without, mut with, mut noop, mut unordered, mut message) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    let (mut without, mut with, mut noop, mut unordered, mut message, mut in_statement) =
+        (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
     let trigger = format!(
         "ALTER TABLE {} {{}} TRIGGER \"{}_writer_order\"",
         table.qualified(),
@@ -942,6 +959,7 @@ async fn writer_phase(
             Extra::Noop,
             Extra::OutboxUnordered,
             Extra::Message,
+            Extra::MessageInStatement,
         ] {
             exec(admin, &format!("TRUNCATE {orders}, {}", table.qualified())).await?;
             let unordered_run = matches!(extra, Extra::OutboxUnordered);
@@ -963,6 +981,7 @@ async fn writer_phase(
                 Extra::Noop => noop += tps / 2.0,
                 Extra::OutboxUnordered => unordered += tps / 2.0,
                 Extra::Message => message += tps / 2.0,
+                Extra::MessageInStatement => in_statement += tps / 2.0,
             }
         }
     }
@@ -978,6 +997,8 @@ async fn writer_phase(
         ordering_rule_overhead: ratio(with, unordered).map_or(0.0, |r| 1.0 - r),
         with_message_tps: message,
         message_overhead: ratio(message, without).map_or(0.0, |r| 1.0 - r),
+        with_message_in_statement_tps: in_statement,
+        message_in_statement_overhead: ratio(in_statement, without).map_or(0.0, |r| 1.0 - r),
     })
 }
 
@@ -992,6 +1013,8 @@ enum Extra {
     OutboxUnordered,
     /// A table-less event (a transactional logical decoding message) instead of the insert.
     Message,
+    /// The table-less event written by the business statement itself.
+    MessageInStatement,
 }
 
 impl Extra {
@@ -1002,6 +1025,7 @@ impl Extra {
             Extra::Noop => "with SELECT 1",
             Extra::OutboxUnordered => "with outbox, no ordering trigger",
             Extra::Message => "with a table-less event",
+            Extra::MessageInStatement => "with a table-less event in the business statement",
         }
     }
 }
@@ -1013,12 +1037,23 @@ async fn writer_run(
     o: &BenchOptions,
     extra: Extra,
 ) -> Result<f64, Error> {
-    let insert = Arc::<str>::from(format!(
-        "INSERT INTO {orders} (customer, total, body) VALUES ($1, $2, $3::jsonb) RETURNING id"
-    ));
+    let prefix = format!("{}-bench", o.schema);
+    let insert = Arc::<str>::from(match extra {
+        // What a plain-SQL writer of table-less events would write: the business row and its event
+        // in one statement.
+        Extra::MessageInStatement => format!(
+            "WITH o AS (INSERT INTO {orders} (customer, total, body) VALUES ($1, $2, $3::jsonb) RETURNING id)
+             SELECT o.id FROM o, LATERAL (SELECT pg_logical_emit_message(true, '{prefix}',
+                 json_build_object('aggregate_type', 'order', 'aggregate_id', o.id::text,
+                                   'event_type', 'order.created', 'payload', $3::jsonb)::text)) m"
+        ),
+        _ => format!(
+            "INSERT INTO {orders} (customer, total, body) VALUES ($1, $2, $3::jsonb) RETURNING id"
+        ),
+    });
     let writer = Writer::new(table.clone());
     // A prefix of the benchmark's own: no outbox's reader takes these messages.
-    let messages = outbox_postgres::wal::MessageWriter::new(format!("{}-bench", o.schema));
+    let messages = outbox_postgres::wal::MessageWriter::new(prefix);
     let started = Instant::now();
     let deadline = started + o.writer_duration;
     let mut tasks = Vec::new();
@@ -1044,7 +1079,7 @@ async fn writer_run(
                     .await
                     .map_err(|e| map_sqlx("bench", e))?;
                 match extra {
-                    Extra::None => {}
+                    Extra::None | Extra::MessageInStatement => {}
                     Extra::Outbox | Extra::OutboxUnordered => {
                         writer
                             .enqueue(
@@ -1086,7 +1121,7 @@ async fn writer_run(
         .map_err(|e| map_sqlx("bench", e))?;
     let expected = match extra {
         Extra::Outbox | Extra::OutboxUnordered => total,
-        Extra::None | Extra::Noop | Extra::Message => 0,
+        Extra::None | Extra::Noop | Extra::Message | Extra::MessageInStatement => 0,
     };
     if u64::try_from(events).ok() != Some(expected) {
         return Err(Error::new(
