@@ -899,9 +899,10 @@ fn wal_status_text(s: &outbox_postgres::wal::WalStatus) -> String {
             s.active_pid.map_or(String::new(), |p| format!(" (pid {p})")),
             s.confirmed_lsn.as_deref().unwrap_or("?"),
             s.lag_bytes.map_or("?".into(), |b| bytes_text(b.max(0) as u64)),
-            match s.lag_seconds {
-                Some(secs) => format!(", {secs:.1} s since the oldest unconfirmed commit"),
-                None => ", seconds unknown while the slot is read".into(),
+            match (s.lag_seconds, &s.lag_unknown) {
+                (Some(secs), _) => format!(", {secs:.1} s since the oldest unconfirmed commit"),
+                (None, Some(why)) => format!(", seconds unknown: {why}"),
+                (None, None) => ", seconds unknown".into(),
             },
             s.retained_bytes.map_or("?".into(), |b| bytes_text(b.max(0) as u64)),
             s.wal_status.as_deref().unwrap_or("?")

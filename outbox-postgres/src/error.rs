@@ -9,6 +9,8 @@ pub fn classify_sqlstate(code: &str) -> (ErrorKind, bool) {
         "40001" | "40P01" => (ErrorKind::Database, true),
         // lock_not_available, query_canceled (statement_timeout)
         "55P03" => (ErrorKind::Database, true),
+        // object_in_use: a replication slot read by another session at this moment
+        "55006" => (ErrorKind::Database, true),
         "57014" => (ErrorKind::Timeout, true),
         // admin_shutdown, crash_shutdown, cannot_connect_now
         "57P01" | "57P02" | "57P03" => (ErrorKind::Connection, true),

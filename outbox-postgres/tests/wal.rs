@@ -148,8 +148,16 @@ async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() 
     let writer = Writer::new(table.clone());
     let messages = MessageWriter::new(prefix.clone());
     // What this outbox holds (transactions of other tests' messages come with no items).
-    let ours = |txs: Vec<outbox_postgres::wal::WalTransaction>| -> Vec<_> {
-        txs.into_iter().filter(|t| !t.items.is_empty()).collect()
+    let ours = |peek: outbox_postgres::wal::WalPeek| -> Vec<_> {
+        assert!(!peek.cut, "a read of everything");
+        assert!(
+            peek.idle_lsn.is_some(),
+            "an uncut read says where an idle slot may go"
+        );
+        peek.transactions
+            .into_iter()
+            .filter(|t| !t.items.is_empty())
+            .collect()
     };
 
     // 1: the writer API, a JSON event with a header and a binary one.
@@ -281,7 +289,7 @@ async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() 
     );
     match &txs[2].items[..] {
         [WalItem::Undecodable { error, raw, .. }] => {
-            assert!(error.contains("not JSON"), "{error}");
+            assert!(error.contains("not a JSON object"), "{error}");
             assert_eq!(raw, "not json");
         }
         other => panic!("{other:?}"),
@@ -297,4 +305,159 @@ async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() 
     assert!(ours(reader.peek(&pool, 1000).await.unwrap()).is_empty());
     let status = slot.status(&pool).await.unwrap();
     assert_eq!(status.oldest_unconfirmed_commit, None);
+}
+
+/// Slot names are server-wide: a slot of the same name in another database is never taken, shown
+/// or dropped as this outbox's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_of_the_same_name_in_another_database_is_refused() {
+    let pool = pool(2).await;
+    logical(&pool).await;
+    let table = fresh_table(&pool).await;
+    let slot = WalSlot::new(table.clone(), None, None).unwrap();
+    let url = outbox_postgres::testing::database_url();
+    let (base, _) = url.rsplit_once('/').unwrap();
+    let other = outbox_postgres::connect(&format!("{base}/postgres"), 1)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(slot.slot())
+        .execute(&other)
+        .await
+        .unwrap();
+    let (slot2, pool2) = (slot.clone(), pool.clone());
+    let result = async move {
+        let (slot, pool) = (slot2, pool2);
+        let e = slot.setup(&pool).await.unwrap_err();
+        assert!(
+            e.message().contains("database postgres") && e.message().contains("wal.slot"),
+            "{e}"
+        );
+        let e = slot.status(&pool).await.unwrap_err();
+        assert!(e.message().contains("already exists on this server"), "{e}");
+        let e = slot.drop(&pool).await.unwrap_err();
+        assert!(e.message().contains("wal.slot"), "{e}");
+    };
+    let outcome = tokio::spawn(result).await;
+    let still: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+    )
+    .bind(slot.slot())
+    .fetch_one(&other)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(slot.slot())
+        .execute(&other)
+        .await
+        .unwrap();
+    outcome.unwrap();
+    assert!(still, "the other database's slot was left alone");
+}
+
+/// Setup repairs what it can and refuses what would lose events: a publication that lost the table
+/// (dropped and made again) gets it back; a slot whose publication is gone is refused, naming the
+/// fix; two setups at once both succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_repairs_or_refuses_a_broken_pair_and_runs_twice_at_once() {
+    let pool = pool(4).await;
+    logical(&pool).await;
+    let table = fresh_table(&pool).await;
+    let slot = WalSlot::new(table.clone(), None, None).unwrap();
+    let _guard = Dropped(slot.clone(), pool.clone());
+    let (a, b) = tokio::join!(slot.setup(&pool), slot.setup(&pool));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert!(a.slot ^ b.slot, "one of them made the slot: {a:?} {b:?}");
+    assert!(slot.status(&pool).await.unwrap().covers_table);
+
+    sqlx::query(&format!(
+        "ALTER PUBLICATION \"{}\" DROP TABLE {}",
+        slot.publication(),
+        table.qualified()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let broken = slot.status(&pool).await.unwrap();
+    assert!(
+        !broken.covers_table && broken.lag_seconds.is_none(),
+        "{broken:?}"
+    );
+    assert!(broken
+        .lag_unknown
+        .unwrap()
+        .contains("does not hold the outbox table"));
+    assert!(
+        slot.setup(&pool).await.unwrap().publication,
+        "the table is added back"
+    );
+    assert!(slot.status(&pool).await.unwrap().covers_table);
+
+    sqlx::query(&format!("DROP PUBLICATION \"{}\"", slot.publication()))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let e = slot.setup(&pool).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.message().contains("outbox wal drop --yes"), "{e}");
+}
+
+/// The columns are read the same whatever the session's output settings (a role or database may set
+/// bytea_output = escape).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_decode_whatever_the_sessions_output_settings() {
+    use outbox_core::{NewEvent, Payload};
+    use outbox_postgres::wal::{WalItem, WalReader};
+    let url = outbox_postgres::testing::database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let odd = outbox_postgres::connect(
+        &format!("{url}{separator}options=-c%20bytea_output%3Descape%20-c%20DateStyle%3DSQL%2CDMY%20-c%20TimeZone%3DAmerica%2FSt_Johns"),
+        2,
+    )
+    .await
+    .unwrap();
+    let setting: String = sqlx::query_scalar("SHOW bytea_output")
+        .fetch_one(&odd)
+        .await
+        .unwrap();
+    assert_eq!(setting, "escape", "the session's settings are odd indeed");
+    logical(&odd).await;
+    let table = fresh_table(&odd).await;
+    let slot = WalSlot::new(table.clone(), None, None)
+        .unwrap()
+        .with_message_prefix(table.schema());
+    let _guard = Dropped(slot.clone(), odd.clone());
+    slot.setup(&odd).await.unwrap();
+    let mut event = NewEvent::new("order", "a", "order.scanned", serde_json::Value::Null);
+    event.payload = Payload::Binary {
+        content_type: "application/octet-stream".into(),
+        data: vec![0, 0x5c, 0xff, b'A'],
+    };
+    let mut tx = odd.begin().await.unwrap();
+    outbox_postgres::Writer::new(table.clone())
+        .enqueue(&mut tx, event.clone())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let peek = WalReader::new(slot.clone()).peek(&odd, 1000).await.unwrap();
+    let got: Vec<_> = peek
+        .transactions
+        .iter()
+        .flat_map(|t| t.items.iter())
+        .collect();
+    match &got[..] {
+        [WalItem::Event(e)] => {
+            assert_eq!(e.payload, vec![0, 0x5c, 0xff, b'A']);
+            let stored: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(&format!(
+                "SELECT created_at FROM {} WHERE id = $1",
+                table.qualified()
+            ))
+            .bind(event.id)
+            .fetch_one(&odd)
+            .await
+            .unwrap();
+            assert_eq!(e.created_at, stored);
+        }
+        other => panic!("{other:?}"),
+    }
 }

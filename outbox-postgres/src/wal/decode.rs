@@ -65,6 +65,20 @@ pub enum WalItem {
     },
 }
 
+/// What one read of the slot returned.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WalPeek {
+    /// The committed transactions, in commit order.
+    pub transactions: Vec<WalTransaction>,
+    /// Whether the read stopped at its limit of changes (more may be held).
+    pub cut: bool,
+    /// When the read was not cut: a position the slot may be confirmed to even with no transaction
+    /// of this outbox read (the server's flushed WAL position taken before the read), so that an
+    /// idle outbox on a busy database does not keep WAL for ever. Transactions committing after it
+    /// are still read whole.
+    pub idle_lsn: Option<u64>,
+}
+
 /// Reads a slot's transactions, never consuming them: they stay in the slot until
 /// [`WalReader::confirm`] moves its confirmed position past them.
 #[derive(Debug, Clone)]
@@ -91,11 +105,26 @@ impl WalReader {
     /// # Errors
     /// A database error (SQLSTATE 55006 when another session reads the slot at this moment); an
     /// unexpected error when the slot returns something that is not pgoutput.
-    pub async fn peek(
-        &self,
-        pool: &PgPool,
-        max_changes: i32,
-    ) -> Result<Vec<WalTransaction>, Error> {
+    pub async fn peek(&self, pool: &PgPool, max_changes: i32) -> Result<WalPeek, Error> {
+        let map = |e| map_sqlx("wal read", e);
+        // pgoutput writes the columns as the calling session's output functions do: fixed here,
+        // whatever the role's or database's settings.
+        let mut tx = pool.begin().await.map_err(map)?;
+        for setting in [
+            "SET LOCAL bytea_output = 'hex'",
+            "SET LOCAL DateStyle = 'ISO, YMD'",
+            "SET LOCAL TimeZone = 'UTC'",
+        ] {
+            sqlx::query(setting).execute(&mut *tx).await.map_err(map)?;
+        }
+        let (flushed, system, timeline): (i64, i64, i32) = sqlx::query_as(
+            "SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint,
+                    (SELECT system_identifier FROM pg_control_system()),
+                    (SELECT timeline_id FROM pg_control_checkpoint())",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(map)?;
         let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
             "SELECT (lsn - '0/0'::pg_lsn)::bigint, data
              FROM pg_logical_slot_peek_binary_changes($1, NULL, $2,
@@ -105,10 +134,20 @@ impl WalReader {
         .bind(max_changes)
         .bind(PROTO_VERSION)
         .bind(self.slot.publication())
-        .fetch_all(pool)
+        .fetch_all(&mut *tx)
         .await
-        .map_err(|e| map_sqlx("wal read", e))?;
-        self.decode(&rows)
+        .map_err(map)?;
+        tx.commit().await.map_err(map)?;
+        let cut = rows.len() >= usize::try_from(max_changes).unwrap_or(0);
+        let origin = Origin {
+            system: system as u64,
+            timeline: timeline as u32,
+        };
+        Ok(WalPeek {
+            transactions: self.decode_from(&rows, origin)?,
+            cut,
+            idle_lsn: (!cut).then(|| u64::try_from(flushed).unwrap_or(0)),
+        })
     }
 
     /// Moves the slot's confirmed position to `end_lsn` (never back): the transactions before it are
@@ -136,6 +175,14 @@ impl WalReader {
     /// # Errors
     /// An unexpected error naming the position when a change is not a pgoutput message.
     pub fn decode(&self, changes: &[(i64, Vec<u8>)]) -> Result<Vec<WalTransaction>, Error> {
+        self.decode_from(changes, Origin::default())
+    }
+
+    fn decode_from(
+        &self,
+        changes: &[(i64, Vec<u8>)],
+        origin: Origin,
+    ) -> Result<Vec<WalTransaction>, Error> {
         let mut parser = LogicalReplicationParser::with_protocol_version(1);
         let mut relations: HashMap<u32, (String, String, Vec<String>)> = HashMap::new();
         let mut out = Vec::new();
@@ -178,11 +225,17 @@ impl WalReader {
                     let Some((_, items)) = open.as_mut() else {
                         continue;
                     };
-                    let ours = relations.get(&relation_id).filter(|(ns, name, _)| {
-                        ns == self.slot.table().schema() && name == self.slot.table().table()
-                    });
-                    if let Some((_, _, names)) = ours {
-                        items.push(row_event(lsn, names, &tuple));
+                    // The publication holds the outbox table only (its partitions published as
+                    // it): every row it carries is an event, whatever name it comes under.
+                    match relations.get(&relation_id) {
+                        Some((_, _, names)) => items.push(row_event(lsn, names, &tuple)),
+                        None => items.push(WalItem::Undecodable {
+                            lsn,
+                            error: format!(
+                                "a row of relation {relation_id} came before its description"
+                            ),
+                            raw: String::new(),
+                        }),
                     }
                 }
                 LogicalReplicationMessage::Message {
@@ -192,7 +245,7 @@ impl WalReader {
                     ..
                 } if prefix == self.slot.message_prefix() => match open.as_mut() {
                     Some((commit_time, items)) if flags & 1 == 1 => {
-                        items.push(message_event(lsn, &content, *commit_time));
+                        items.push(message_event(lsn, &content, *commit_time, origin));
                     }
                     // A non-transactional message: emitted even when its transaction rolls back,
                     // so not an event of a committed transaction.
@@ -259,9 +312,13 @@ fn row_event(lsn: u64, names: &[String], tuple: &TupleData) -> WalItem {
             Some(hex) => decode_bytea(&hex).ok_or("payload_bytes is not bytea hex text")?,
             None => required("payload")?.into_bytes(),
         };
-        let created_at = text("created_at")
-            .and_then(|t| parse_timestamptz(&t))
-            .unwrap_or_default();
+        let created_at = match text("created_at") {
+            // Filled with the commit time below.
+            None => DateTime::<Utc>::default(),
+            Some(t) => parse_timestamptz(&t).ok_or_else(|| {
+                format!("created_at {t:?} is not a timestamp this relay can carry")
+            })?,
+        };
         Ok(Event {
             id,
             aggregate_type: required("aggregate_type")?,
@@ -297,16 +354,20 @@ fn decode_bytea(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// timestamptz's ISO output (`2026-12-04 10:11:12.345678+00`, any offset) as UTC.
+/// timestamptz's ISO output (`2026-12-04 10:11:12.345678+00`, any offset, historical ones with
+/// seconds) as UTC; `None` for what a relay cannot carry (`infinity`, BC dates).
 fn parse_timestamptz(text: &str) -> Option<DateTime<Utc>> {
-    let with_minutes = match text.rfind(['+', '-']) {
-        // `+00` → `+00:00` for the parser; `+05:30` stays.
-        Some(i) if i > 10 && text.len() - i == 3 => format!("{text}:00"),
-        _ => text.to_string(),
-    };
-    DateTime::parse_from_str(&with_minutes, "%Y-%m-%d %H:%M:%S%.f%:z")
-        .ok()
-        .map(|t| t.with_timezone(&Utc))
+    let i = text.rfind(['+', '-']).filter(|i| *i > 10)?;
+    let (local, offset) = text.split_at(i);
+    let sign = if offset.starts_with('-') { -1 } else { 1 };
+    let mut parts = offset[1..].split(':').map(str::parse::<i32>);
+    let hours = parts.next()?.ok()?;
+    let minutes = parts.next().transpose().ok()?.unwrap_or(0);
+    let seconds = parts.next().transpose().ok()?.unwrap_or(0);
+    let local = chrono::NaiveDateTime::parse_from_str(local, "%Y-%m-%d %H:%M:%S%.f").ok()?;
+    let offset =
+        chrono::Duration::seconds(i64::from(sign * (hours * 3600 + minutes * 60 + seconds)));
+    Some((local - offset).and_utc())
 }
 
 /// A JSON object's members as strings (other values keep their JSON text); anything else, none.
@@ -323,48 +384,71 @@ fn string_map(text: &str) -> BTreeMap<String, String> {
     }
 }
 
+/// Where the WAL comes from: the server's system identifier and timeline, which with a position
+/// make an id no other event of this server's history has (positions are reused after a
+/// point-in-time restore, on a new timeline).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Origin {
+    system: u64,
+    timeline: u32,
+}
+
+/// A table-less message's fields; the payload kept as written (its exact JSON text).
+#[derive(serde::Deserialize)]
+struct MessageFields<'a> {
+    id: Option<String>,
+    aggregate_type: Option<String>,
+    aggregate_id: Option<String>,
+    event_type: Option<String>,
+    #[serde(borrow)]
+    payload: Option<&'a serde_json::value::RawValue>,
+    payload_base64: Option<String>,
+    content_type: Option<String>,
+    headers: Option<Value>,
+    destination: Option<String>,
+}
+
 /// The event a table-less message carries (see the module's documentation for the encoding).
-fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>) -> WalItem {
+fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: Origin) -> WalItem {
     let raw = || String::from_utf8_lossy(content).into_owned();
     let event = (|| -> Result<Event, String> {
-        let value: Value = serde_json::from_slice(content)
-            .map_err(|e| format!("the message is not JSON ({e}); expected an object with aggregate_type, aggregate_id, event_type and payload"))?;
-        let Value::Object(map) = value else {
-            return Err("the message is not a JSON object; expected one with aggregate_type, aggregate_id, event_type and payload".into());
+        let fields: MessageFields<'_> = serde_json::from_slice(content).map_err(|e| {
+            format!("the message is not a JSON object of the event's fields ({e}); expected aggregate_type, aggregate_id, event_type and payload")
+        })?;
+        let required = |v: Option<String>, k: &str| -> Result<String, String> {
+            v.filter(|s| !s.is_empty())
+                .ok_or_else(|| format!("the message has no {k} (a non-empty string)"))
         };
-        let string = |k: &str| -> Result<String, String> {
-            match map.get(k) {
-                Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
-                _ => Err(format!("the message has no {k} (a non-empty string)")),
-            }
-        };
-        let optional = |k: &str| map.get(k).and_then(Value::as_str).map(str::to_string);
-        let id = match optional("id") {
+        let id = match fields.id {
             Some(s) => s.parse().map_err(|e| format!("id is not a UUID: {e}"))?,
-            None => derived_id(lsn),
+            None => derived_id(origin, lsn),
         };
-        let (payload, default_type) = match (map.get("payload"), optional("payload_base64")) {
-            (_, Some(b64)) => (
+        let json_payload = fields.payload.filter(|p| p.get() != "null");
+        let (payload, default_type) = match (json_payload, fields.payload_base64) {
+            (Some(_), Some(_)) => {
+                return Err("the message has both payload and payload_base64: give one".into())
+            }
+            (None, Some(b64)) => (
                 decode_base64(&b64).ok_or("payload_base64 is not base64")?,
                 "application/octet-stream",
             ),
-            (Some(json), None) => (json.to_string().into_bytes(), JSON_CONTENT_TYPE),
+            (Some(json), None) => (json.get().as_bytes().to_vec(), JSON_CONTENT_TYPE),
             (None, None) => {
                 return Err("the message has no payload (JSON) nor payload_base64".into())
             }
         };
         Ok(Event {
             id,
-            aggregate_type: string("aggregate_type")?,
-            aggregate_id: string("aggregate_id")?,
-            event_type: string("event_type")?,
+            aggregate_type: required(fields.aggregate_type, "aggregate_type")?,
+            aggregate_id: required(fields.aggregate_id, "aggregate_id")?,
+            event_type: required(fields.event_type, "event_type")?,
             payload,
-            content_type: optional("content_type").unwrap_or_else(|| default_type.into()),
-            headers: map
-                .get("headers")
+            content_type: fields.content_type.unwrap_or_else(|| default_type.into()),
+            headers: fields
+                .headers
                 .map(|h| string_map(&h.to_string()))
                 .unwrap_or_default(),
-            destination: optional("destination"),
+            destination: fields.destination,
             created_at: commit_time,
             attempts: 0,
         })
@@ -379,15 +463,19 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>) -> WalIte
     }
 }
 
-/// The id of a message written without one: the same for every read of that message (its position).
-fn derived_id(lsn: u64) -> Uuid {
+/// The id of a message written without one: the same for every read of that message (its
+/// position, on this server's timeline).
+fn derived_id(origin: Origin, lsn: u64) -> Uuid {
     let mut bytes = [0u8; 16];
-    bytes[..6].copy_from_slice(b"outbox");
+    let system = (origin.system >> 32) as u32 ^ origin.system as u32;
+    bytes[..4].copy_from_slice(&system.to_be_bytes());
+    bytes[4..8].copy_from_slice(&origin.timeline.to_be_bytes());
     bytes[8..].copy_from_slice(&lsn.to_be_bytes());
     uuid::Builder::from_custom_bytes(bytes).into_uuid()
 }
 
-/// Standard base64 (padding optional).
+/// Standard base64: ASCII whitespace ignored (PostgreSQL's `encode(..., 'base64')` breaks lines),
+/// padding only at the end; `None` for anything else.
 fn decode_base64(text: &str) -> Option<Vec<u8>> {
     let value = |c: u8| -> Option<u32> {
         Some(match c {
@@ -399,9 +487,15 @@ fn decode_base64(text: &str) -> Option<Vec<u8>> {
             _ => return None,
         } as u32)
     };
-    let clean: Vec<u8> = text.bytes().filter(|b| *b != b'=').collect();
-    let mut out = Vec::with_capacity(clean.len() * 3 / 4);
-    for chunk in clean.chunks(4) {
+    let clean: Vec<u8> = text.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+    let data_len = clean.iter().rposition(|b| *b != b'=').map_or(0, |i| i + 1);
+    let padding = clean.len() - data_len;
+    if padding > 2 || (padding > 0 && !clean.len().is_multiple_of(4)) || data_len % 4 == 1 {
+        return None;
+    }
+    let data = &clean[..data_len];
+    let mut out = Vec::with_capacity(data.len() * 3 / 4);
+    for chunk in data.chunks(4) {
         let mut n = 0u32;
         for (i, c) in chunk.iter().enumerate() {
             n |= value(*c)? << (18 - 6 * i);
@@ -534,21 +628,66 @@ mod tests {
         for bytes in [&b""[..], b"f", b"fo", b"foo", b"\x00\xff\xfe\x01"] {
             assert_eq!(decode_base64(&encode_base64(bytes)).as_deref(), Some(bytes));
         }
-        assert_eq!(derived_id(7), derived_id(7));
-        assert_ne!(derived_id(7), derived_id(8));
+        let here = Origin {
+            system: 42,
+            timeline: 1,
+        };
+        assert_eq!(derived_id(here, 7), derived_id(here, 7));
+        assert_ne!(derived_id(here, 7), derived_id(here, 8));
+        let restored = Origin {
+            system: 42,
+            timeline: 2,
+        };
+        assert_ne!(
+            derived_id(here, 7),
+            derived_id(restored, 7),
+            "a new timeline, new ids"
+        );
+        // PostgreSQL's encode(..., 'base64') breaks lines every 76 characters.
+        let long: Vec<u8> = (0..200u8).collect();
+        let wrapped: String = encode_base64(&long)
+            .as_bytes()
+            .chunks(76)
+            .map(|c| std::str::from_utf8(c).unwrap())
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert_eq!(decode_base64(&wrapped), Some(long));
+        assert_eq!(decode_base64("Zm9v=Zm9v"), None, "padding only at the end");
+        assert_eq!(decode_base64("Zm9vZ"), None, "no 1-character group");
+        assert_eq!(decode_base64("Zg="), None, "padded groups are whole");
+        let t = parse_timestamptz("1901-01-01 00:00:00-03:30:52").unwrap();
+        assert_eq!(t.to_rfc3339(), "1901-01-01T03:30:52+00:00");
+        assert_eq!(parse_timestamptz("infinity"), None);
+    }
+
+    #[test]
+    fn a_message_payload_keeps_its_exact_text() {
+        let content = br#"{"aggregate_type":"o","aggregate_id":"1","event_type":"e","payload":{"z": 12345678901234567890123.10, "a": [1, 2]}}"#;
+        match message_event(1, content, Utc::now(), Origin::default()) {
+            WalItem::Event(e) => {
+                assert_eq!(
+                    e.payload,
+                    br#"{"z": 12345678901234567890123.10, "a": [1, 2]}"#
+                )
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
     fn messages_name_what_is_missing() {
         let now = Utc::now();
-        let bad = |content: &str| match message_event(1, content.as_bytes(), now) {
+        let bad = |content: &str| match message_event(1, content.as_bytes(), now, Origin::default())
+        {
             WalItem::Undecodable { error, raw, .. } => {
                 assert_eq!(raw, content);
                 error
             }
             WalItem::Event(e) => panic!("decoded {e:?}"),
         };
-        assert!(bad("not json").contains("not JSON"));
+        assert!(bad("not json").contains("not a JSON object"));
+        assert!(bad(r#"{"aggregate_type":"o","aggregate_id":"1","event_type":"e","payload":{},"payload_base64":"AA=="}"#)
+            .contains("both payload and payload_base64"));
         assert!(bad("[1]").contains("not a JSON object"));
         assert!(
             bad(r#"{"aggregate_type":"o","aggregate_id":"1","payload":{}}"#).contains("event_type")
@@ -564,7 +703,12 @@ mod tests {
             serde_json::json!({"total": 9}),
         )
         .with_header("traceparent", "00-1-2-01");
-        match message_event(5, MessageWriter::encode(&e).as_bytes(), now) {
+        match message_event(
+            5,
+            MessageWriter::encode(&e).as_bytes(),
+            now,
+            Origin::default(),
+        ) {
             WalItem::Event(got) => {
                 assert_eq!(got.id, e.id);
                 assert_eq!(got.payload, br#"{"total":9}"#);

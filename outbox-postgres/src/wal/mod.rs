@@ -24,7 +24,9 @@ use crate::error::map_sqlx;
 use crate::table::OutboxTable;
 
 mod decode;
-pub use decode::{MessageWriter, WalItem, WalReader, WalTransaction, DEFAULT_MESSAGE_PREFIX};
+pub use decode::{
+    MessageWriter, WalItem, WalPeek, WalReader, WalTransaction, DEFAULT_MESSAGE_PREFIX,
+};
 
 /// The pgoutput protocol version read (1: whole transactions only, no streaming of transactions in
 /// progress, so a peek never returns part of one).
@@ -169,12 +171,16 @@ impl WalSlot {
         check_wal_level(&wal_level(pool).await?)?;
         let map = |e| map_sqlx("wal setup", e);
         let mut created = WalSetup::default();
-        let has_publication: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
-                .bind(&self.publication)
-                .fetch_one(pool)
-                .await
-                .map_err(map)?;
+        let has_publication = !self.publication_missing(pool).await?;
+        let slot = self.slot_here(pool).await?;
+        if !has_publication && slot.is_some() {
+            // A slot older than its publication cannot decode the changes in between.
+            return Err(Error::config(format!(
+                "the slot {} exists but its publication {} does not: the slot cannot decode the outbox's changes made without it; \
+                 drop the slot (`outbox wal drop --yes`; events it holds and no relay published are not published by it) and run `outbox wal setup` again",
+                self.slot, self.publication
+            )));
+        }
         if !has_publication {
             let table_exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
                 .bind(self.table.qualified())
@@ -187,28 +193,68 @@ impl WalSlot {
                     self.table.qualified()
                 )));
             }
+            // publish_via_partition_root: rows of a partitioned outbox come out as the table's.
             let create = format!(
-                "CREATE PUBLICATION \"{}\" FOR TABLE {} WITH (publish = 'insert')",
+                "CREATE PUBLICATION \"{}\" FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true)",
                 self.publication,
                 self.table.qualified()
             );
-            sqlx::query(&create).execute(pool).await.map_err(map)?;
+            match sqlx::query(&create).execute(pool).await {
+                Ok(_) => created.publication = true,
+                // Another `outbox wal setup` made it meanwhile.
+                Err(e) if sqlstate(&e).as_deref() == Some("42710") => {}
+                Err(e) => return Err(map(e)),
+            }
+        } else if !self.publication_covers_table(pool).await? {
+            // The table was dropped and made again: the publication lost it.
+            let add = format!(
+                "ALTER PUBLICATION \"{}\" ADD TABLE {}",
+                self.publication,
+                self.table.qualified()
+            );
+            sqlx::query(&add).execute(pool).await.map_err(map)?;
             created.publication = true;
         }
-        let has_slot: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
-        )
-        .bind(&self.slot)
-        .fetch_one(pool)
-        .await
-        .map_err(map)?;
-        if !has_slot {
-            sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-                .bind(&self.slot)
-                .execute(pool)
+        if self.slot_here(pool).await?.is_some() {
+            return Ok(created);
+        }
+        // Creating a logical slot waits for the transactions running at that moment, in every
+        // database: bounded, and the error names them.
+        let mut tx = pool.begin().await.map_err(map)?;
+        sqlx::query("SET LOCAL statement_timeout = '60s'")
+            .execute(&mut *tx)
+            .await
+            .map_err(map)?;
+        let made = sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+            .bind(&self.slot)
+            .execute(&mut *tx)
+            .await;
+        match made {
+            Ok(_) => {
+                tx.commit().await.map_err(map)?;
+                created.slot = true;
+            }
+            // Another `outbox wal setup` made it meanwhile.
+            Err(e) if sqlstate(&e).as_deref() == Some("42710") => {}
+            Err(e) if sqlstate(&e).as_deref() == Some("57014") => {
+                let blocking: Vec<String> = sqlx::query_scalar(
+                    "SELECT format('pid %s (%s, %s, since %s)', pid, datname, coalesce(application_name, ''), xact_start)
+                     FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+                     ORDER BY xact_start LIMIT 5",
+                )
+                .fetch_all(pool)
                 .await
-                .map_err(map)?;
-            created.slot = true;
+                .unwrap_or_default();
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "creating the slot {} waited 60 s for transactions running when it started ({}): let them end, then run `outbox wal setup` again",
+                        self.slot,
+                        if blocking.is_empty() { "none left now".to_string() } else { blocking.join("; ") }
+                    ),
+                ));
+            }
+            Err(e) => return Err(map(e)),
         }
         Ok(created)
     }
@@ -220,14 +266,8 @@ impl WalSlot {
     /// reading it first.
     pub async fn drop(&self, pool: &PgPool) -> Result<WalSetup, Error> {
         let mut dropped = WalSetup::default();
-        let slot: Option<String> = sqlx::query_scalar(
-            "SELECT slot_name::text FROM pg_replication_slots WHERE slot_name = $1",
-        )
-        .bind(&self.slot)
-        .fetch_optional(pool)
-        .await
-        .map_err(|e| map_sqlx("wal drop", e))?;
-        if slot.is_some() {
+        // Never another database's slot of the same name (slot_here refuses it).
+        if self.slot_here(pool).await?.is_some() {
             sqlx::query("SELECT pg_drop_replication_slot($1)")
                 .bind(&self.slot)
                 .execute(pool)
@@ -259,6 +299,50 @@ impl WalSlot {
         Ok(dropped)
     }
 
+    /// The slot of this name in this database, if any; an error when a slot of this name belongs
+    /// to another database (slot names are cluster-wide), or is not a pgoutput logical slot.
+    async fn slot_here(&self, pool: &PgPool) -> Result<Option<()>, Error> {
+        let row: Option<(Option<String>, String, Option<String>)> = sqlx::query_as(
+            "SELECT database::text, slot_type::text, plugin::text FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(&self.slot)
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| map_sqlx("wal", e))?;
+        let here: String = sqlx::query_scalar("SELECT current_database()::text")
+            .fetch_one(pool)
+            .await
+            .map_err(|e| map_sqlx("wal", e))?;
+        match row {
+            None => Ok(None),
+            Some((Some(db), kind, Some(plugin))) if db == here && kind == "logical" && plugin == "pgoutput" => {
+                Ok(Some(()))
+            }
+            Some((db, kind, plugin)) => Err(Error::config(format!(
+                "a replication slot named {} already exists on this server for {} ({} slot, plugin {}): slot names are server-wide; \
+                 choose another with wal.slot (and wal.publication)",
+                self.slot,
+                db.map_or("no database".into(), |d| format!("database {d}")),
+                kind,
+                plugin.unwrap_or_else(|| "none".into())
+            ))),
+        }
+    }
+
+    /// Whether the publication holds the outbox table.
+    async fn publication_covers_table(&self, pool: &PgPool) -> Result<bool, Error> {
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables
+                            WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+        )
+        .bind(&self.publication)
+        .bind(self.table.schema())
+        .bind(self.table.table())
+        .fetch_one(pool)
+        .await
+        .map_err(|e| map_sqlx("wal", e))
+    }
+
     async fn publication_missing(&self, pool: &PgPool) -> Result<bool, Error> {
         let exists: bool =
             sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
@@ -279,6 +363,8 @@ impl WalSlot {
         let map = |e| map_sqlx("wal status", e);
         let wal_level = wal_level(pool).await?;
         let publication = !self.publication_missing(pool).await?;
+        // A slot of this name in another database is refused, not reported as this outbox's.
+        self.slot_here(pool).await?;
         let row = sqlx::query(
             "SELECT s.active, s.active_pid,
                     s.confirmed_flush_lsn::text AS confirmed_lsn, s.restart_lsn::text AS restart_lsn,
@@ -310,32 +396,69 @@ impl WalSlot {
         status.retained_bytes = row.try_get("retained_bytes").map_err(map)?;
         status.wal_status = row.try_get("wal_status").map_err(map)?;
         status.safe_wal_size = row.try_get("safe_wal_size").map_err(map)?;
-        if publication && !status.active {
-            status.oldest_unconfirmed_commit = self.oldest_unconfirmed_commit(pool).await?;
-            status.lag_seconds = Some(status.oldest_unconfirmed_commit.map_or(0.0, |t| {
-                (Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0
-            }));
+        status.covers_table = publication && self.publication_covers_table(pool).await?;
+        let lost = status.wal_status.as_deref() == Some("lost");
+        if !status.covers_table {
+            status.lag_unknown = Some(
+                "the publication does not hold the outbox table (run `outbox wal setup`)".into(),
+            );
+        } else if lost {
+            status.lag_unknown = Some(
+                "the slot lost WAL it needed (wal_status lost): drop it and set it up again".into(),
+            );
+        } else if status.active {
+            status.lag_unknown = Some("a reader holds the slot right now".into());
+        } else {
+            match self.oldest_unconfirmed_commit(pool).await {
+                Ok(Some(Some(t))) => {
+                    status.oldest_unconfirmed_commit = Some(t);
+                    status.lag_seconds =
+                        Some((Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0);
+                }
+                Ok(Some(None)) => status.lag_seconds = Some(0.0),
+                Ok(None) => {
+                    status.lag_unknown = Some(format!(
+                        "none of the first {STATUS_PEEK} changes the slot holds is this outbox's"
+                    ));
+                }
+                Err(e) => status.lag_unknown = Some(format!("the slot could not be read: {e}")),
+            }
         }
         Ok(status)
     }
 
     /// The commit time of the first transaction the slot holds with an event of this outbox (a row
-    /// of its table or a message with its prefix) that is not confirmed, among the first
-    /// [`STATUS_PEEK`] changes; `None` when there is none. Nothing is consumed.
+    /// of its table or a message with its prefix) that is not confirmed: `Some(Some(t))`;
+    /// `Some(None)` when the slot holds none; `None` when the first [`STATUS_PEEK`] changes held
+    /// none of this outbox's but there are more. Nothing is consumed.
     async fn oldest_unconfirmed_commit(
         &self,
         pool: &PgPool,
-    ) -> Result<Option<DateTime<Utc>>, Error> {
-        let held = WalReader::new(self.clone()).peek(pool, STATUS_PEEK).await?;
-        Ok(held
+    ) -> Result<Option<Option<DateTime<Utc>>>, Error> {
+        let peek = WalReader::new(self.clone()).peek(pool, STATUS_PEEK).await?;
+        let first = peek
+            .transactions
             .iter()
             .find(|t| !t.items.is_empty())
-            .map(|t| t.commit_time))
+            .map(|t| t.commit_time);
+        Ok(match first {
+            Some(t) => Some(Some(t)),
+            None if peek.cut => None,
+            None => Some(None),
+        })
     }
 }
 
 /// How many changes `outbox wal status` reads to find the oldest unconfirmed event.
 pub const STATUS_PEEK: i32 = 1000;
+
+/// The SQLSTATE of a database error.
+fn sqlstate(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
 
 /// A PostgreSQL timestamp (microseconds since 2000-01-01 UTC) as a UTC time.
 pub fn postgres_time(micros: i64) -> DateTime<Utc> {
@@ -402,9 +525,13 @@ pub struct WalStatus {
     pub restart_lsn: Option<String>,
     /// Bytes of WAL written since the confirmed position.
     pub lag_bytes: Option<i64>,
-    /// Seconds since the commit of the oldest transaction not confirmed (0 when there is none;
-    /// `None` while a reader holds the slot or without the publication).
+    /// Seconds since the commit of the oldest transaction of this outbox not confirmed (0 when
+    /// there is none; `None` when it cannot be told, see [`WalStatus::lag_unknown`]).
     pub lag_seconds: Option<f64>,
+    /// Why the lag in seconds cannot be told, when it cannot.
+    pub lag_unknown: Option<String>,
+    /// Whether the publication holds the outbox table (it must, for the slot to carry its rows).
+    pub covers_table: bool,
     /// The commit time of that transaction.
     pub oldest_unconfirmed_commit: Option<DateTime<Utc>>,
     /// Bytes of WAL the slot keeps on disk (from its restart position).
