@@ -246,6 +246,38 @@ fn time(event: &Event) -> String {
         .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
 }
 
+/// Standard base64: ASCII whitespace ignored (PostgreSQL's `encode(..., 'base64')` breaks lines),
+/// padding only at the end; `None` for anything else.
+pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
+    let value = |c: u8| -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    };
+    let clean: Vec<u8> = text.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+    let data_len = clean.iter().rposition(|b| *b != b'=').map_or(0, |i| i + 1);
+    let padding = clean.len() - data_len;
+    if padding > 2 || (padding > 0 && !clean.len().is_multiple_of(4)) || data_len % 4 == 1 {
+        return None;
+    }
+    let data = &clean[..data_len];
+    let mut out = Vec::with_capacity(data.len() * 3 / 4);
+    for chunk in data.chunks(4) {
+        let mut n = 0u32;
+        for (i, c) in chunk.iter().enumerate() {
+            n |= value(*c)? << (18 - 6 * i);
+        }
+        let bytes = n.to_be_bytes();
+        out.extend_from_slice(&bytes[1..chunk.len()]);
+    }
+    Some(out)
+}
+
 /// Whether `content_type` is JSON (`application/json`, `*/*+json`, `text/json`; parameters ignored).
 pub fn is_json(content_type: &str) -> bool {
     let essence = essence(content_type);
@@ -275,8 +307,8 @@ pub(crate) fn base64_for_tests(bytes: &[u8]) -> String {
     base64(bytes)
 }
 
-/// Standard base64 with padding (RFC 4648), for `data_base64`.
-fn base64(bytes: &[u8]) -> String {
+/// Standard base64 with padding (RFC 4648): `data_base64`, and table-less events' `payload_base64`.
+pub fn base64(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {

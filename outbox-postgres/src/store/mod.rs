@@ -105,7 +105,7 @@ pub fn decode_event(row: &PgRow) -> Result<Event, Error> {
 
 /// Headers as stored: a JSON object. Non-string values (from plain-SQL writers) keep their JSON text;
 /// anything that is not an object yields no headers rather than a failure.
-fn parse_headers(text: &str) -> BTreeMap<String, String> {
+pub(crate) fn parse_headers(text: &str) -> BTreeMap<String, String> {
     match serde_json::from_str::<serde_json::Value>(text) {
         Ok(serde_json::Value::Object(map)) => map
             .into_iter()

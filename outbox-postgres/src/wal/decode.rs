@@ -30,10 +30,12 @@ use serde_json::Value;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
+use outbox_core::format::{base64, base64_decode};
 use outbox_core::{Error, ErrorKind, Event, NewEvent, Payload, JSON_CONTENT_TYPE};
 
 use super::{postgres_time, WalSlot, PROTO_VERSION};
 use crate::error::map_sqlx;
+use crate::store::parse_headers;
 
 /// The default prefix of table-less events' messages.
 pub const DEFAULT_MESSAGE_PREFIX: &str = "outbox";
@@ -63,6 +65,20 @@ pub enum WalItem {
         /// The message's content or the row's columns, as text.
         raw: String,
     },
+}
+
+impl WalItem {
+    /// The event, or what is wrong with the change at `lsn` and its text.
+    fn new(lsn: u64, event: Result<Event, String>, raw: impl FnOnce() -> String) -> Self {
+        match event {
+            Ok(e) => WalItem::Event(e),
+            Err(error) => WalItem::Undecodable {
+                lsn,
+                error,
+                raw: raw(),
+            },
+        }
+    }
 }
 
 /// What one read of the slot returned.
@@ -326,20 +342,15 @@ fn row_event(lsn: u64, names: &[String], tuple: &TupleData) -> WalItem {
             event_type: required("event_type")?,
             payload,
             content_type: text("content_type").unwrap_or_else(|| JSON_CONTENT_TYPE.into()),
-            headers: text("headers").map(|h| string_map(&h)).unwrap_or_default(),
+            headers: text("headers")
+                .map(|h| parse_headers(&h))
+                .unwrap_or_default(),
             destination: text("destination"),
             created_at,
             attempts: 0,
         })
     })();
-    match event {
-        Ok(e) => WalItem::Event(e),
-        Err(error) => WalItem::Undecodable {
-            lsn,
-            error,
-            raw: raw(),
-        },
-    }
+    WalItem::new(lsn, event, raw)
 }
 
 /// `\x0102...` (bytea's hex output) as bytes.
@@ -368,20 +379,6 @@ fn parse_timestamptz(text: &str) -> Option<DateTime<Utc>> {
     let offset =
         chrono::Duration::seconds(i64::from(sign * (hours * 3600 + minutes * 60 + seconds)));
     Some((local - offset).and_utc())
-}
-
-/// A JSON object's members as strings (other values keep their JSON text); anything else, none.
-fn string_map(text: &str) -> BTreeMap<String, String> {
-    match serde_json::from_str::<Value>(text) {
-        Ok(Value::Object(map)) => map
-            .into_iter()
-            .map(|(k, v)| match v {
-                Value::String(s) => (k, s),
-                other => (k, other.to_string()),
-            })
-            .collect(),
-        _ => BTreeMap::new(),
-    }
 }
 
 /// Where the WAL comes from: the server's system identifier and timeline, which with a position
@@ -429,7 +426,7 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: O
                 return Err("the message has both payload and payload_base64: give one".into())
             }
             (None, Some(b64)) => (
-                decode_base64(&b64).ok_or("payload_base64 is not base64")?,
+                base64_decode(&b64).ok_or("payload_base64 is not base64")?,
                 "application/octet-stream",
             ),
             (Some(json), None) => (json.get().as_bytes().to_vec(), JSON_CONTENT_TYPE),
@@ -446,21 +443,14 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: O
             content_type: fields.content_type.unwrap_or_else(|| default_type.into()),
             headers: fields
                 .headers
-                .map(|h| string_map(&h.to_string()))
+                .map(|h| parse_headers(&h.to_string()))
                 .unwrap_or_default(),
             destination: fields.destination,
             created_at: commit_time,
             attempts: 0,
         })
     })();
-    match event {
-        Ok(e) => WalItem::Event(e),
-        Err(error) => WalItem::Undecodable {
-            lsn,
-            error,
-            raw: raw(),
-        },
-    }
+    WalItem::new(lsn, event, raw)
 }
 
 /// The id of a message written without one: the same for every read of that message (its
@@ -472,38 +462,6 @@ fn derived_id(origin: Origin, lsn: u64) -> Uuid {
     bytes[4..8].copy_from_slice(&origin.timeline.to_be_bytes());
     bytes[8..].copy_from_slice(&lsn.to_be_bytes());
     uuid::Builder::from_custom_bytes(bytes).into_uuid()
-}
-
-/// Standard base64: ASCII whitespace ignored (PostgreSQL's `encode(..., 'base64')` breaks lines),
-/// padding only at the end; `None` for anything else.
-fn decode_base64(text: &str) -> Option<Vec<u8>> {
-    let value = |c: u8| -> Option<u32> {
-        Some(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        } as u32)
-    };
-    let clean: Vec<u8> = text.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
-    let data_len = clean.iter().rposition(|b| *b != b'=').map_or(0, |i| i + 1);
-    let padding = clean.len() - data_len;
-    if padding > 2 || (padding > 0 && !clean.len().is_multiple_of(4)) || data_len % 4 == 1 {
-        return None;
-    }
-    let data = &clean[..data_len];
-    let mut out = Vec::with_capacity(data.len() * 3 / 4);
-    for chunk in data.chunks(4) {
-        let mut n = 0u32;
-        for (i, c) in chunk.iter().enumerate() {
-            n |= value(*c)? << (18 - 6 * i);
-        }
-        let bytes = n.to_be_bytes();
-        out.extend_from_slice(&bytes[1..chunk.len()]);
-    }
-    Some(out)
 }
 
 /// Writes table-less events: a transactional logical decoding message in the caller's transaction,
@@ -549,7 +507,7 @@ impl MessageWriter {
                 map.insert("payload".into(), v.clone());
             }
             Payload::Binary { content_type, data } => {
-                map.insert("payload_base64".into(), encode_base64(data).into());
+                map.insert("payload_base64".into(), base64(data).into());
                 map.insert("content_type".into(), content_type.clone().into());
             }
         }
@@ -591,28 +549,6 @@ impl MessageWriter {
     }
 }
 
-/// Standard base64 with padding.
-fn encode_base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for (i, shift) in [18, 12, 6, 0].into_iter().enumerate() {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[((n >> shift) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -626,7 +562,7 @@ mod tests {
         let t = parse_timestamptz("2026-12-04 10:11:12+05:30").unwrap();
         assert_eq!(t.to_rfc3339(), "2026-12-04T04:41:12+00:00");
         for bytes in [&b""[..], b"f", b"fo", b"foo", b"\x00\xff\xfe\x01"] {
-            assert_eq!(decode_base64(&encode_base64(bytes)).as_deref(), Some(bytes));
+            assert_eq!(base64_decode(&base64(bytes)).as_deref(), Some(bytes));
         }
         let here = Origin {
             system: 42,
@@ -645,16 +581,16 @@ mod tests {
         );
         // PostgreSQL's encode(..., 'base64') breaks lines every 76 characters.
         let long: Vec<u8> = (0..200u8).collect();
-        let wrapped: String = encode_base64(&long)
+        let wrapped: String = base64(&long)
             .as_bytes()
             .chunks(76)
             .map(|c| std::str::from_utf8(c).unwrap())
             .collect::<Vec<_>>()
             .join("\n");
-        assert_eq!(decode_base64(&wrapped), Some(long));
-        assert_eq!(decode_base64("Zm9v=Zm9v"), None, "padding only at the end");
-        assert_eq!(decode_base64("Zm9vZ"), None, "no 1-character group");
-        assert_eq!(decode_base64("Zg="), None, "padded groups are whole");
+        assert_eq!(base64_decode(&wrapped), Some(long));
+        assert_eq!(base64_decode("Zm9v=Zm9v"), None, "padding only at the end");
+        assert_eq!(base64_decode("Zm9vZ"), None, "no 1-character group");
+        assert_eq!(base64_decode("Zg="), None, "padded groups are whole");
         let t = parse_timestamptz("1901-01-01 00:00:00-03:30:52").unwrap();
         assert_eq!(t.to_rfc3339(), "1901-01-01T03:30:52+00:00");
         assert_eq!(parse_timestamptz("infinity"), None);

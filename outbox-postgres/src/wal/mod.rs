@@ -201,8 +201,9 @@ impl WalSlot {
             );
             match sqlx::query(&create).execute(pool).await {
                 Ok(_) => created.publication = true,
-                // Another `outbox wal setup` made it meanwhile.
-                Err(e) if sqlstate(&e).as_deref() == Some("42710") => {}
+                // Another `outbox wal setup` made it meanwhile (duplicate object, or the catalog's
+                // unique index when both inserted at once).
+                Err(e) if matches!(sqlstate(&e).as_deref(), Some("42710" | "23505")) => {}
                 Err(e) => return Err(map(e)),
             }
         } else if !self.publication_covers_table(pool).await? {
@@ -212,8 +213,12 @@ impl WalSlot {
                 self.publication,
                 self.table.qualified()
             );
-            sqlx::query(&add).execute(pool).await.map_err(map)?;
-            created.publication = true;
+            match sqlx::query(&add).execute(pool).await {
+                Ok(_) => created.publication = true,
+                // Another `outbox wal setup` added it meanwhile.
+                Err(e) if matches!(sqlstate(&e).as_deref(), Some("42710" | "23505")) => {}
+                Err(e) => return Err(map(e)),
+            }
         }
         if self.slot_here(pool).await?.is_some() {
             return Ok(created);
@@ -235,7 +240,7 @@ impl WalSlot {
                 created.slot = true;
             }
             // Another `outbox wal setup` made it meanwhile.
-            Err(e) if sqlstate(&e).as_deref() == Some("42710") => {}
+            Err(e) if matches!(sqlstate(&e).as_deref(), Some("42710" | "23505")) => {}
             Err(e) if sqlstate(&e).as_deref() == Some("57014") => {
                 let blocking: Vec<String> = sqlx::query_scalar(
                     "SELECT format('pid %s (%s, %s, since %s)', pid, datname, coalesce(application_name, ''), xact_start)
