@@ -80,13 +80,15 @@ pub struct AmqpConfig {
     /// The header prefix of CloudEvents attributes in binary mode (`publisher.format =
     /// "cloudevents-binary"`): `cloudEvents_` (the AMQP protocol binding, read by the CloudEvents SDKs'
     /// AMQP codecs and Spring AMQP; RabbitMQ passes these headers to AMQP 1.0 consumers as
-    /// application properties), `cloudEvents:` (the binding's 1.0.2 form), or `ce-` (Knative's
-    /// RabbitMQ binding). Default `cloudEvents_`.
+    /// application properties), `cloudEvents:` (the binding's 1.0.2 form), `ce-` (Knative's
+    /// RabbitMQ binding), or `ce_` (the Kafka binding's names, for consumers that read RabbitMQ
+    /// messages as they read Kafka records; no CloudEvents SDK's AMQP codec reads it). Default
+    /// `cloudEvents_`.
     pub cloudevents_prefix: String,
 }
 
 /// The CloudEvents header prefixes an AMQP publisher may use (`amqp.cloudevents_prefix`).
-pub const CLOUDEVENTS_PREFIXES: [&str; 3] = ["cloudEvents_", "cloudEvents:", "ce-"];
+pub const CLOUDEVENTS_PREFIXES: [&str; 4] = ["cloudEvents_", "cloudEvents:", "ce-", "ce_"];
 
 impl Default for AmqpConfig {
     fn default() -> Self {

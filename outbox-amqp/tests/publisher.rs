@@ -27,16 +27,56 @@ async fn cloudevents_with_the_knative_prefix_are_read_by_its_binding() {
 #[test]
 fn an_unknown_cloudevents_prefix_is_a_config_error() {
     let config = outbox_amqp::AmqpConfig {
-        cloudevents_prefix: "ce_".into(),
+        cloudevents_prefix: "x-ce-".into(),
         ..outbox_amqp::AmqpConfig::default()
     };
     let e = AmqpPublisher::new(config).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config);
     assert!(
-        e.message().contains("amqp.cloudevents_prefix = \"ce_\"")
+        e.message().contains("amqp.cloudevents_prefix = \"x-ce-\"")
             && e.message().contains("cloudEvents_"),
         "{e}"
     );
+}
+
+/// With `amqp.cloudevents_prefix = "ce_"` the attributes travel under the Kafka binding's names:
+/// every attribute of binary mode, and the content type in the message's property.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_under_the_kafka_bindings_names_carry_every_attribute() {
+    use outbox_core::format::{Formatter, MessageFormat};
+    use outbox_core::testkit::{BrokerFixture, Setup};
+    let fx = Fixture::new().await.with_cloudevents_prefix("ce_");
+    let p = fx
+        .build(Setup {
+            format: Formatter::new(
+                MessageFormat::CloudeventsBinary,
+                "s",
+                "/shop/{aggregate_type}",
+            )
+            .unwrap(),
+            ..Setup::default()
+        })
+        .await
+        .publisher;
+    let e = event("order-ce", 1);
+    assert!(p.publish(std::slice::from_ref(&e)).await[0].is_ok());
+    let got = fx.wait_for(1, WAIT).await;
+    let h = &got[0].received.headers;
+    let expected = Formatter::new(
+        MessageFormat::CloudeventsBinary,
+        "s",
+        "/shop/{aggregate_type}",
+    )
+    .unwrap()
+    .headers(&e, "ce_");
+    for (name, value) in expected {
+        assert_eq!(h.get(&name), Some(&value), "{name} in {h:?}");
+    }
+    assert_eq!(
+        got[0].received.content_type.as_deref(),
+        Some(e.content_type.as_str())
+    );
+    fx.dispose().await;
 }
 
 #[tokio::test]

@@ -4,8 +4,9 @@
 //! A round runs when the relay starts and then every `database.cleanup_interval`: batches of
 //! `database.cleanup_batch_size` rows, each its own short transaction under the table's cleanup lock
 //! ([`PostgresStore::cleanup_batch`] with [`CleanupLock::Try`]), until none are left or the relay
-//! stops. When another relay (or `outbox cleanup`) holds the lock, this relay skips its round: of
-//! several replicas one cleans at a time. Outcomes go to the metrics
+//! stops. One cleanup batch runs at a time: a relay that finds another relay (or `outbox cleanup`)
+//! deleting ends its round there (`busy`), so replicas never delete side by side (between two of
+//! one relay's batches another may take its turn). Outcomes go to the metrics
 //! (`outbox_cleanup_rows_removed_total`, `outbox_cleanup_runs_total{outcome}`,
 //! `outbox_cleanup_last_success_timestamp_seconds`).
 

