@@ -130,6 +130,33 @@ fn as_promql(expr: &str) -> String {
         .replace("$job", ".*")
 }
 
+/// PromQL's operators and keywords that are words (functions are recognised by their `(`).
+const PROMQL_WORDS: [&str; 23] = [
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "on",
+    "without",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+];
+
 /// What an expression names: metrics, and label names (in selectors and groupings).
 #[derive(Debug, Default)]
 struct Names {
@@ -156,6 +183,13 @@ fn names(expr: &str) -> Names {
             i += 1;
             continue;
         }
+        // A number or a duration (`0.95`, `1e3`, `5m` in a range): not a name.
+        if c.is_ascii_digit() {
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '.') {
+                i += 1;
+            }
+            continue;
+        }
         if c.is_ascii_alphabetic() || c == '_' || c == ':' || c == '$' {
             let start = i;
             while i < chars.len()
@@ -177,7 +211,9 @@ fn names(expr: &str) -> Names {
                 "by" | "on" | "without" | "ignoring" | "group_left" | "group_right"
             ) {
                 pending_grouping = true;
-            } else if word.starts_with("outbox_") || word == "up" {
+            } else if next != Some('(') && !PROMQL_WORDS.contains(&word.as_str()) {
+                // Not a function call, an operator or a keyword: a metric (so a misspelt one is
+                // caught, whatever its prefix).
                 names.metrics.insert(word);
             }
             continue;
@@ -335,6 +371,12 @@ fn the_expression_reader_finds_metrics_and_labels() {
     assert_eq!(
         n.metrics,
         BTreeSet::from(["outbox_batch_duration_seconds_bucket".into(), "up".into()])
+    );
+    // A misspelt metric is a metric too (and then one no relay exports).
+    let typo = names("sum(rate(outbx_events_published_total[5m])) > 0 unless on(job) vector(0)");
+    assert_eq!(
+        typo.metrics,
+        BTreeSet::from(["outbx_events_published_total".into()])
     );
     assert_eq!(
         n.labels,
