@@ -162,14 +162,7 @@ fn bad_config_files_name_the_problem() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_relay_status_metrics_and_sigterm() {
     let pg = pool(2).await;
-    let table = OutboxTable::new(
-        format!(
-            "outbox_t_{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
-        ),
-        "outbox_events",
-    )
-    .unwrap();
+    let table = unmigrated_table();
     let printed = run(outbox(&table, &["migrate", "--print"]));
     assert!(text(&printed.stdout).contains("CREATE TABLE IF NOT EXISTS"));
     let out = run(outbox(&table, &["migrate"]));
@@ -708,14 +701,7 @@ async fn unreachable_database_is_a_runtime_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notify_mode_wakes_an_idle_relay() {
-    let table = OutboxTable::new(
-        format!(
-            "outbox_t_{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
-        ),
-        "outbox_events",
-    )
-    .unwrap();
+    let table = unmigrated_table();
     let mut c = outbox(&table, &["migrate"]);
     c.env("OUTBOX_DATABASE__NOTIFY", "true");
     assert_eq!(run(c).status.code(), Some(0));

@@ -57,11 +57,17 @@ pub async fn pool(max_connections: u32) -> PgPool {
     }
 }
 
+/// A table name in a schema of its own (`outbox_t_<random>`), not created: `scripts/test-env.sh` drops
+/// these schemas (and their WAL slots and publications) left by earlier runs.
+pub fn unmigrated_table() -> OutboxTable {
+    let schema = format!("outbox_t_{}", &Uuid::new_v4().simple().to_string()[..12]);
+    OutboxTable::new(schema, "outbox_events").expect("a valid generated name")
+}
+
 /// A new, migrated outbox table in a schema of its own (`outbox_t_<random>`), isolated from every
 /// other test. `scripts/test-env.sh` drops these schemas before each run.
 pub async fn fresh_table(pool: &PgPool) -> OutboxTable {
-    let schema = format!("outbox_t_{}", &Uuid::new_v4().simple().to_string()[..12]);
-    let table = OutboxTable::new(schema, "outbox_events").unwrap();
+    let table = unmigrated_table();
     migrate(pool, &table).await.expect("migrate a fresh table");
     table
 }

@@ -523,61 +523,78 @@ impl BenchReport {
         }
         if let Some(w) = &self.writer {
             let _ = writeln!(s, "\nwriter ({} concurrent writers)", w.writers);
-            let _ = writeln!(
-                s,
-                "  business tx/s without outbox   {:>12.0}",
-                w.without_outbox_tps
-            );
-            let _ = writeln!(
-                s,
-                "  business tx/s with outbox      {:>12.0}",
-                w.with_outbox_tps
-            );
-            let _ = writeln!(
-                s,
-                "  business tx/s with SELECT 1    {:>12.0}   (one more round trip, no insert)",
-                w.with_noop_statement_tps
-            );
-            let _ = writeln!(
-                s,
-                "  overhead of the outbox insert  {:>11.1}%",
-                w.overhead * 100.0
-            );
-            let _ = writeln!(
-                s,
-                "  overhead of SELECT 1           {:>11.1}%   (the round trip alone)",
-                w.noop_statement_overhead * 100.0
-            );
-            let _ = writeln!(
-                s,
-                "  business tx/s, no ordering     {:>12.0}   (outbox insert, writer-order trigger off)",
-                w.with_outbox_without_ordering_tps
-            );
-            let _ = writeln!(
-                s,
-                "  overhead of the ordering rule  {:>11.1}%   (of the tx/s with outbox)",
-                w.ordering_rule_overhead * 100.0
-            );
-            let _ = writeln!(
-                s,
-                "  business tx/s, table-less      {:>12.0}   (a pg_logical_emit_message event, the WAL source's)",
-                w.with_message_tps
-            );
-            let _ = writeln!(
-                s,
-                "  overhead of a table-less event {:>11.1}%",
-                w.message_overhead * 100.0
-            );
-            let _ = writeln!(
-                s,
-                "  business tx/s, in statement    {:>12.0}   (the table-less event written by the business statement)",
-                w.with_message_in_statement_tps
-            );
-            let _ = writeln!(
-                s,
-                "  overhead, in statement         {:>11.1}%",
-                w.message_in_statement_overhead * 100.0
-            );
+            // (label, value, a percentage?, note)
+            let rows: [(&str, f64, bool, &str); 11] = [
+                (
+                    "business tx/s without outbox",
+                    w.without_outbox_tps,
+                    false,
+                    "",
+                ),
+                ("business tx/s with outbox", w.with_outbox_tps, false, ""),
+                (
+                    "business tx/s with SELECT 1",
+                    w.with_noop_statement_tps,
+                    false,
+                    "one more round trip, no insert",
+                ),
+                ("overhead of the outbox insert", w.overhead, true, ""),
+                (
+                    "overhead of SELECT 1",
+                    w.noop_statement_overhead,
+                    true,
+                    "the round trip alone",
+                ),
+                (
+                    "business tx/s, no ordering",
+                    w.with_outbox_without_ordering_tps,
+                    false,
+                    "outbox insert, writer-order trigger off",
+                ),
+                (
+                    "overhead of the ordering rule",
+                    w.ordering_rule_overhead,
+                    true,
+                    "of the tx/s with outbox",
+                ),
+                (
+                    "business tx/s, table-less",
+                    w.with_message_tps,
+                    false,
+                    "a pg_logical_emit_message event, the WAL source's",
+                ),
+                (
+                    "overhead of a table-less event",
+                    w.message_overhead,
+                    true,
+                    "",
+                ),
+                (
+                    "business tx/s, in statement",
+                    w.with_message_in_statement_tps,
+                    false,
+                    "the table-less event written by the business statement",
+                ),
+                (
+                    "overhead, in statement",
+                    w.message_in_statement_overhead,
+                    true,
+                    "",
+                ),
+            ];
+            for (label, value, percent, note) in rows {
+                let figure = if percent {
+                    format!("{:>11.1}%", value * 100.0)
+                } else {
+                    format!("{value:>12.0}")
+                };
+                let note = if note.is_empty() {
+                    String::new()
+                } else {
+                    format!("   ({note})")
+                };
+                let _ = writeln!(s, "  {label:<30} {figure}{note}");
+            }
         }
         if !self.drain.is_empty() {
             let _ = writeln!(s, "\ndrain of a pre-filled backlog");

@@ -27,17 +27,8 @@ pub fn example(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A table in a schema of its own (not yet migrated; `scripts/test-env.sh` drops these schemas).
-pub fn unmigrated_table() -> OutboxTable {
-    OutboxTable::new(
-        format!(
-            "outbox_t_{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
-        ),
-        "outbox_events",
-    )
-    .unwrap()
-}
+#[allow(unused_imports)]
+pub use outbox_postgres::testing::unmigrated_table;
 
 #[allow(unused_imports)]
 pub use outbox_core::testkit::free_port;
