@@ -11,8 +11,10 @@ use tracing::{error, info, warn};
 use outbox_core::{
     CancellationToken, Error, ErrorKind, NewEvent, Publisher, Relay, Store, StoreStats,
 };
+use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
 use outbox_postgres::{
     connect_config, migrate, notify, schema_sql, DeadLetterFilter, OutboxTable, PostgresStore,
+    Source,
 };
 
 use crate::config::{Config, LogFormat};
@@ -299,16 +301,21 @@ fn init_logging(config: &Config) {
 
 async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
     let table = config.database.validate()?;
+    // Under the WAL source, pending events, dead letters and kept rows are the held table's.
+    let kept = match config.database.source {
+        Source::Wal => config.wal.held_table(&table)?,
+        Source::Polling => table.clone(),
+    };
     match command {
         Command::Migrate { print } => cmd_migrate(&config, &table, print).await,
         Command::Relay => cmd_relay(config, table).await,
         Command::Healthcheck { addr, timeout } => cmd_healthcheck(&config, addr, timeout).await,
-        Command::Status { json } => cmd_status(&config, table, json).await,
-        Command::DeadLetters(c) => cmd_dead_letters(&config, table, c).await,
+        Command::Status { json } => cmd_status(&config, kept, json).await,
+        Command::DeadLetters(c) => cmd_dead_letters(&config, kept, c).await,
         Command::Cleanup {
             older_than,
             batch_size,
-        } => cmd_cleanup(&config, table, older_than, batch_size).await,
+        } => cmd_cleanup(&config, kept, older_than, batch_size).await,
         Command::PublishTest {
             event_type,
             aggregate_type,
@@ -357,6 +364,17 @@ async fn cmd_migrate(config: &Config, table: &OutboxTable, print: bool) -> Resul
     }
     let pool = connect_config(&config.database).await?;
     let applied = migrate(&pool, table).await?;
+    if config.database.source == Source::Wal {
+        let held = config.wal.held_table(table)?;
+        let held_applied = migrate(&pool, &held).await?;
+        if !held_applied.is_empty() {
+            println!(
+                "{} (the WAL source's held table): applied migrations {:?}",
+                held.qualified(),
+                held_applied
+            );
+        }
+    }
     if config.database.notify {
         notify::install_notify_trigger(&pool, table).await?;
     } else {
@@ -375,8 +393,17 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     // Signals are watched from the start: SIGTERM while connecting is a clean exit too.
     let shutdown = CancellationToken::new();
     tokio::spawn(watch_signals(Signals::install(), shutdown.clone()));
+    let wal_source = config.database.source == Source::Wal;
     let start = async {
-        let pg = store(&config, table.clone()).await?;
+        // Under the WAL source, the polling machinery works on the held table.
+        let pg = if wal_source {
+            let held = config.wal.held_table(&table)?;
+            let pg = store(&config, held).await?;
+            wal_preflight(&config, &table, &pg).await?;
+            pg
+        } else {
+            store(&config, table.clone()).await?
+        };
         pg.check().await?;
         let publisher = build_publisher(&config).await?;
         Ok::<_, Failure>((pg, publisher))
@@ -388,12 +415,37 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
             return Ok(());
         }
     };
-    let store: Arc<dyn Store> = Arc::new(pg.clone());
+    let wake = outbox_core::Wake::new();
+    let wal = if wal_source {
+        let slot = config.wal.slot(&table)?;
+        Some(
+            WalStore::new(pg.pool().clone(), slot, pg.clone(), &config.wal)
+                .with_wake(wake.clone())
+                .with_held_poll_interval(config.relay.poll_interval),
+        )
+    } else {
+        None
+    };
+    let store: Arc<dyn Store> = match &wal {
+        Some(w) => Arc::new(w.clone()),
+        None => Arc::new(pg.clone()),
+    };
     let liveness = Arc::new(crate::health::Liveness::new(config.liveness_timeout()));
     let metrics =
         Arc::new(Metrics::new(config.http.max_event_type_labels).with_liveness(liveness.clone()));
     let relay = Relay::new(store.clone(), publisher.clone(), config.relay.clone())?
-        .with_observer(metrics.clone());
+        .with_observer(metrics.clone())
+        .with_wake(wake);
+    let reader = wal.as_ref().map(|w| {
+        tokio::spawn(watch_wal(
+            w.clone(),
+            metrics.clone(),
+            config.wal.retained_wal_warning,
+            config.http.stats_interval,
+            shutdown.clone(),
+        ));
+        w.start()
+    });
     {
         let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
         let every = config.http.stats_interval;
@@ -448,12 +500,25 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
         ));
     }
     if config.database.notify {
-        let (pool, table, wake, shutdown) = (
-            pg.pool().clone(),
-            table.clone(),
-            relay.wake_handle(),
-            shutdown.clone(),
-        );
+        // Under the WAL source, a NOTIFY from the outbox table's writers makes the reader look.
+        let wake = match &wal {
+            Some(w) => {
+                let (reader, wake) = (w.reader_wake(), outbox_core::Wake::new());
+                let forward = wake.clone();
+                let stop = shutdown.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tokio::select! {
+                            _ = forward.notified() => reader.notify_one(),
+                            _ = stop.cancelled() => return,
+                        }
+                    }
+                });
+                wake
+            }
+            None => relay.wake_handle(),
+        };
+        let (pool, table, shutdown) = (pg.pool().clone(), table.clone(), shutdown.clone());
         tokio::spawn(async move {
             if let Err(e) = notify::listen(&pool, &table, wake, shutdown).await {
                 warn!(error = %e, "LISTEN/NOTIFY unavailable; relying on polling");
@@ -464,10 +529,92 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     // The relay logs its own summary when it stops.
     relay.run(shutdown.clone()).await;
     shutdown.cancel();
+    if let Some(reader) = reader {
+        // Settled batches are confirmed before the slot is let go.
+        reader.stop().await;
+    }
     if let Some(server) = server {
         let _ = server.await;
     }
     Ok(())
+}
+
+/// Before the WAL source starts: the server can decode, the held table is there.
+async fn wal_preflight(
+    config: &Config,
+    table: &OutboxTable,
+    held: &PostgresStore,
+) -> Result<(), Failure> {
+    config.wal.validate()?;
+    check_wal_level(&wal_level(held.pool()).await?)?;
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(held.table().qualified())
+        .fetch_one(held.pool())
+        .await
+        .map_err(|e| outbox_postgres::map_sqlx("wal", e))?;
+    if !exists {
+        return Err(Error::config(format!(
+            "database.source = \"wal\" but the held table {} does not exist: run `outbox wal setup` (it makes the publication, the slot and that table for {})",
+            held.table().qualified(),
+            table.qualified()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// The WAL source's gauges, refreshed every `every`; a loud warning while the slot keeps more
+/// WAL than `warning` bytes.
+async fn watch_wal(
+    wal: WalStore,
+    metrics: Arc<Metrics>,
+    warning: u64,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut warned_missing = false;
+    loop {
+        let progress = wal.progress();
+        let mut figures = crate::metrics::WalFigures {
+            active: progress.active,
+            unsettled: progress.unsettled as u64,
+            lag_seconds: progress.lag_seconds,
+            retained_warning: warning,
+            ..Default::default()
+        };
+        match wal.slot().positions(wal.held().pool()).await {
+            Ok(Some(p)) => {
+                warned_missing = false;
+                figures.slot_present = true;
+                figures.lag_bytes = p.lag_bytes;
+                figures.retained_bytes = p.retained_bytes;
+                if p.retains_too_much(warning) {
+                    warn!(
+                        slot = wal.slot().slot(),
+                        retained_bytes = p.retained_bytes,
+                        wal_status = p.wal_status.as_deref(),
+                        limit = warning,
+                        "the slot keeps more WAL than wal.retained_wal_warning (or is losing WAL): the relay is not keeping up, or the slot is not read; the database's disk fills until it is"
+                    );
+                }
+            }
+            Ok(None) => {
+                if !warned_missing {
+                    error!(
+                        slot = wal.slot().slot(),
+                        "the replication slot does not exist: run `outbox wal setup`; events committed while it is missing are not read"
+                    );
+                    warned_missing = true;
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot read the slot's positions for metrics"),
+        }
+        metrics.record_wal(&figures);
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
 }
 
 /// SIGTERM and SIGINT, caught from the moment [`Signals::install`] returns.
@@ -792,13 +939,17 @@ async fn cmd_wal(config: &Config, table: OutboxTable, command: WalCommand) -> Re
     match command {
         WalCommand::Setup => {
             let created = slot.setup(&pool).await?;
+            let held = config.wal.held_table(&table)?;
+            let applied = migrate(&pool, &held).await?;
             let said = |made: bool| if made { "created" } else { "exists" };
             println!(
-                "publication {}: {}\nslot {}: {}",
+                "publication {}: {}\nslot {}: {}\nheld table {}: {}",
                 slot.publication(),
                 said(created.publication),
                 slot.slot(),
-                said(created.slot)
+                said(created.slot),
+                held.qualified(),
+                if applied.is_empty() { "up to date".to_string() } else { format!("applied migrations {applied:?}") }
             );
             info!(
                 slot = slot.slot(),

@@ -96,6 +96,7 @@ pub struct Metrics {
     cleanup_removed: Counter,
     cleanup_runs: Family<OutcomeLabel, Counter>,
     cleanup_last_success: Gauge<f64, AtomicU64>,
+    wal: WalGauges,
     liveness: Option<std::sync::Arc<crate::health::Liveness>>,
 }
 
@@ -136,6 +137,7 @@ impl Metrics {
         let cleanup_removed = Counter::default();
         let cleanup_runs = Family::<OutcomeLabel, Counter>::default();
         let cleanup_last_success = Gauge::<f64, AtomicU64>::default();
+        let wal = WalGauges::register(&mut registry);
         registry.register(
             "outbox_events_published",
             "Events published (acknowledged by the broker)",
@@ -249,6 +251,7 @@ impl Metrics {
             cleanup_removed,
             cleanup_runs,
             cleanup_last_success,
+            wal,
             max_event_type_labels,
             failed_types: Default::default(),
             published,
@@ -337,6 +340,19 @@ impl Metrics {
                 })
                 .set(pending.min(i64::MAX as u64) as i64);
         }
+    }
+
+    /// Updates the WAL source's gauges.
+    pub fn record_wal(&self, wal: &WalFigures) {
+        let g = &self.wal;
+        g.active.set(i64::from(wal.active));
+        g.unsettled.set(wal.unsettled.min(i64::MAX as u64) as i64);
+        g.lag_seconds.set(wal.lag_seconds);
+        g.slot_present.set(i64::from(wal.slot_present));
+        g.lag_bytes.set(wal.lag_bytes);
+        g.retained_bytes.set(wal.retained_bytes);
+        g.retained_warning
+            .set(wal.retained_warning.min(i64::MAX as u64) as i64);
     }
 
     /// `rows` expired rows were removed by the automatic cleanup.
@@ -540,5 +556,85 @@ mod tests {
             text.contains("outbox_events_pending_by_type{event_type=\"other\"} 33"),
             "{text}"
         );
+    }
+}
+
+/// The WAL source's figures for [`Metrics::record_wal`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WalFigures {
+    /// This relay reads the slot (not a standby).
+    pub active: bool,
+    /// Events read from the slot, not yet published nor held.
+    pub unsettled: u64,
+    /// Seconds since the commit of the oldest transaction read and not yet confirmed.
+    pub lag_seconds: f64,
+    /// The slot exists.
+    pub slot_present: bool,
+    /// Bytes of WAL written since the slot's confirmed position.
+    pub lag_bytes: i64,
+    /// Bytes of WAL the slot keeps on disk.
+    pub retained_bytes: i64,
+    /// `wal.retained_wal_warning`.
+    pub retained_warning: u64,
+}
+
+/// The WAL source's gauges (0 under the polling source).
+struct WalGauges {
+    active: Gauge,
+    unsettled: Gauge,
+    lag_seconds: Gauge<f64, AtomicU64>,
+    slot_present: Gauge,
+    lag_bytes: Gauge,
+    retained_bytes: Gauge,
+    retained_warning: Gauge,
+}
+
+impl WalGauges {
+    fn register(registry: &mut Registry) -> WalGauges {
+        let g = WalGauges {
+            active: Gauge::default(),
+            unsettled: Gauge::default(),
+            lag_seconds: Gauge::default(),
+            slot_present: Gauge::default(),
+            lag_bytes: Gauge::default(),
+            retained_bytes: Gauge::default(),
+            retained_warning: Gauge::default(),
+        };
+        registry.register(
+            "outbox_wal_reader_active",
+            "1 while this relay reads the replication slot (the WAL source); 0 for a standby, or under the polling source",
+            g.active.clone(),
+        );
+        registry.register(
+            "outbox_wal_unsettled_events",
+            "Events this relay read from the slot and has not yet published nor moved to the held table",
+            g.unsettled.clone(),
+        );
+        registry.register(
+            "outbox_wal_lag_seconds",
+            "Seconds since the commit of the oldest transaction this relay read from the slot and has not confirmed",
+            g.lag_seconds.clone(),
+        );
+        registry.register(
+            "outbox_wal_slot_present",
+            "1 when the replication slot exists (the WAL source); 0 when it is missing or under the polling source",
+            g.slot_present.clone(),
+        );
+        registry.register(
+            "outbox_wal_slot_lag_bytes",
+            "Bytes of WAL written since the slot's confirmed position",
+            g.lag_bytes.clone(),
+        );
+        registry.register(
+            "outbox_wal_slot_retained_bytes",
+            "Bytes of WAL the slot keeps on the database server's disk (from its restart position)",
+            g.retained_bytes.clone(),
+        );
+        registry.register(
+            "outbox_wal_retained_warning_bytes",
+            "wal.retained_wal_warning: retained WAL above this is an alert (0 under the polling source)",
+            g.retained_warning.clone(),
+        );
+        g
     }
 }

@@ -61,6 +61,21 @@ pub struct DatabaseConfig {
     /// (`outbox_stats_estimated` is then 1). Bounds the cost of statistics on a large backlog. At
     /// least 1000. Default 100000.
     pub stats_max_rows: u64,
+    /// Where the relay reads events: `polling` (the outbox table, claimed with `SKIP LOCKED`) or
+    /// `wal` (a logical replication slot: the table's inserts and table-less events, in commit
+    /// order; see `[wal]` and `outbox wal setup`). Default `polling`.
+    pub source: Source,
+}
+
+/// Where the relay reads events (`database.source`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// The outbox table, polled.
+    #[default]
+    Polling,
+    /// A logical replication slot (the WAL source).
+    Wal,
 }
 
 impl Default for DatabaseConfig {
@@ -77,6 +92,7 @@ impl Default for DatabaseConfig {
             notify: false,
             acquire_timeout: Duration::from_secs(10),
             stats_max_rows: crate::store::DEFAULT_STATS_MAX_ROWS,
+            source: Source::Polling,
         }
     }
 }
@@ -97,6 +113,7 @@ impl std::fmt::Debug for DatabaseConfig {
             .field("notify", &self.notify)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("stats_max_rows", &self.stats_max_rows)
+            .field("source", &self.source)
             .finish()
     }
 }

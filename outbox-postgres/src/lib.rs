@@ -14,7 +14,7 @@ pub mod wal;
 mod writer;
 
 pub use config::{
-    redact_url, DatabaseConfig, DEFAULT_CLEANUP_BATCH_SIZE, DEFAULT_CLEANUP_INTERVAL,
+    redact_url, DatabaseConfig, Source, DEFAULT_CLEANUP_BATCH_SIZE, DEFAULT_CLEANUP_INTERVAL,
     DEFAULT_DATABASE_URL,
 };
 pub use error::{classify_sqlstate, map_sqlx};

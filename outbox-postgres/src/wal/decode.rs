@@ -25,9 +25,10 @@
 use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
 use pg_walstream::protocol::{LogicalReplicationMessage, LogicalReplicationParser, TupleData};
 use serde_json::Value;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use outbox_core::format::{base64, base64_decode};
@@ -49,6 +50,10 @@ pub struct WalTransaction {
     pub commit_time: DateTime<Utc>,
     /// Its events (and the changes that could not be events), in order.
     pub items: Vec<WalItem>,
+    /// The ids of its events that are rows of the outbox table (the others are table-less).
+    pub row_ids: Vec<Uuid>,
+    /// The changes the slot returned for it (its begin, rows, messages and commit).
+    pub changes: usize,
 }
 
 /// A change of a transaction.
@@ -58,6 +63,9 @@ pub enum WalItem {
     Event(Event),
     /// A change that cannot be an event: its position, what is wrong, and its content as text.
     Undecodable {
+        /// An id for its dead letter, the same for every read of it (derived from its position on
+        /// this server's timeline).
+        id: Uuid,
         /// Where it is in the WAL.
         lsn: u64,
         /// What is wrong, and how to write it right.
@@ -73,6 +81,7 @@ impl WalItem {
         match event {
             Ok(e) => WalItem::Event(e),
             Err(error) => WalItem::Undecodable {
+                id: Uuid::nil(),
                 lsn,
                 error,
                 raw: raw(),
@@ -122,10 +131,27 @@ impl WalReader {
     /// A database error (SQLSTATE 55006 when another session reads the slot at this moment); an
     /// unexpected error when the slot returns something that is not pgoutput.
     pub async fn peek(&self, pool: &PgPool, max_changes: i32) -> Result<WalPeek, Error> {
+        let mut conn = pool.acquire().await.map_err(|e| map_sqlx("wal read", e))?;
+        self.peek_on(&mut conn, max_changes, usize::MAX).await
+    }
+
+    /// As [`WalReader::peek`], on `conn` (the WAL source reads on the connection that holds its
+    /// reader lock, so that a reader that lost it cannot read on), and stopping after the first
+    /// transaction that takes the changes read past `max_bytes` (their pgoutput bytes): the read is
+    /// then cut, and the memory it holds bounded by the budget plus one transaction.
+    ///
+    /// # Errors
+    /// As [`WalReader::peek`].
+    pub async fn peek_on(
+        &self,
+        conn: &mut PgConnection,
+        max_changes: i32,
+        max_bytes: usize,
+    ) -> Result<WalPeek, Error> {
         let map = |e| map_sqlx("wal read", e);
         // pgoutput writes the columns as the calling session's output functions do: fixed here,
         // whatever the role's or database's settings.
-        let mut tx = pool.begin().await.map_err(map)?;
+        let mut tx = conn.begin().await.map_err(map)?;
         for setting in [
             "SET LOCAL bytea_output = 'hex'",
             "SET LOCAL DateStyle = 'ISO, YMD'",
@@ -141,20 +167,33 @@ impl WalReader {
         .fetch_one(&mut *tx)
         .await
         .map_err(map)?;
-        let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
-            "SELECT (lsn - '0/0'::pg_lsn)::bigint, data
-             FROM pg_logical_slot_peek_binary_changes($1, NULL, $2,
-                 'proto_version', $3, 'publication_names', $4, 'messages', 'true')",
-        )
-        .bind(self.slot.slot())
-        .bind(max_changes)
-        .bind(PROTO_VERSION)
-        .bind(self.slot.publication())
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(map)?;
+        let mut rows: Vec<(i64, Vec<u8>)> = Vec::new();
+        let mut over_budget = false;
+        {
+            let mut stream = sqlx::query_as::<_, (i64, Vec<u8>)>(
+                "SELECT (lsn - '0/0'::pg_lsn)::bigint, data
+                 FROM pg_logical_slot_peek_binary_changes($1, NULL, $2,
+                     'proto_version', $3, 'publication_names', $4, 'messages', 'true')",
+            )
+            .bind(self.slot.slot())
+            .bind(max_changes)
+            .bind(PROTO_VERSION)
+            .bind(self.slot.publication())
+            .fetch(&mut *tx);
+            let mut bytes = 0usize;
+            while let Some(row) = stream.try_next().await.map_err(map)? {
+                bytes = bytes.saturating_add(row.1.len());
+                // pgoutput's commit message starts with 'C': a transaction ends here.
+                let commit = row.1.first() == Some(&b'C');
+                rows.push(row);
+                if commit && bytes >= max_bytes {
+                    over_budget = true;
+                    break;
+                }
+            }
+        }
         tx.commit().await.map_err(map)?;
-        let cut = rows.len() >= usize::try_from(max_changes).unwrap_or(0);
+        let cut = over_budget || rows.len() >= usize::try_from(max_changes).unwrap_or(0);
         let origin = Origin {
             system: system as u64,
             timeline: timeline as u32,
@@ -172,6 +211,15 @@ impl WalReader {
     /// # Errors
     /// A database error.
     pub async fn confirm(&self, pool: &PgPool, end_lsn: u64) -> Result<(), Error> {
+        let mut conn = pool.acquire().await.map_err(|e| map_sqlx("wal confirm", e))?;
+        self.confirm_on(&mut conn, end_lsn).await
+    }
+
+    /// As [`WalReader::confirm`], on `conn`.
+    ///
+    /// # Errors
+    /// As [`WalReader::confirm`].
+    pub async fn confirm_on(&self, conn: &mut PgConnection, end_lsn: u64) -> Result<(), Error> {
         let lsn = i64::try_from(end_lsn).unwrap_or(i64::MAX);
         sqlx::query(
             "SELECT pg_replication_slot_advance(s.slot_name,
@@ -180,7 +228,7 @@ impl WalReader {
         )
         .bind(self.slot.slot())
         .bind(lsn)
-        .execute(pool)
+        .execute(&mut *conn)
         .await
         .map_err(|e| map_sqlx("wal confirm", e))?;
         Ok(())
@@ -203,8 +251,11 @@ impl WalReader {
         let mut relations: HashMap<u32, (String, String, Vec<String>)> = HashMap::new();
         let mut out = Vec::new();
         let mut open: Option<(DateTime<Utc>, Vec<WalItem>)> = None;
+        let mut row_ids: Vec<Uuid> = Vec::new();
+        let mut counted = 0usize;
         for (lsn, data) in changes {
             let lsn = u64::try_from(*lsn).unwrap_or(0);
+            counted += 1;
             let message = parser
                 .parse_wal_message(data)
                 .map_err(|e| {
@@ -220,6 +271,8 @@ impl WalReader {
             match message {
                 LogicalReplicationMessage::Begin { timestamp, .. } => {
                     open = Some((postgres_time(timestamp), Vec::new()));
+                    row_ids.clear();
+                    counted = 1;
                 }
                 LogicalReplicationMessage::Relation {
                     relation_id,
@@ -244,8 +297,15 @@ impl WalReader {
                     // The publication holds the outbox table only (its partitions published as
                     // it): every row it carries is an event, whatever name it comes under.
                     match relations.get(&relation_id) {
-                        Some((_, _, names)) => items.push(row_event(lsn, names, &tuple)),
+                        Some((_, _, names)) => {
+                            let item = row_event(lsn, names, &tuple);
+                            if let WalItem::Event(e) = &item {
+                                row_ids.push(e.id);
+                            }
+                            items.push(item);
+                        }
                         None => items.push(WalItem::Undecodable {
+                            id: Uuid::nil(),
                             lsn,
                             error: format!(
                                 "a row of relation {relation_id} came before its description"
@@ -268,7 +328,10 @@ impl WalReader {
                     _ => out.push(WalTransaction {
                         end_lsn: lsn,
                         commit_time: Utc::now(),
+                        row_ids: Vec::new(),
+                        changes: 1,
                         items: vec![WalItem::Undecodable {
+                            id: derived_id(origin, lsn),
                             lsn,
                             error: format!(
                                 "a non-transactional message with prefix {prefix:?}: emit events with pg_logical_emit_message(true, ...), so that they exist only if their transaction commits"
@@ -283,16 +346,22 @@ impl WalReader {
                     if let Some((_, mut items)) = open.take() {
                         let commit_time = postgres_time(timestamp);
                         for item in &mut items {
-                            if let WalItem::Event(e) = item {
-                                if e.created_at == DateTime::<Utc>::default() {
+                            match item {
+                                WalItem::Event(e) if e.created_at == DateTime::<Utc>::default() => {
                                     e.created_at = commit_time;
                                 }
+                                WalItem::Undecodable { id, lsn, .. } => {
+                                    *id = derived_id(origin, *lsn);
+                                }
+                                WalItem::Event(_) => {}
                             }
                         }
                         out.push(WalTransaction {
                             end_lsn,
                             commit_time,
                             items,
+                            row_ids: std::mem::take(&mut row_ids),
+                            changes: counted,
                         });
                     }
                 }

@@ -14,6 +14,8 @@
 //! from its restart position on: [`WalStatus::retained_bytes`] says how much, and `outbox wal drop`
 //! removes both.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgPool, Row};
@@ -24,6 +26,8 @@ use crate::error::map_sqlx;
 use crate::table::OutboxTable;
 
 mod decode;
+mod store;
+pub use store::{ReaderHandle, WalProgress, WalStore, STANDBY_RETRY, UNDECODABLE_AGGREGATE_TYPE};
 pub use decode::{
     MessageWriter, WalItem, WalPeek, WalReader, WalTransaction, DEFAULT_MESSAGE_PREFIX,
 };
@@ -51,7 +55,30 @@ pub struct WalConfig {
     /// The prefix of table-less events' messages (`pg_logical_emit_message(true, '<prefix>', ...)`).
     /// Messages are database-wide: give each outbox of a database its own. Default `outbox`.
     pub message_prefix: String,
+    /// The table where events the WAL source could not publish at once wait, in order (retries,
+    /// dead letters, and the later events of their aggregates); an outbox table of its own, made by
+    /// `outbox wal setup`. Default `<table>_held`, in the outbox table's schema.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held_table: Option<String>,
+    /// Delete the outbox table's rows once their events are published or held (the table stays
+    /// empty); `false` leaves the table to you (for example, writers that insert and delete the
+    /// row in the same transaction, as with Debezium's outbox router). Default true.
+    pub delete_published: bool,
+    /// How often the reader looks at the slot when the last look found nothing new. Each look is a
+    /// `pg_logical_slot_peek_binary_changes` call (PostgreSQL logs two LOG lines per call up to
+    /// version 15). Default 100ms.
+    #[serde(with = "outbox_core::duration::serde_str")]
+    pub poll_interval: Duration,
+    /// The most events read from the slot and not yet settled that the reader holds in memory.
+    /// Default 10000.
+    pub read_ahead: usize,
+    /// The most payload bytes of those (a single transaction larger than this is still read
+    /// whole). Default 16 MiB.
+    pub read_ahead_bytes: usize,
 }
+
+/// The default of `wal.poll_interval`: 100 ms.
+pub const DEFAULT_WAL_POLL_INTERVAL: Duration = Duration::from_millis(100);
 
 impl Default for WalConfig {
     fn default() -> Self {
@@ -60,11 +87,53 @@ impl Default for WalConfig {
             publication: None,
             retained_wal_warning: DEFAULT_RETAINED_WAL_WARNING,
             message_prefix: DEFAULT_MESSAGE_PREFIX.into(),
+            held_table: None,
+            delete_published: true,
+            poll_interval: DEFAULT_WAL_POLL_INTERVAL,
+            read_ahead: 10_000,
+            read_ahead_bytes: 16 << 20,
         }
     }
 }
 
 impl WalConfig {
+    /// The held table of `table` (`wal.held_table`, default `<table>_held`, in its schema).
+    ///
+    /// # Errors
+    /// A config error naming `wal.held_table` when the name is not valid.
+    pub fn held_table(&self, table: &OutboxTable) -> Result<OutboxTable, Error> {
+        let name = self
+            .held_table
+            .clone()
+            .unwrap_or_else(|| format!("{}_held", table.table()));
+        let held = OutboxTable::new(table.schema(), name.as_str())
+            .map_err(|e| Error::config(format!("wal.held_table = {name:?}: {}", e.message())))?;
+        if &held == table {
+            return Err(Error::config(format!(
+                "wal.held_table = {name:?} is the outbox table itself: name another table"
+            )));
+        }
+        Ok(held)
+    }
+
+    /// Checks the reader's settings.
+    ///
+    /// # Errors
+    /// A config error naming the setting.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.poll_interval.is_zero() {
+            return Err(Error::config(
+                "wal.poll_interval = 0s: expected a positive duration such as 100ms",
+            ));
+        }
+        if self.read_ahead == 0 || self.read_ahead_bytes == 0 {
+            return Err(Error::config(
+                "wal.read_ahead and wal.read_ahead_bytes must be positive (defaults 10000 and 16777216)",
+            ));
+        }
+        Ok(())
+    }
+
     /// The slot of `table` these settings name.
     ///
     /// # Errors
@@ -358,6 +427,29 @@ impl WalSlot {
         Ok(!exists)
     }
 
+    /// The slot's lag and retained WAL in bytes, and its `wal_status`, without reading it (cheap
+    /// enough for every metrics refresh): `None` when the slot does not exist in this database.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn positions(&self, pool: &PgPool) -> Result<Option<SlotPositions>, Error> {
+        let row: Option<(Option<i64>, Option<i64>, Option<String>)> = sqlx::query_as(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint, s.wal_status
+             FROM pg_replication_slots s
+             WHERE s.slot_name = $1 AND s.database = current_database()",
+        )
+        .bind(&self.slot)
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| map_sqlx("wal status", e))?;
+        Ok(row.map(|(lag, retained, wal_status)| SlotPositions {
+            lag_bytes: lag.unwrap_or(0),
+            retained_bytes: retained.unwrap_or(0),
+            wal_status,
+        }))
+    }
+
     /// Where the slot stands: whether it and the publication exist, who reads it, how far behind
     /// the server's WAL it is (bytes, and seconds since the oldest transaction it has not
     /// confirmed committed), and how much WAL it keeps on disk.
@@ -496,6 +588,25 @@ pub fn check_wal_level(wal_level: &str) -> Result<(), Error> {
          (ALTER SYSTEM SET wal_level = logical, or in postgresql.conf) and restart PostgreSQL (the \
          setting takes effect only at a restart), or use the polling source"
     )))
+}
+
+/// A slot's positions ([`WalSlot::positions`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct SlotPositions {
+    /// Bytes of WAL written since the confirmed position.
+    pub lag_bytes: i64,
+    /// Bytes of WAL the slot keeps (from its restart position).
+    pub retained_bytes: i64,
+    /// PostgreSQL's `wal_status` of the slot.
+    pub wal_status: Option<String>,
+}
+
+impl SlotPositions {
+    /// Whether the slot keeps more than `limit` bytes of WAL, or is losing WAL it needs.
+    pub fn retains_too_much(&self, limit: u64) -> bool {
+        u64::try_from(self.retained_bytes).unwrap_or(0) > limit
+            || matches!(self.wal_status.as_deref(), Some("unreserved" | "lost"))
+    }
 }
 
 /// What [`WalSlot::setup`] created or [`WalSlot::drop`] dropped.
