@@ -5,6 +5,7 @@
 //! This library holds the checker shared by the scenarios.
 
 pub mod harness;
+pub mod wal;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,0 +1,130 @@
+//! The WAL source in tests: a slot and held table per test table, dropped at the end.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RelaySummary, Wake};
+use outbox_postgres::testing::pool;
+use outbox_postgres::wal::{ReaderHandle, WalConfig, WalSlot, WalStore};
+use outbox_postgres::{migrate, OutboxTable, PostgresStore};
+use tokio::task::JoinHandle;
+
+/// The slot, publication and held table of a test table; the slot and publication are dropped
+/// when this is (failed test or not): a forgotten slot keeps WAL for ever.
+pub struct WalSource {
+    /// The slot.
+    pub slot: WalSlot,
+    /// The held table.
+    pub held: OutboxTable,
+    /// The settings the relays of the test use.
+    pub config: WalConfig,
+    pool: sqlx::PgPool,
+}
+
+impl WalSource {
+    /// Sets up the WAL source of `table` (as `outbox wal setup` does), reading every 20 ms when idle.
+    ///
+    /// # Panics
+    /// When `wal_level` is not `logical` (naming the fix) or the setup fails (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn setup(table: &OutboxTable) -> WalSource {
+        let pool = pool(2).await;
+        let level = outbox_postgres::wal::wal_level(&pool).await.unwrap();
+        assert_eq!(
+            level, "logical",
+            "the WAL tests need wal_level = logical: run `bash scripts/test-env.sh` (it sets it and restarts the local server once)"
+        );
+        let config = WalConfig {
+            poll_interval: Duration::from_millis(20),
+            message_prefix: table.schema().to_string(),
+            ..WalConfig::default()
+        };
+        let slot = config.slot(table).unwrap();
+        slot.setup(&pool).await.unwrap();
+        let held = config.held_table(table).unwrap();
+        migrate(&pool, &held).await.unwrap();
+        WalSource {
+            slot,
+            held,
+            config,
+            pool,
+        }
+    }
+
+    /// A WAL store with a pool of its own (as a relay process has), waking `wake`.
+    pub async fn store(&self, wake: Wake) -> WalStore {
+        let pool = pool(6).await;
+        WalStore::new(
+            pool.clone(),
+            self.slot.clone(),
+            PostgresStore::new(pool, self.held.clone()),
+            &self.config,
+        )
+        .with_wake(wake)
+        .with_held_poll_interval(Duration::from_millis(50))
+    }
+
+    /// Starts a relay over a WAL store of its own; cancel the token to stop it (its reader stops
+    /// after it).
+    ///
+    /// # Panics
+    /// When the configuration is invalid (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn spawn_relay(
+        &self,
+        publisher: Arc<dyn Publisher>,
+        config: RelayConfig,
+        shutdown: CancellationToken,
+    ) -> (WalStore, JoinHandle<RelaySummary>) {
+        let wake = Wake::new();
+        let store = self.store(wake.clone()).await;
+        let relay = Relay::new(Arc::new(store.clone()), publisher, config)
+            .unwrap()
+            .with_wake(wake);
+        let reader: ReaderHandle = store.start();
+        let task = tokio::spawn(async move {
+            let summary = relay.run(shutdown).await;
+            reader.stop().await;
+            summary
+        });
+        (store, task)
+    }
+
+    /// Events in the held table not yet published (dead letters included).
+    ///
+    /// # Panics
+    /// When the database is unreachable (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn held_unpublished(&self) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {} WHERE processed_at IS NULL",
+            self.held.qualified()
+        ))
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
+}
+
+impl Drop for WalSource {
+    fn drop(&mut self) {
+        let (slot, pool) = (self.slot.clone(), self.pool.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            if let Ok(rt) = rt {
+                rt.block_on(async move {
+                    // A reader that is still stopping holds the slot for a moment.
+                    for _ in 0..100 {
+                        match slot.drop(&pool).await {
+                            Ok(_) => return,
+                            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                        }
+                    }
+                });
+            }
+        })
+        .join();
+    }
+}

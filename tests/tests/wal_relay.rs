@@ -1,0 +1,327 @@
+//! The relay engine over the WAL source (a logical replication slot of the real PostgreSQL, with
+//! `wal_level = logical` set by `scripts/test-env.sh`): order, failures moved to the held table,
+//! dead letters, table-less events, and a standby taking over.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::testkit::{sample_event, Behavior, ScriptedPublisher};
+use outbox_core::{CancellationToken, RelayConfig, RetryPolicy, Store};
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::wal::{MessageWriter, UNDECODABLE_AGGREGATE_TYPE};
+use outbox_postgres::{DeadLetterFilter, OutboxTable, PostgresStore};
+use outbox_tests::harness::{assert_clean_verdict, wait_until};
+use outbox_tests::wal::WalSource;
+use outbox_tests::{check, write_rounds};
+use uuid::Uuid;
+
+fn relay_config() -> RelayConfig {
+    RelayConfig {
+        batch_size: 50,
+        max_in_flight: 2,
+        poll_interval: Duration::from_millis(50),
+        min_poll_interval: Duration::from_millis(5),
+        retry: RetryPolicy {
+            max_attempts: 50,
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(200),
+            multiplier: 2.0,
+            jitter: 0.2,
+        },
+        ..RelayConfig::default()
+    }
+}
+
+async fn source_rows(pool: &sqlx::PgPool, table: &OutboxTable) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Waits until every committed event was delivered, nothing waits in the held table, and the
+/// outbox table was emptied.
+async fn drained(
+    pool: &sqlx::PgPool,
+    table: &OutboxTable,
+    wal: &WalSource,
+    publisher: &ScriptedPublisher,
+    total: usize,
+) {
+    wait_until(Duration::from_secs(120), "the WAL relays drain", || async {
+        let delivered: std::collections::HashSet<Uuid> =
+            publisher.delivered().iter().map(|e| e.id).collect();
+        delivered.len() >= total
+            && wal.held_unpublished().await == 0
+            && source_rows(pool, table).await == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_relays_keep_order_through_random_failures_with_a_standby() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let (a, ta) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    let (b, tb) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    wait_until(Duration::from_secs(30), "one relay reads the slot", || async {
+        a.progress().active || b.progress().active
+    })
+    .await;
+    // Retryable failures on about 8% of the events (by id: random), each failing once or twice:
+    // the failed event and the later ones of its aggregate go through the held table.
+    publisher.when(
+        |e| e.id.as_u128() % 100 < 4,
+        Behavior::FailRetryableTimes(1),
+    );
+    publisher.when(
+        |e| (4..8).contains(&(e.id.as_u128() % 100)),
+        Behavior::FailRetryableTimes(2),
+    );
+    let mut committed = Vec::new();
+    for _ in 0..4 {
+        // The same 100 aggregates each time, committed later and later.
+        committed.extend(write_rounds(&table, 100, 5).await);
+    }
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    assert!(
+        a.progress().active != b.progress().active,
+        "exactly one reader: {:?} {:?}",
+        a.progress(),
+        b.progress()
+    );
+    shutdown.cancel();
+    ta.await.unwrap();
+    tb.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!("WAL source, two relays, 100 aggregates x 20 events, 8% failing: {verdict}");
+    assert_clean_verdict(&verdict);
+    // A failed event is published again from the held table, carrying its attempts.
+    let moved = publisher
+        .delivered()
+        .iter()
+        .filter(|e| e.attempts > 0)
+        .count();
+    println!("failed events published again from the held table: {moved}");
+    assert!(moved > 0, "the failures went through the held table");
+    // Everything is confirmed: the slot holds nothing of this outbox any more.
+    let status = wal.slot.status(&pool).await.unwrap();
+    assert_eq!(status.lag_seconds, Some(0.0), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_event_dead_letters_and_holds_back_only_its_aggregate() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let committed = write_rounds(&table, 10, 6).await;
+    let poison = committed
+        .iter()
+        .filter(|(a, _)| a == "agg-3")
+        .nth(1)
+        .unwrap()
+        .1;
+    publisher.on_event(poison, Behavior::FailPermanent);
+    let (store, task) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    let others: Vec<(String, Uuid)> = committed
+        .iter()
+        .filter(|(a, _)| a != "agg-3")
+        .cloned()
+        .collect();
+    let first_of_3 = committed.iter().find(|(a, _)| a == "agg-3").unwrap().1;
+    wait_until(Duration::from_secs(60), "the healthy aggregates and the dead letter", || async {
+        let got: std::collections::HashSet<Uuid> =
+            publisher.delivered().iter().map(|e| e.id).collect();
+        others.iter().all(|(_, id)| got.contains(id))
+            && got.contains(&first_of_3)
+            && store.held().stats().await.unwrap().dead_letters == 1
+            && source_rows(&pool, &table).await == 0
+    })
+    .await;
+    let held = store.held().stats().await.unwrap();
+    assert_eq!(held.dead_letters, 1, "{held:?}");
+    // The 4 events after the poison wait behind it, in the held table.
+    assert_eq!(held.pending, 4, "the 4 behind the dead letter: {held:?}");
+    assert_eq!(held.held_back, 4, "{held:?}");
+    let delivered: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let after_poison: Vec<Uuid> = committed
+        .iter()
+        .filter(|(a, _)| a == "agg-3")
+        .skip(1)
+        .map(|(_, id)| *id)
+        .collect();
+    assert!(
+        after_poison.iter().all(|id| !delivered.contains(id)),
+        "nothing of agg-3 after the poison is published"
+    );
+    // The slot moved on: everything read is settled and confirmed.
+    wait_until(Duration::from_secs(30), "the slot confirmed", || async {
+        store.progress().unsettled == 0
+            && wal.slot.status(&pool).await.unwrap().lag_seconds == Some(0.0)
+    })
+    .await;
+
+    // The operator fixes the cause and retries the dead letter: agg-3 follows, in order.
+    publisher.clear_rules();
+    let retried = store
+        .held()
+        .retry_dead_letters(&DeadLetterFilter::Ids(vec![poison]))
+        .await
+        .unwrap();
+    assert_eq!(retried, 1);
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    shutdown.cancel();
+    task.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!("WAL source, poison event retried: {verdict}");
+    assert_clean_verdict(&verdict);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettered() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let messages = MessageWriter::new(table.schema());
+    let writer = outbox_postgres::Writer::new(table.clone());
+    let mut committed = Vec::new();
+    for n in 0..20 {
+        let mut tx = pool.begin().await.unwrap();
+        // Table-less events and outbox rows, side by side in one transaction.
+        for a in 0..3 {
+            let e = sample_event(&format!("m-{a}"), n);
+            committed.push((e.aggregate_id.clone(), messages.emit(&mut tx, e).await.unwrap()));
+        }
+        let e = sample_event("row", n);
+        committed.push((e.aggregate_id.clone(), writer.enqueue(&mut tx, e).await.unwrap()));
+        if n == 7 {
+            sqlx::query("SELECT pg_logical_emit_message(true, $1, 'not an event')")
+                .bind(table.schema())
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+        if n == 9 {
+            // Rolled back: never published.
+            tx.rollback().await.unwrap();
+            committed.truncate(committed.len() - 4);
+            continue;
+        }
+        tx.commit().await.unwrap();
+    }
+    let (store, task) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    wait_until(Duration::from_secs(60), "every event and the dead letter", || async {
+        publisher.delivered().len() >= committed.len()
+            && store.held().stats().await.unwrap().dead_letters == 1
+            && source_rows(&pool, &table).await == 0
+    })
+    .await;
+    shutdown.cancel();
+    task.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!("WAL source, table-less and row events: {verdict}");
+    assert_clean_verdict(&verdict);
+    let letters = store
+        .held()
+        .dead_letters(&DeadLetterFilter::All, None, 10)
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].aggregate_type, UNDECODABLE_AGGREGATE_TYPE);
+    assert!(
+        letters[0].last_error.as_deref().unwrap_or("").contains("not a JSON object"),
+        "{letters:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_takes_over_when_the_readers_session_ends() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let (a, ta) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    wait_until(Duration::from_secs(30), "the first relay reads", || async {
+        a.progress().active
+    })
+    .await;
+    let (b, tb) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    let mut committed = write_rounds(&table, 20, 5).await;
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    assert!(a.progress().active && !b.progress().active);
+
+    // The reader's session ends under it (as when its process or host dies).
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(l.pid) FROM pg_locks l
+         WHERE l.locktype = 'advisory' AND l.granted
+           AND l.classid::int4 = hashtext('outbox-wal-reader') AND l.objid::int4 = hashtext($1)) t",
+    )
+    .bind(wal.slot.slot())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(ended, 1, "the reader's session holds the lock");
+    let more = write_rounds(&table, 20, 5).await;
+    committed.extend(more);
+    wait_until(Duration::from_secs(30), "the standby takes over", || async {
+        b.progress().active
+    })
+    .await;
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    // The first relay stands by now.
+    wait_until(Duration::from_secs(30), "the first relay stands by", || async {
+        !a.progress().active
+    })
+    .await;
+    shutdown.cancel();
+    ta.await.unwrap();
+    tb.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!("WAL source, reader's session ended: {verdict}");
+    assert_eq!(verdict.lost, 0, "{verdict}");
+    assert_eq!(verdict.order_violations, 0, "{verdict}");
+    assert_eq!(verdict.unexpected, 0, "{verdict}");
+    // At most what was read and not confirmed is published again.
+    assert!(verdict.duplicates <= 100, "{verdict}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_while_the_slot_is_missing() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let store = wal.store(outbox_core::Wake::new()).await;
+    store.check().await.unwrap();
+    wal.slot.drop(&pool).await.unwrap();
+    let e = store.check().await.unwrap_err();
+    assert!(
+        e.message().contains(wal.slot.slot()) && e.message().contains("outbox wal setup"),
+        "{e}"
+    );
+    let _ = PostgresStore::new(pool.clone(), table);
+}
