@@ -128,3 +128,43 @@ impl Drop for WalSource {
         .join();
     }
 }
+
+impl WalSource {
+    /// The settings of an `outbox relay` process reading this source (`database.source = "wal"`,
+    /// this test's message prefix, a 20 ms look at the slot when idle), plus `extra`.
+    pub fn relay_env(&self, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("OUTBOX_DATABASE__SOURCE".to_string(), "wal".to_string()),
+            (
+                "OUTBOX_WAL__MESSAGE_PREFIX".to_string(),
+                self.config.message_prefix.clone(),
+            ),
+            ("OUTBOX_WAL__POLL_INTERVAL".to_string(), "20ms".to_string()),
+        ];
+        env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        env
+    }
+
+    /// The `application_name` of the session that holds the slot's reader lock (the active relay),
+    /// if any.
+    ///
+    /// # Panics
+    /// When the database is unreachable (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn reader(&self, pg: &sqlx::PgPool) -> Option<String> {
+        sqlx::query_scalar(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.locktype = 'advisory' AND l.granted
+               AND l.classid::int4 = hashtext('outbox-wal-reader') AND l.objid::int4 = hashtext($1)",
+        )
+        .bind(self.slot.slot())
+        .fetch_optional(pg)
+        .await
+        .unwrap()
+    }
+}
+
+/// `(key, value)` pairs borrowed, as `RelayProcess::start` takes them.
+pub fn pairs(env: &[(String, String)]) -> Vec<(&str, &str)> {
+    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
