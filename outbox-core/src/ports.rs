@@ -28,6 +28,10 @@ pub struct ClaimRequest {
     /// event that would take it past this budget, except that a first event larger than the budget
     /// is still returned, alone (so it can be published or dead-lettered). `usize::MAX`: no budget.
     pub max_bytes: usize,
+    /// The relay found the broker unreachable and claims one event to probe it (`limit` is 1). A
+    /// store that reads ahead of the claims (the WAL source) need not read further for such a
+    /// claim: the relay is not publishing.
+    pub probe: bool,
 }
 
 /// A claimed batch: the events, and the lease that holds them until it is settled or released.
@@ -48,6 +52,7 @@ impl ClaimRequest {
             ordering,
             hold_for: Self::DEFAULT_HOLD,
             max_bytes: usize::MAX,
+            probe: false,
         }
     }
 

@@ -184,6 +184,7 @@ impl RelayConfig {
             ordering: self.ordering,
             hold_for: self.hold_for(),
             max_bytes: self.max_batch_bytes,
+            probe: false,
         }
     }
 }
@@ -629,6 +630,7 @@ impl Relay {
             let this_request = if probe {
                 ClaimRequest {
                     limit: 1,
+                    probe: true,
                     ..request
                 }
             } else {

@@ -131,7 +131,7 @@ impl Drop for WalSource {
 
 impl WalSource {
     /// The settings of an `outbox relay` process reading this source (`database.source = "wal"`,
-    /// this test's message prefix, a 20 ms look at the slot when idle), plus `extra`.
+    /// this test's message prefix, a look at the slot every 50 ms when idle), plus `extra`.
     pub fn relay_env(&self, extra: &[(&str, &str)]) -> Vec<(String, String)> {
         let mut env = vec![
             ("OUTBOX_DATABASE__SOURCE".to_string(), "wal".to_string()),
@@ -139,7 +139,7 @@ impl WalSource {
                 "OUTBOX_WAL__MESSAGE_PREFIX".to_string(),
                 self.config.message_prefix.clone(),
             ),
-            ("OUTBOX_WAL__POLL_INTERVAL".to_string(), "20ms".to_string()),
+            ("OUTBOX_WAL__POLL_INTERVAL".to_string(), "50ms".to_string()),
         ];
         env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         env

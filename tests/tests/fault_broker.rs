@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, free_port, http_status, one_at_a_time, report,
+    assert_crash_verdict, committed_in_db, free_port, http_status, one_at_a_time, report_with,
     soak_factor, unpublished, Broker, BrokerServer, RelayProcess,
 };
+use outbox_tests::wal::{pairs, WalSource};
 
 async fn wait_ready(addr: &str, within: Duration) -> bool {
     let deadline = Instant::now() + within;
@@ -33,10 +34,15 @@ async fn wait_ready(addr: &str, within: Duration) -> bool {
     false
 }
 
-async fn broker_down(broker: Broker) {
+async fn broker_down(broker: Broker, wal: bool) {
     let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
+    let source = if wal {
+        Some(WalSource::setup(&table).await)
+    } else {
+        None
+    };
     let mut server = BrokerServer::start(broker).await;
     let sink = server.sink().await;
     let http = format!("127.0.0.1:{}", free_port());
@@ -47,16 +53,19 @@ async fn broker_down(broker: Broker) {
     ));
     let log = std::fs::File::create(&log_path).unwrap();
     let load = broker.load(&table).await;
-    let mut relay = RelayProcess::start_logging_to(
-        &table,
-        &sink,
-        &[
-            ("OUTBOX_HTTP__ENABLED", "true"),
-            ("OUTBOX_HTTP__LISTEN", http.as_str()),
-            ("OUTBOX_LOG__LEVEL", "info"),
-        ],
-        log,
-    );
+    let settings = [
+        ("OUTBOX_HTTP__ENABLED", "true"),
+        ("OUTBOX_HTTP__LISTEN", http.as_str()),
+        ("OUTBOX_LOG__LEVEL", "info"),
+    ];
+    let env = match &source {
+        Some(w) => w.relay_env(&settings),
+        None => settings
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    let mut relay = RelayProcess::start_logging_to(&table, &sink, &pairs(&env), log);
     assert!(
         wait_ready(&http, Duration::from_secs(30)).await,
         "the relay never became ready; its log: {}",
@@ -83,7 +92,7 @@ async fn broker_down(broker: Broker) {
     let started = Instant::now();
     let (cpu_before, log_before) = (relay.cpu_time(), log_lines(&log_path));
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let pending_early = unpublished(&pg, &table).await;
+    let pending_early = backlog(&pg, &table, source.as_ref()).await;
     let mut readiness = Vec::new();
     while started.elapsed() < down {
         let addr = http.clone();
@@ -96,7 +105,7 @@ async fn broker_down(broker: Broker) {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let elapsed = started.elapsed();
-    let pending_late = unpublished(&pg, &table).await;
+    let pending_late = backlog(&pg, &table, source.as_ref()).await;
     let cpu = relay.cpu_time() - cpu_before;
     let lines = log_lines(&log_path) - log_before;
     // What the relay said while the broker was down, most frequent first.
@@ -181,13 +190,35 @@ async fn broker_down(broker: Broker) {
     let mut all = received.clone();
     all.extend(sink.received_settled().await);
     let verdict = sink.judge_received(&committed, &all);
-    report("broker-down-12s", broker, &verdict);
+    report_with(
+        "broker-down-12s",
+        broker,
+        &verdict,
+        if wal { " source=wal" } else { "" },
+    );
     // Nothing crashed, but a connection lost after the broker took an event and before its
     // acknowledgement arrived makes the relay send it again (README, guarantee 3): at most the
     // batches in flight at the outage.
     assert_crash_verdict(&verdict, 1, 100, 2);
     assert_eq!(unpublished(&pg, &table).await, 0, "the backlog drained");
+    if let Some(w) = &source {
+        assert_eq!(w.held_unpublished().await, 0, "the held table drained");
+    }
     let _ = std::fs::remove_file(&log_path);
+}
+
+/// Events committed and not published: the outbox table's, and under the WAL source the held
+/// table's too (events that failed before the relay stopped claiming wait there).
+async fn backlog(
+    pg: &sqlx::PgPool,
+    table: &outbox_postgres::OutboxTable,
+    wal: Option<&WalSource>,
+) -> i64 {
+    let held = match wal {
+        Some(w) => w.held_unpublished().await,
+        None => 0,
+    };
+    unpublished(pg, table).await + held
 }
 
 fn log_lines(path: &std::path::Path) -> usize {
@@ -198,15 +229,26 @@ fn log_lines(path: &std::path::Path) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_down_rabbitmq() {
-    broker_down(Broker::Amqp).await;
+    broker_down(Broker::Amqp, false).await;
+}
+
+/// The WAL source: the reader stops reading the slot while its relay does not claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_down_rabbitmq_wal_source() {
+    broker_down(Broker::Amqp, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_down_kafka_wal_source() {
+    broker_down(Broker::Kafka, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_down_kafka() {
-    broker_down(Broker::Kafka).await;
+    broker_down(Broker::Kafka, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_down_sqs() {
-    broker_down(Broker::Sqs).await;
+    broker_down(Broker::Sqs, false).await;
 }

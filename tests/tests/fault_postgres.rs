@@ -7,20 +7,21 @@ use std::time::Duration;
 
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, relay_log_dir, report, restart_postgres, soak_factor,
-    Broker, RelayProcess, Sink,
+    assert_crash_verdict, committed_in_db, relay_log_dir, report_with, restart_postgres,
+    soak_factor, Broker, RelayProcess, Sink,
 };
+use outbox_tests::wal::{pairs, WalSource};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_restart_during_load_loses_nothing() {
-    for broker in Broker::ALL {
+/// PostgreSQL restarted under load while one relay publishes to `broker`; with `wal`, the relay
+/// reads the WAL source (its reader's session ends with the restart and takes the slot again).
+async fn restart_during_load(broker: Broker, wal: bool) {
         let pg = pool(2).await;
         let table = fresh_table(&pg).await;
+        let source = if wal { Some(WalSource::setup(&table).await) } else { None };
+        let env = source.as_ref().map(|w| w.relay_env(&[])).unwrap_or_default();
         let sink = Sink::new(broker).await;
         let load = broker.load(&table).await;
-        let relay = RelayProcess::start(&table, &sink, &[]);
-        // The soak variant restarts the server once per factor, under load all along; each restart
-        // comes once the relay has published since the last one.
+        let relay = RelayProcess::start(&table, &sink, &pairs(&env));
         let mut restarts = 0;
         for _ in 0..soak_factor() {
             let before = sink.received_count().await;
@@ -50,7 +51,12 @@ async fn postgres_restart_during_load_loses_nothing() {
             "the relay survived the restart"
         );
         let verdict = sink.judge(&committed).await;
-        report("postgres-restart", broker, &verdict);
+        report_with(
+            "postgres-restart",
+            broker,
+            &verdict,
+            if wal { " source=wal" } else { "" },
+        );
         println!(
             "  ({} events of transactions whose commit the writer could not confirm; the database \
              says which committed)",
@@ -58,7 +64,19 @@ async fn postgres_restart_during_load_loses_nothing() {
         );
         // A restart loses the relay's sessions: what it published and had not marked is sent again
         // (README, guarantee 3), at most a batch per batch in flight.
-        assert_crash_verdict(&verdict, restarts, 100, 2);
+        // WAL source: what was published and not yet confirmed is read again (one more round).
+        assert_crash_verdict(&verdict, restarts, 100, if wal { 3 } else { 2 });
         let _ = std::fs::remove_dir_all(relay_log_dir(&table));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restart_during_load_loses_nothing() {
+    // One restart at a time: the scenarios run in turn (polling relays to each broker, then the
+    // WAL source to RabbitMQ and Kafka).
+    for broker in Broker::ALL {
+        restart_during_load(broker, false).await;
+    }
+    for broker in [Broker::Amqp, Broker::Kafka] {
+        restart_during_load(broker, true).await;
     }
 }

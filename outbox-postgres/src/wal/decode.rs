@@ -28,7 +28,7 @@ use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
 use pg_walstream::protocol::{LogicalReplicationMessage, LogicalReplicationParser, TupleData};
 use serde_json::Value;
-use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use outbox_core::format::{base64, base64_decode};
@@ -52,7 +52,8 @@ pub struct WalTransaction {
     pub items: Vec<WalItem>,
     /// The ids of its events that are rows of the outbox table (the others are table-less).
     pub row_ids: Vec<Uuid>,
-    /// The changes the slot returned for it (its begin, rows, messages and commit).
+    /// The changes the slot returned for it (its begin, rows, messages and commit; relation
+    /// descriptions, sent once per read, are not counted).
     pub changes: usize,
 }
 
@@ -148,58 +149,74 @@ impl WalReader {
         max_changes: i32,
         max_bytes: usize,
     ) -> Result<WalPeek, Error> {
+        self.peek_after(conn, max_changes, max_bytes, 0).await
+    }
+
+    /// As [`WalReader::peek_on`], leaving out (without decoding their changes) the transactions
+    /// that committed before `after`: the reader passes the end of the last transaction it holds,
+    /// since a peek returns everything from the confirmed position again.
+    ///
+    /// # Errors
+    /// As [`WalReader::peek`].
+    pub async fn peek_after(
+        &self,
+        conn: &mut PgConnection,
+        max_changes: i32,
+        max_bytes: usize,
+        after: u64,
+    ) -> Result<WalPeek, Error> {
         let map = |e| map_sqlx("wal read", e);
-        // pgoutput writes the columns as the calling session's output functions do: fixed here,
-        // whatever the role's or database's settings.
-        let mut tx = conn.begin().await.map_err(map)?;
-        for setting in [
-            "SET LOCAL bytea_output = 'hex'",
-            "SET LOCAL DateStyle = 'ISO, YMD'",
-            "SET LOCAL TimeZone = 'UTC'",
-        ] {
-            sqlx::query(setting).execute(&mut *tx).await.map_err(map)?;
-        }
-        let (flushed, system, timeline): (i64, i64, i32) = sqlx::query_as(
-            "SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint,
-                    (SELECT system_identifier FROM pg_control_system()),
-                    (SELECT timeline_id FROM pg_control_checkpoint())",
-        )
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(map)?;
+        // One statement, one round trip. The first part runs before the slot is read (the lateral
+        // call depends on it): pgoutput writes the columns as the calling session's output
+        // functions do, so they are fixed for this statement whatever the role's or database's
+        // settings, and the flushed position is taken before the read (see `WalPeek::idle_lsn`).
         let mut rows: Vec<(i64, Vec<u8>)> = Vec::new();
         let mut over_budget = false;
+        let mut origin = Origin::default();
+        let mut flushed = 0i64;
         {
-            let mut stream = sqlx::query_as::<_, (i64, Vec<u8>)>(
-                "SELECT (lsn - '0/0'::pg_lsn)::bigint, data
-                 FROM pg_logical_slot_peek_binary_changes($1, NULL, $2,
-                     'proto_version', $3, 'publication_names', $4, 'messages', 'true')",
+            let mut stream = sqlx::query_as::<_, (i64, i64, i32, Option<i64>, Option<Vec<u8>>)>(
+                "WITH s AS MATERIALIZED (
+                     SELECT $1::name AS slot,
+                            set_config('bytea_output', 'hex', true) AS b,
+                            set_config('DateStyle', 'ISO, YMD', true) AS d,
+                            set_config('TimeZone', 'UTC', true) AS z,
+                            (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint AS flushed,
+                            (SELECT system_identifier FROM pg_control_system()) AS system,
+                            (SELECT timeline_id FROM pg_control_checkpoint()) AS timeline)
+                 SELECT s.flushed, s.system, s.timeline, (c.lsn - '0/0'::pg_lsn)::bigint, c.data
+                 FROM s LEFT JOIN LATERAL pg_logical_slot_peek_binary_changes(
+                     s.slot, NULL, $2,
+                     'proto_version', $3, 'publication_names', $4, 'messages', 'true') c ON true",
             )
             .bind(self.slot.slot())
             .bind(max_changes)
             .bind(PROTO_VERSION)
             .bind(self.slot.publication())
-            .fetch(&mut *tx);
+            .fetch(&mut *conn);
             let mut bytes = 0usize;
-            while let Some(row) = stream.try_next().await.map_err(map)? {
-                bytes = bytes.saturating_add(row.1.len());
+            while let Some((f, system, timeline, lsn, data)) = stream.try_next().await.map_err(map)? {
+                flushed = f;
+                origin = Origin {
+                    system: system as u64,
+                    timeline: timeline as u32,
+                };
+                let (Some(lsn), Some(data)) = (lsn, data) else {
+                    continue;
+                };
+                bytes = bytes.saturating_add(data.len());
                 // pgoutput's commit message starts with 'C': a transaction ends here.
-                let commit = row.1.first() == Some(&b'C');
-                rows.push(row);
+                let commit = data.first() == Some(&b'C');
+                rows.push((lsn, data));
                 if commit && bytes >= max_bytes {
                     over_budget = true;
                     break;
                 }
             }
         }
-        tx.commit().await.map_err(map)?;
         let cut = over_budget || rows.len() >= usize::try_from(max_changes).unwrap_or(0);
-        let origin = Origin {
-            system: system as u64,
-            timeline: timeline as u32,
-        };
         Ok(WalPeek {
-            transactions: self.decode_from(&rows, origin)?,
+            transactions: self.decode_from(&rows, origin, after)?,
             cut,
             idle_lsn: (!cut).then(|| u64::try_from(flushed).unwrap_or(0)),
         })
@@ -239,13 +256,14 @@ impl WalReader {
     /// # Errors
     /// An unexpected error naming the position when a change is not a pgoutput message.
     pub fn decode(&self, changes: &[(i64, Vec<u8>)]) -> Result<Vec<WalTransaction>, Error> {
-        self.decode_from(changes, Origin::default())
+        self.decode_from(changes, Origin::default(), 0)
     }
 
     fn decode_from(
         &self,
         changes: &[(i64, Vec<u8>)],
         origin: Origin,
+        after: u64,
     ) -> Result<Vec<WalTransaction>, Error> {
         let mut parser = LogicalReplicationParser::with_protocol_version(1);
         let mut relations: HashMap<u32, (String, String, Vec<String>)> = HashMap::new();
@@ -253,9 +271,22 @@ impl WalReader {
         let mut open: Option<(DateTime<Utc>, Vec<WalItem>)> = None;
         let mut row_ids: Vec<Uuid> = Vec::new();
         let mut counted = 0usize;
+        // Inside a transaction committed before `after`: only relation descriptions (needed by
+        // later transactions) and its end are read.
+        let mut skipping = false;
         for (lsn, data) in changes {
             let lsn = u64::try_from(*lsn).unwrap_or(0);
             counted += 1;
+            if skipping {
+                match data.first() {
+                    Some(b'C') => {
+                        skipping = false;
+                        continue;
+                    }
+                    Some(b'R') => {}
+                    _ => continue,
+                }
+            }
             let message = parser
                 .parse_wal_message(data)
                 .map_err(|e| {
@@ -269,10 +300,18 @@ impl WalReader {
                 })?
                 .message;
             match message {
-                LogicalReplicationMessage::Begin { timestamp, .. } => {
+                LogicalReplicationMessage::Begin {
+                    timestamp,
+                    final_lsn,
+                    ..
+                } if final_lsn >= after => {
                     open = Some((postgres_time(timestamp), Vec::new()));
                     row_ids.clear();
                     counted = 1;
+                }
+                LogicalReplicationMessage::Begin { .. } => {
+                    open = None;
+                    skipping = true;
                 }
                 LogicalReplicationMessage::Relation {
                     relation_id,
@@ -281,6 +320,9 @@ impl WalReader {
                     columns,
                     ..
                 } => {
+                    // Sent once per read before a relation's first row, wherever that is: not
+                    // counted in a transaction's changes, which then read the same every time.
+                    counted = counted.saturating_sub(1);
                     relations.insert(
                         relation_id,
                         (

@@ -27,7 +27,10 @@ use crate::table::OutboxTable;
 
 mod decode;
 mod store;
-pub use store::{ReaderHandle, WalProgress, WalStore, STANDBY_RETRY, UNDECODABLE_AGGREGATE_TYPE};
+pub use store::{
+    ReaderHandle, WalProgress, WalStore, CLAIMS_PAUSED_AFTER, STANDBY_RETRY,
+    UNDECODABLE_AGGREGATE_TYPE,
+};
 pub use decode::{
     MessageWriter, WalItem, WalPeek, WalReader, WalTransaction, DEFAULT_MESSAGE_PREFIX,
 };
@@ -69,12 +72,21 @@ pub struct WalConfig {
     /// version 15). Default 100ms.
     #[serde(with = "outbox_core::duration::serde_str")]
     pub poll_interval: Duration,
-    /// The most events read from the slot and not yet settled that the reader holds in memory.
-    /// Default 10000.
+    /// The most events read from the slot and not yet claimed that the reader holds in memory
+    /// (the batches being published come on top: `relay.batch_size` x `relay.max_in_flight`). A
+    /// relay that stops claiming (its broker is down) stops reading the slot at this mark. Default
+    /// 2000.
     pub read_ahead: usize,
-    /// The most payload bytes of those (a single transaction larger than this is still read
-    /// whole). Default 16 MiB.
+    /// The most payload bytes of the events read and not yet settled (a single transaction larger
+    /// than this is still read whole). Default 16 MiB.
     pub read_ahead_bytes: usize,
+    /// Keep the reader's routine decoding messages out of the server's log: every read of the
+    /// slot logs (at LOG level) that decoding starts and where, six lines with the statement,
+    /// several times a second. The reader's session sets `log_min_messages = fatal` where its role
+    /// may (a superuser, or `GRANT SET ON PARAMETER log_min_messages TO <role>` from PostgreSQL
+    /// 15; otherwise the messages stay): the server ranks LOG above ERROR, so the reader's errors
+    /// leave the server's log too, and reach the relay's, which logs them. Default true.
+    pub quiet_decoding_logs: bool,
 }
 
 /// The default of `wal.poll_interval`: 100 ms.
@@ -90,8 +102,9 @@ impl Default for WalConfig {
             held_table: None,
             delete_published: true,
             poll_interval: DEFAULT_WAL_POLL_INTERVAL,
-            read_ahead: 10_000,
+            read_ahead: 2_000,
             read_ahead_bytes: 16 << 20,
+            quiet_decoding_logs: true,
         }
     }
 }
@@ -128,7 +141,7 @@ impl WalConfig {
         }
         if self.read_ahead == 0 || self.read_ahead_bytes == 0 {
             return Err(Error::config(
-                "wal.read_ahead and wal.read_ahead_bytes must be positive (defaults 10000 and 16777216)",
+                "wal.read_ahead and wal.read_ahead_bytes must be positive (defaults 2000 and 16777216)",
             ));
         }
         Ok(())

@@ -51,6 +51,15 @@ use crate::table::OutboxTable;
 /// How often a standby tries to take the reader lock.
 pub const STANDBY_RETRY: Duration = Duration::from_millis(500);
 
+/// The reader stops reading the slot when the relay has not asked for events for this long, or
+/// twice the held table's poll interval (`relay.poll_interval` in the binary) if longer: a relay
+/// does not claim while its broker is down, and reads would only move events to the held table,
+/// each read decoding again what is not confirmed. The relay's next claim wakes it.
+pub const CLAIMS_PAUSED_AFTER: Duration = Duration::from_secs(1);
+
+/// How long the reader waits between two looks at what it holds while the relay does not claim.
+const PAUSED_WAIT: Duration = Duration::from_secs(1);
+
 /// How long the reader waits before connecting again after its connection failed.
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
@@ -65,6 +74,13 @@ struct Settings {
     read_ahead: usize,
     read_ahead_bytes: usize,
     held_poll_interval: Duration,
+    quiet_decoding_logs: bool,
+}
+
+impl Settings {
+    fn claims_paused_after(&self) -> Duration {
+        CLAIMS_PAUSED_AFTER.max(self.held_poll_interval * 2)
+    }
 }
 
 /// Where one event of the buffer stands.
@@ -119,6 +135,8 @@ struct State {
     unsettled: usize,
     unsettled_bytes: usize,
     in_flight: usize,
+    /// Events settled as failures, not yet being moved.
+    failed: usize,
     /// The position last confirmed by this reader.
     confirmed: u64,
 }
@@ -141,7 +159,14 @@ impl State {
         let bytes = entry.event.payload.len();
         let now_in_flight = matches!(state, EntryState::InFlight(_));
         let now_done = state == EntryState::Done;
+        let was_failed = matches!(entry.state, EntryState::Failed(_));
+        let now_failed = matches!(state, EntryState::Failed(_));
         entry.state = state;
+        if was_failed && !now_failed {
+            self.failed -= 1;
+        } else if !was_failed && now_failed {
+            self.failed += 1;
+        }
         if was_in_flight && !now_in_flight {
             self.in_flight -= 1;
         } else if !was_in_flight && now_in_flight {
@@ -190,6 +215,8 @@ struct Inner {
     reader_wake: Arc<Notify>,
     relay_wake: Mutex<Option<Wake>>,
     slot_missing: Mutex<bool>,
+    /// When the relay last asked for events.
+    last_claim: Mutex<Instant>,
 }
 
 impl Inner {
@@ -255,6 +282,7 @@ impl WalStore {
                     read_ahead: config.read_ahead.max(1),
                     read_ahead_bytes: config.read_ahead_bytes.max(1),
                     held_poll_interval: Duration::from_millis(500),
+                    quiet_decoding_logs: config.quiet_decoding_logs,
                 },
                 state: Mutex::new(State::default()),
                 held_poll: Mutex::new(HeldPoll {
@@ -265,6 +293,7 @@ impl WalStore {
                 reader_wake: Arc::new(Notify::new()),
                 relay_wake: Mutex::new(None),
                 slot_missing: Mutex::new(false),
+                last_claim: Mutex::new(Instant::now()),
             }),
         }
     }
@@ -432,6 +461,21 @@ impl WalStore {
 #[async_trait]
 impl Store for WalStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error> {
+        // A probe of an unreachable broker does not keep the reader reading.
+        let paused = !request.probe && {
+            let mut last = self
+                .inner
+                .last_claim
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let paused = last.elapsed() >= self.inner.settings.claims_paused_after();
+            *last = Instant::now();
+            paused
+        };
+        if paused {
+            // The reader stopped reading meanwhile: it reads again.
+            self.inner.reader_wake.notify_one();
+        }
         if self.held_turn() {
             let batch = self.inner.held.claim(request).await?;
             let got = !batch.events.is_empty();
@@ -677,6 +721,19 @@ async fn connect(inner: &Inner) -> Result<PgConnection, Error> {
     .execute(&mut conn)
     .await
     .map_err(|e| map_sqlx("wal reader connect", e))?;
+    // Each read of the slot makes PostgreSQL log that decoding starts and where (LOG level: six
+    // lines with their statement, several times a second): this session's are left out of the
+    // server's log where the role may set it (superusers; `GRANT SET ON PARAMETER
+    // log_min_messages` from PostgreSQL 15). The server ranks LOG above ERROR for its log, so only
+    // FATAL stays: the reader's errors reach the relay, which logs them.
+    if inner.settings.quiet_decoding_logs {
+        if let Err(e) = sqlx::query("SET log_min_messages = fatal")
+            .execute(&mut conn)
+            .await
+        {
+            debug!(error = %e, "the WAL reader's decoding messages stay in the server's log");
+        }
+    }
     Ok(conn)
 }
 
@@ -705,14 +762,26 @@ async fn read_slot(
         if stop.is_cancelled() {
             return Ok(());
         }
-        let (room, known_changes, unsettled_bytes) = {
+        // Read on while fewer than `read_ahead` events wait to be claimed: a relay that does not
+        // claim (its broker is down) stops the reads, which would each decode again everything
+        // not confirmed.
+        let (room, known_changes, unsettled_bytes, read_to, claiming) = {
             let st = inner.state();
             let changes: usize = st.txns.iter().map(|t| t.changes).sum();
+            let claiming = inner
+                .last_claim
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .elapsed()
+                < inner.settings.claims_paused_after();
             (
-                st.unsettled < inner.settings.read_ahead
+                claiming
+                    && st.unsettled - st.in_flight < inner.settings.read_ahead
                     && st.unsettled_bytes < inner.settings.read_ahead_bytes,
                 changes,
                 st.unsettled_bytes,
+                st.read_to,
+                claiming,
             )
         };
         let mut again = false;
@@ -724,13 +793,13 @@ async fn read_slot(
             let max_bytes = unsettled_bytes.saturating_add(inner.settings.read_ahead_bytes);
             let peek = inner
                 .reader
-                .peek_on(
+                .peek_after(
                     conn,
                     i32::try_from(max_changes).unwrap_or(i32::MAX),
                     max_bytes,
+                    read_to,
                 )
                 .await?;
-            let read_to = inner.state().read_to;
             let new: Vec<WalTransaction> = peek
                 .transactions
                 .into_iter()
@@ -752,9 +821,15 @@ async fn read_slot(
             tokio::task::yield_now().await;
             continue;
         }
+        // While the relay does not claim, its next claim (or settle) wakes the reader.
+        let wait = if claiming {
+            inner.settings.poll_interval
+        } else {
+            PAUSED_WAIT
+        };
         tokio::select! {
             _ = inner.reader_wake.notified() => {}
-            _ = tokio::time::sleep(inner.settings.poll_interval) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = stop.cancelled() => {}
         }
     }
@@ -894,6 +969,9 @@ async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error
     // Under the lock: pick the groups and mark them moving (claims skip them).
     let (rows, moved, previous) = {
         let mut st = inner.state();
+        if st.failed == 0 {
+            return Ok(());
+        }
         let mut failed_aggs: Vec<(String, String)> = Vec::new();
         for t in &st.txns {
             for e in &t.entries {
@@ -948,7 +1026,7 @@ async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error
                     _ => HeldRow::waiting(e.event.clone()),
                 };
                 previous.push(e.state.clone());
-                e.state = EntryState::Moving;
+                st.set_state(end, i, EntryState::Moving);
                 rows.push(row);
                 moved.push((end, i));
             }
@@ -977,9 +1055,7 @@ async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error
         }
         Err(e) => {
             for ((end, i), state) in moved.iter().zip(previous) {
-                if let Some(entry) = st.entry_mut(*end, *i) {
-                    entry.state = state;
-                }
+                st.set_state(*end, *i, state);
             }
             Err(e)
         }
