@@ -747,6 +747,20 @@ impl Kills {
         self.count += 1;
     }
 
+    /// As [`Kills::kill`], without waiting for a claim held open: for relays of the WAL source,
+    /// which publish without one (and of which a standby holds nothing).
+    pub async fn kill_any(&mut self, relay: RelayProcess, sink: &Sink, received_before: usize) {
+        sink.wait_past(
+            received_before,
+            Duration::from_secs(120),
+            "no progress between two kills: nothing more was delivered",
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(self.rng.u64(0..300))).await;
+        relay.kill9();
+        self.count += 1;
+    }
+
     /// Asserts that some kills hit work in flight (at least a quarter of them), and prints the counts.
     pub fn assert_some_hit_work(&self) {
         println!("kills={} in_flight={}", self.count, self.in_flight);

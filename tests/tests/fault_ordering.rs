@@ -6,18 +6,26 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{RelayConfig, RetryPolicy, Store};
+use outbox_core::{CancellationToken, Publisher, RelayConfig, RetryPolicy, Store};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::PostgresStore;
 use outbox_tests::harness::{
-    assert_clean_verdict, one_at_a_time, report, soak_factor, Broker, FaultInjector, Sink,
+    assert_clean_verdict, one_at_a_time, report_with, soak_factor, Broker, FaultInjector, Sink,
 };
+use outbox_tests::wal::WalSource;
 use outbox_tests::{spawn_relays, write_rounds};
 
-async fn four_relays_with_failures(broker: Broker) {
+/// With `wal`, the four relays read the WAL source (one reads the slot, three stand by, all of
+/// them claim from the held table where the failed events go).
+async fn four_relays_with_failures(broker: Broker, wal: bool) {
     let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
+    let source = if wal {
+        Some(WalSource::setup(&table).await)
+    } else {
+        None
+    };
     let sink = Sink::new(broker).await;
     let rounds = 5 * soak_factor();
     let committed = write_rounds(&table, 1000, rounds).await;
@@ -39,7 +47,22 @@ async fn four_relays_with_failures(broker: Broker) {
         },
         ..RelayConfig::default()
     };
-    let (relays, shutdown) = spawn_relays(&table, 4, publisher, config).await;
+    let (relays, shutdown) = match &source {
+        Some(w) => {
+            let shutdown = CancellationToken::new();
+            let mut relays = Vec::new();
+            for _ in 0..4 {
+                let publisher: Arc<dyn Publisher> = publisher.clone();
+                relays.push(
+                    w.spawn_relay(publisher, config.clone(), shutdown.clone())
+                        .await
+                        .1,
+                );
+            }
+            (relays, shutdown)
+        }
+        None => spawn_relays(&table, 4, publisher, config).await,
+    };
     sink.wait_all(&healthy, Duration::from_secs(120)).await;
     shutdown.cancel();
     for r in relays {
@@ -48,9 +71,19 @@ async fn four_relays_with_failures(broker: Broker) {
     // The poisoned aggregate's events are not expected: any of them received counts as unexpected.
     // Injected failures are never sent, so nothing may arrive twice.
     let verdict = sink.judge(&healthy).await;
-    report("four-relays-injected-failures", broker, &verdict);
+    report_with(
+        "four-relays-injected-failures",
+        broker,
+        &verdict,
+        if wal { " source=wal" } else { "" },
+    );
     assert_clean_verdict(&verdict);
-    let stats = PostgresStore::new(pg, table).stats().await.unwrap();
+    // Under the WAL source the dead letter and what waits behind it are in the held table.
+    let kept = match &source {
+        Some(w) => w.held.clone(),
+        None => table.clone(),
+    };
+    let stats = PostgresStore::new(pg, kept).stats().await.unwrap();
     assert_eq!(
         stats.dead_letters, 1,
         "the poisoned aggregate's first event is dead-lettered"
@@ -64,15 +97,30 @@ async fn four_relays_with_failures(broker: Broker) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq() {
-    four_relays_with_failures(Broker::Amqp).await;
+    four_relays_with_failures(Broker::Amqp, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_wal_source() {
+    four_relays_with_failures(Broker::Amqp, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_wal_source() {
+    four_relays_with_failures(Broker::Kafka, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_wal_source() {
+    four_relays_with_failures(Broker::Sqs, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka() {
-    four_relays_with_failures(Broker::Kafka).await;
+    four_relays_with_failures(Broker::Kafka, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqs() {
-    four_relays_with_failures(Broker::Sqs).await;
+    four_relays_with_failures(Broker::Sqs, false).await;
 }

@@ -12,32 +12,60 @@ use outbox_tests::harness::{
     assert_crash_verdict, committed_by_seq, one_at_a_time, relay_log_dir, report, soak_factor,
     unpublished, Broker, Kills, RacingLoad, RelayProcess, Sink,
 };
+use outbox_tests::wal::{pairs, WalSource};
 
 const KEEP: (&str, &str) = ("OUTBOX_DATABASE__KEEP_PROCESSED_FOR", "1h");
+/// The WAL source leaves the outbox table's rows in place.
+const WAL_KEEP: (&str, &str) = ("OUTBOX_WAL__DELETE_PUBLISHED", "false");
 const BATCH: usize = 100;
 const IN_FLIGHT: usize = 2;
 
-async fn racing_writers_two_relays_killed(broker: Broker) {
+/// With `wal`, the relays read the WAL source (the outbox table's rows are kept, to judge by): one
+/// reads, the other stands by, and the kills land on either.
+async fn racing_writers_two_relays_killed(broker: Broker, wal: bool) {
     let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
+    let source = if wal {
+        Some(WalSource::setup(&table).await)
+    } else {
+        None
+    };
+    let env = match &source {
+        Some(w) => w.relay_env(&[WAL_KEEP]),
+        None => vec![(KEEP.0.to_string(), KEEP.1.to_string())],
+    };
     let sink = Sink::new(broker).await;
     let load = RacingLoad::start(&table, 8, 6, Duration::from_millis(5));
     let mut relays = vec![
-        RelayProcess::start(&table, &sink, &[KEEP]),
-        RelayProcess::start(&table, &sink, &[KEEP]),
+        RelayProcess::start(&table, &sink, &pairs(&env)),
+        RelayProcess::start(&table, &sink, &pairs(&env)),
     ];
-    let mut killer = Kills::new("racing-writers-2-relays-kill9");
+    let scenario = if wal {
+        "racing-writers-2-relays-kill9-wal"
+    } else {
+        "racing-writers-2-relays-kill9"
+    };
+    let mut killer = Kills::new(scenario);
     let mut before = sink.received_count().await;
     for k in 0..8 * soak_factor() {
         let i = k % relays.len();
-        killer.kill(relays.remove(i), &pg, &sink, before).await;
+        if wal {
+            killer.kill_any(relays.remove(i), &sink, before).await;
+        } else {
+            killer.kill(relays.remove(i), &pg, &sink, before).await;
+        }
         before = sink.received_count().await;
-        relays.insert(i, RelayProcess::start(&table, &sink, &[KEEP]));
+        relays.insert(i, RelayProcess::start(&table, &sink, &pairs(&env)));
     }
     let rolled_back = load.stop().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    while unpublished(&pg, &table).await > 0 {
+    // Under the WAL source the rows stay unmarked (kept for the judgement): the held table is
+    // what must drain, and the sink says the rest.
+    while match &source {
+        Some(w) => w.held_unpublished().await > 0,
+        None => unpublished(&pg, &table).await > 0,
+    } {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the relays did not drain the outbox"
@@ -51,21 +79,39 @@ async fn racing_writers_two_relays_killed(broker: Broker) {
     }
     // Late re-deliveries count too: read until nothing more arrives, then judge all of it.
     let verdict = sink.judge(&committed).await;
-    report("racing-writers-2-relays-kill9", broker, &verdict);
+    report(scenario, broker, &verdict);
     println!("rolled_back={}", rolled_back.len());
-    killer.assert_some_hit_work();
+    if !wal {
+        killer.assert_some_hit_work();
+    }
     assert!(!committed.is_empty() && !rolled_back.is_empty());
     // Rolled-back events are not in the outbox: any of them received counts as unexpected.
-    assert_crash_verdict(&verdict, killer.count, BATCH, IN_FLIGHT);
+    // WAL source: what was published and not yet confirmed is read again (one more round).
+    assert_crash_verdict(
+        &verdict,
+        killer.count,
+        BATCH,
+        IN_FLIGHT + usize::from(wal),
+    );
     let _ = std::fs::remove_dir_all(relay_log_dir(&table));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_two_relays_kill9_rabbitmq() {
-    racing_writers_two_relays_killed(Broker::Amqp).await;
+    racing_writers_two_relays_killed(Broker::Amqp, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_writers_two_relays_kill9_rabbitmq_wal_source() {
+    racing_writers_two_relays_killed(Broker::Amqp, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_writers_two_relays_kill9_kafka_wal_source() {
+    racing_writers_two_relays_killed(Broker::Kafka, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_two_relays_kill9_kafka() {
-    racing_writers_two_relays_killed(Broker::Kafka).await;
+    racing_writers_two_relays_killed(Broker::Kafka, false).await;
 }
