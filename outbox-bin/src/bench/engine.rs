@@ -32,6 +32,7 @@ use outbox_core::{
     Relay, RelayConfig, RelayObserver, Store,
 };
 
+use outbox_postgres::wal::{check_wal_level, wal_level, WalConfig, WalSlot, WalStore};
 use outbox_postgres::{
     connect, decode_event, map_sqlx, migrate, notify, OutboxTable, PostgresStore, Retention,
     Writer, EVENT_COLUMNS,
@@ -290,8 +291,9 @@ pub struct WriterFigures {
 pub struct DrainFigures {
     /// The publisher drained to (`discard` is the database ceiling).
     pub publisher: String,
-    /// `relay` (this toolkit), `reference` (the classic design) or `yardstick` (one `DELETE ...
-    /// RETURNING` statement after another: the database's own drain rate, no order kept).
+    /// `relay` (this toolkit, polling), `wal` (this toolkit, the WAL source), `reference` (the
+    /// classic design) or `yardstick` (one `DELETE ... RETURNING` statement after another: the
+    /// database's own drain rate, no order kept).
     pub relay: String,
     /// Relays running side by side.
     pub relays: usize,
@@ -311,7 +313,7 @@ pub struct DrainFigures {
 /// Commit-to-acknowledgement latency of one run.
 #[derive(Debug, Clone, Serialize)]
 pub struct LatencyFigures {
-    /// `poll` (the default wake-up) or `notify` (LISTEN/NOTIFY enabled).
+    /// `poll` (the default wake-up), `notify` (LISTEN/NOTIFY enabled) or `wal` (the WAL source).
     pub wakeup: String,
     /// Events per second the writers aimed at.
     pub offered_rate: u32,
@@ -426,6 +428,10 @@ pub struct Ratios {
     pub ceiling_vs_yardstick_1: Option<f64>,
     /// The same with N relays.
     pub ceiling_vs_yardstick_n: Option<f64>,
+    /// The WAL source's drain to the discard ceiling / the polling relay's, one relay each.
+    pub wal_vs_polling_ceiling: Option<f64>,
+    /// The WAL source's drain to the target / the polling relay's, one relay each.
+    pub wal_vs_polling_target: Option<f64>,
 }
 
 /// Everything a benchmark run measured.
@@ -450,6 +456,8 @@ pub struct BenchReport {
     /// Largest resident set size sampled during the one-relay drains, in bytes (the whole bench
     /// process: one relay, its publisher and the load generator).
     pub relay_peak_rss_bytes: Option<u64>,
+    /// What the run could not measure, and why.
+    pub notes: Vec<String>,
 }
 
 fn ratio(a: f64, b: f64) -> Option<f64> {
@@ -494,6 +502,14 @@ impl BenchReport {
             ceiling_vs_yardstick_n: ceiling(n)
                 .zip(self.drain_rate("none", "yardstick", 1))
                 .and_then(|(a, b)| ratio(a, b)),
+            wal_vs_polling_ceiling: self
+                .drain_rate("discard", "wal", 1)
+                .zip(ceiling(1))
+                .and_then(|(a, b)| ratio(a, b)),
+            wal_vs_polling_target: self
+                .drain_rate(&t, "wal", 1)
+                .zip(target(1))
+                .and_then(|(a, b)| ratio(a, b)),
         };
         // One relay's figure: the N-relay runs hold N relays (and N publishers) in this process.
         self.relay_peak_rss_bytes = self
@@ -508,6 +524,9 @@ impl BenchReport {
     pub fn table(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();
+        for note in &self.notes {
+            let _ = writeln!(s, "note: {note}");
+        }
         let o = &self.options;
         let _ = writeln!(
             s,
@@ -672,6 +691,16 @@ impl BenchReport {
                 r.target_vs_publisher,
             ));
             ratios.push((format!("{t} / reference relay"), r.target_vs_reference));
+            ratios.push((
+                "WAL source / polling, discard, 1 relay".to_string(),
+                r.wal_vs_polling_ceiling,
+            ));
+            if t != "discard" {
+                ratios.push((
+                    format!("WAL source / polling, {t}, 1 relay"),
+                    r.wal_vs_polling_target,
+                ));
+            }
             for (label, value) in ratios {
                 let _ = writeln!(s, "  {label:<38} {}", show(value));
             }
@@ -786,6 +815,7 @@ pub async fn run(
         latency: Vec::new(),
         claim: Vec::new(),
         ratios: Ratios::default(),
+        notes: Vec::new(),
         relay_peak_rss_bytes: None,
         publisher: None,
     };
@@ -812,6 +842,7 @@ async fn run_phases(
     if has(Phase::Writer) {
         report.writer = Some(writer_phase(url, admin, &table, o, progress).await?);
     }
+    let mut fill = 1;
     if has(Phase::Drain) {
         truncate(admin, &table).await?;
         progress(&format!("drain: filling {} events", o.backlog));
@@ -819,7 +850,6 @@ async fn run_phases(
         report
             .drain
             .push(yardstick_run(url, &table, o.backlog as u64, o, progress).await?);
-        let mut fill = 1;
         for relays in dedup([1, o.relays]) {
             for t in [&DiscardTarget as &dyn BenchTarget, target] {
                 truncate(admin, &table).await?;
@@ -830,6 +860,35 @@ async fn run_phases(
                 let d = drain_run(url, &table, t, relays, o.backlog as u64, o, progress).await?;
                 report.drain.push(d);
             }
+        }
+    }
+    if has(Phase::Drain) {
+        match WalBench::prepare(admin, &table, progress).await? {
+            Some(wal) => {
+                for t in [&DiscardTarget as &dyn BenchTarget, target] {
+                    let result = async {
+                        wal.reset(admin).await?;
+                        progress(&format!(
+                            "drain (WAL source): filling {} events in transactions of {WAL_FILL_TX_ROWS}",
+                            o.backlog
+                        ));
+                        prefill_in(admin, &table, o.backlog as u64, o, false, fill, Some(WAL_FILL_TX_ROWS)).await?;
+                        fill += 1;
+                        t.reset().await?;
+                        wal_drain_run(url, &wal, t, o.backlog as u64, o, progress).await
+                    }
+                    .await;
+                    match result {
+                        Ok(d) => report.drain.push(d),
+                        Err(e) => {
+                            wal.drop(admin).await;
+                            return Err(e);
+                        }
+                    }
+                }
+                wal.drop(admin).await;
+            }
+            None => report.notes.push(WAL_UNAVAILABLE.into()),
         }
     }
     if has(Phase::Drain) && target.name() != DiscardTarget.name() {
@@ -862,7 +921,17 @@ async fn run_phases(
             target.reset().await?;
             report
                 .latency
-                .push(latency_run(url, admin, &table, target, o, notify_on, progress).await?);
+                .push(latency_run(url, admin, &table, target, o, notify_on, None, progress).await?);
+        }
+        match WalBench::prepare(admin, &table, progress).await? {
+            Some(wal) => {
+                truncate(admin, &table).await?;
+                target.reset().await?;
+                let run = latency_run(url, admin, &table, target, o, false, Some(&wal), progress).await;
+                wal.drop(admin).await;
+                report.latency.push(run?);
+            }
+            None => report.notes.push(WAL_UNAVAILABLE.into()),
         }
     }
     if has(Phase::Claim) {
@@ -906,6 +975,20 @@ async fn prefill(
     processed: bool,
     fill: u32,
 ) -> Result<(), Error> {
+    prefill_in(pool, table, count, o, processed, fill, None).await
+}
+
+/// As [`prefill`], `tx_rows` rows per transaction when given (the WAL source reads a transaction
+/// whole: a backlog written as writers write it, in small transactions).
+async fn prefill_in(
+    pool: &PgPool,
+    table: &OutboxTable,
+    count: u64,
+    o: &BenchOptions,
+    processed: bool,
+    fill: u32,
+    tx_rows: Option<u64>,
+) -> Result<(), Error> {
     let sql = format!(
         "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, processed_at)
          SELECT (lpad(to_hex($1::bigint), 8, '0') || '-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
@@ -918,10 +1001,10 @@ async fn prefill(
     // Each row takes its aggregate's transaction-scoped lock (the writer-order trigger): a
     // statement writing more distinct aggregates than the server's lock table holds fails with
     // "out of shared memory", so a fill over many aggregates goes a few thousand rows at a time.
-    let chunk = if o.aggregates <= 2_000 {
-        1_000_000u64
-    } else {
-        2_000
+    let chunk = match tx_rows {
+        Some(rows) => rows.max(1),
+        None if o.aggregates <= 2_000 => 1_000_000u64,
+        None => 2_000,
     };
     let mut from = 1u64;
     while from <= count {
@@ -1693,6 +1776,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn latency_run(
     url: &str,
     admin: &PgPool,
@@ -1700,13 +1784,18 @@ async fn latency_run(
     target: &dyn BenchTarget,
     o: &BenchOptions,
     notify_on: bool,
+    wal: Option<&WalBench>,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<LatencyFigures, Error> {
-    let wakeup = if notify_on { "notify" } else { "poll" };
+    let wakeup = match (wal, notify_on) {
+        (Some(_), _) => "wal",
+        (None, true) => "notify",
+        (None, false) => "poll",
+    };
     if notify_on {
         notify::install_notify_trigger(admin, table).await?;
     }
-    let result = latency_inner(url, table, target, o, notify_on, progress).await;
+    let result = latency_inner(url, table, target, o, notify_on, wal, progress).await;
     if notify_on {
         notify::remove_notify_trigger(admin, table).await?;
     }
@@ -1753,6 +1842,7 @@ async fn latency_inner(
     target: &dyn BenchTarget,
     o: &BenchOptions,
     notify_on: bool,
+    wal: Option<&WalBench>,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(Stamps, Stamps, f64, StageFigures), Error> {
     let relay_pool = connect(url, o.relay.max_in_flight as u32 + 2).await?;
@@ -1762,9 +1852,22 @@ async fn latency_inner(
         acks: Some(Mutex::new(Vec::new())),
     });
     clock.check().await?;
-    let store = Arc::new(PostgresStore::new(relay_pool.clone(), table.clone()));
     let counter = Arc::new(Counter::default());
-    let relay = Relay::new(store, clock.clone(), o.relay.clone())?.with_observer(counter.clone());
+    let wake = outbox_core::Wake::new();
+    let (store, reader): (Arc<dyn Store>, _) = match wal {
+        Some(w) => {
+            let store = w.store(relay_pool.clone(), wake.clone(), o);
+            let reader = store.start();
+            (Arc::new(store), Some(reader))
+        }
+        None => (
+            Arc::new(PostgresStore::new(relay_pool.clone(), table.clone())),
+            None,
+        ),
+    };
+    let relay = Relay::new(store, clock.clone(), o.relay.clone())?
+        .with_observer(counter.clone())
+        .with_wake(wake);
     let shutdown = CancellationToken::new();
     if notify_on {
         let (pool, table, wake, s) = (
@@ -1787,7 +1890,11 @@ async fn latency_inner(
     let writer = Writer::new(table.clone());
     progress(&format!(
         "latency ({}): {} events/s for {}",
-        if notify_on { "notify" } else { "poll" },
+        match (wal, notify_on) {
+            (Some(_), _) => "wal",
+            (None, true) => "notify",
+            (None, false) => "poll",
+        },
         o.rate,
         outbox_core::duration::format(o.latency_duration)
     ));
@@ -1834,6 +1941,9 @@ async fn latency_inner(
     let settled = wait_for_settled(&counter, committed.len() as u64, progress).await;
     shutdown.cancel();
     join(relay_task).await?;
+    if let Some(reader) = reader {
+        reader.stop().await;
+    }
     settled?;
     let acks = clock
         .acks
@@ -1841,6 +1951,130 @@ async fn latency_inner(
         .and_then(|a| a.lock().ok().map(|mut a| std::mem::take(&mut *a)))
         .unwrap_or_default();
     Ok((committed, acks, seconds, counter.stages()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The WAL source
+
+/// Rows per transaction of the WAL source's drain backlog.
+const WAL_FILL_TX_ROWS: u64 = 100;
+
+/// Said in the report when the server cannot decode its WAL.
+const WAL_UNAVAILABLE: &str =
+    "WAL source not measured: the server's wal_level is not logical (set it and restart PostgreSQL)";
+
+/// The bench's slot, publication and held table over its outbox table.
+struct WalBench {
+    slot: WalSlot,
+    held: OutboxTable,
+    config: WalConfig,
+}
+
+impl WalBench {
+    /// A fresh slot (a leftover of an earlier run is dropped) and held table; `None` when the
+    /// server's `wal_level` is not `logical`.
+    async fn prepare(
+        admin: &PgPool,
+        table: &OutboxTable,
+        progress: &(dyn Fn(&str) + Send + Sync),
+    ) -> Result<Option<WalBench>, Error> {
+        if check_wal_level(&wal_level(admin).await?).is_err() {
+            progress(WAL_UNAVAILABLE);
+            return Ok(None);
+        }
+        let config = WalConfig {
+            slot: Some("outbox_bench_slot".into()),
+            publication: Some("outbox_bench_pub".into()),
+            message_prefix: "outbox_bench".into(),
+            ..WalConfig::default()
+        };
+        let slot = config.slot(table)?;
+        let held = config.held_table(table)?;
+        migrate(admin, &held).await?;
+        let wal = WalBench { slot, held, config };
+        wal.drop(admin).await;
+        Ok(Some(wal))
+    }
+
+    /// Empties the tables and makes the slot anew, so that it holds what is written next only.
+    async fn reset(&self, admin: &PgPool) -> Result<(), Error> {
+        self.drop(admin).await;
+        truncate(admin, self.slot.table()).await?;
+        truncate(admin, &self.held).await?;
+        self.slot.setup(admin).await?;
+        Ok(())
+    }
+
+    /// Drops the slot and publication (a slot left behind keeps WAL for ever).
+    async fn drop(&self, admin: &PgPool) {
+        if let Err(e) = self.slot.drop(admin).await {
+            tracing::warn!(error = %e, slot = self.slot.slot(), "cannot drop the bench's slot: drop it with `outbox wal drop`");
+        }
+    }
+
+    fn store(&self, pool: PgPool, wake: outbox_core::Wake, o: &BenchOptions) -> WalStore {
+        WalStore::new(
+            pool.clone(),
+            self.slot.clone(),
+            PostgresStore::new(pool, self.held.clone()),
+            &self.config,
+        )
+        .with_wake(wake)
+        .with_held_poll_interval(o.relay.poll_interval)
+    }
+}
+
+/// One relay over the WAL source drains the backlog the slot holds to `target`.
+async fn wal_drain_run(
+    url: &str,
+    wal: &WalBench,
+    target: &dyn BenchTarget,
+    events: u64,
+    o: &BenchOptions,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<DrainFigures, Error> {
+    let counter = Arc::new(Counter::default());
+    let shutdown = CancellationToken::new();
+    let pool = connect(url, o.relay.max_in_flight as u32 + 1).await?;
+    let wake = outbox_core::Wake::new();
+    let store = wal.store(pool, wake.clone(), o);
+    let publisher = delayed(target.publisher().await?, o.publish_delay);
+    publisher.check().await?;
+    let relay = Relay::new(Arc::new(store.clone()), publisher, o.relay.clone())?
+        .with_observer(counter.clone())
+        .with_wake(wake);
+    progress(&format!(
+        "drain (WAL source): 1 relay -> {}, {events} events",
+        target.name()
+    ));
+    let rss = RssSampler::start();
+    let started = Instant::now();
+    let reader = store.start();
+    let handle = {
+        let s = shutdown.clone();
+        tokio::spawn(async move { relay.run(s).await })
+    };
+    let outcome = wait_for_settled(&counter, events, progress).await;
+    let seconds = started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    join(handle).await?;
+    reader.stop().await;
+    outcome?;
+    let rate = events as f64 / seconds;
+    progress(&format!(
+        "drain (WAL source): 1 relay -> {}: {rate:.0} events/s",
+        target.name()
+    ));
+    Ok(DrainFigures {
+        publisher: target.name().to_string(),
+        relay: "wal".into(),
+        relays: 1,
+        events,
+        seconds,
+        events_per_second: rate,
+        peak_rss_bytes: rss.peak(),
+        stages: Some(counter.stages()),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
