@@ -925,7 +925,7 @@ async fn run_phases(
         }
         match WalBench::prepare(admin, &table, progress).await? {
             Some(wal) => {
-                truncate(admin, &table).await?;
+                wal.reset(admin).await?;
                 target.reset().await?;
                 let run = latency_run(url, admin, &table, target, o, false, Some(&wal), progress).await;
                 wal.drop(admin).await;

@@ -57,6 +57,12 @@ pub const STANDBY_RETRY: Duration = Duration::from_millis(500);
 /// each read decoding again what is not confirmed. The relay's next claim wakes it.
 pub const CLAIMS_PAUSED_AFTER: Duration = Duration::from_secs(1);
 
+/// The longest the reader waits to confirm settled transactions (see `confirm_settled`).
+const CONFIRM_EVERY: Duration = Duration::from_millis(50);
+
+/// How often the reader looks whether the held table is empty again, while it may not be.
+const HELD_EMPTY_CHECK: Duration = Duration::from_secs(1);
+
 /// How long the reader waits between two looks at what it holds while the relay does not claim.
 const PAUSED_WAIT: Duration = Duration::from_secs(1);
 
@@ -617,6 +623,7 @@ impl Drop for WalLease {
 async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
     let slot = inner.reader.slot().slot().to_string();
     let mut waiting_logged = false;
+    let mut failures = RepeatedWarning::default();
     loop {
         if stop.is_cancelled() {
             return;
@@ -628,7 +635,9 @@ async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
         let mut conn = match conn {
             Ok(c) => c,
             Err(e) => {
-                warn!(error = %e, slot = %slot, "the WAL reader cannot connect; trying again");
+                if failures.should_log(&e.to_string()) {
+                    warn!(error = %e, slot = %slot, "the WAL reader cannot connect; trying again (a failure that repeats is logged once a minute)");
+                }
                 if pause(&stop, RECONNECT_PAUSE).await {
                     return;
                 }
@@ -687,11 +696,31 @@ async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
                 return;
             }
             Err(e) => {
-                warn!(error = %e, slot = %slot, "the WAL reader stopped reading; what it held is read again once it holds the slot");
+                if failures.should_log(&e.to_string()) {
+                    warn!(error = %e, slot = %slot, "the WAL reader stopped reading; what it held is read again once it holds the slot (a failure that repeats is logged once a minute)");
+                }
                 drop(conn);
                 if pause(&stop, RECONNECT_PAUSE).await {
                     return;
                 }
+            }
+        }
+    }
+}
+
+/// Logs a failure that repeats once a minute rather than at every retry.
+#[derive(Default)]
+struct RepeatedWarning {
+    last: Option<(String, Instant)>,
+}
+
+impl RepeatedWarning {
+    fn should_log(&mut self, message: &str) -> bool {
+        match &self.last {
+            Some((m, at)) if m == message && at.elapsed() < Duration::from_secs(60) => false,
+            _ => {
+                self.last = Some((message.to_string(), Instant::now()));
+                true
             }
         }
     }
@@ -756,11 +785,38 @@ async fn read_slot(
     let mut extra_changes = 0usize;
     let mut idle_lsn: Option<u64> = None;
     let mut last_idle_confirm = Instant::now();
+    let mut last_confirm = Instant::now();
+    // Whether the held table may hold unpublished events: until it is seen empty, every event
+    // read is checked against it (its aggregate may wait there; a replayed event may be there).
+    // Only this reader adds to it.
+    let mut held_may_have_rows = true;
+    let mut held_checked = Instant::now();
     loop {
-        move_failed(inner, conn).await?;
-        confirm_settled(inner, conn, idle_lsn.take(), &mut last_idle_confirm).await?;
-        if stop.is_cancelled() {
+        if move_failed(inner, conn).await? {
+            held_may_have_rows = true;
+        }
+        let stopping = stop.is_cancelled();
+        confirm_settled(
+            inner,
+            conn,
+            idle_lsn.take(),
+            &mut last_idle_confirm,
+            &mut last_confirm,
+            stopping,
+        )
+        .await?;
+        if stopping {
             return Ok(());
+        }
+        if held_may_have_rows && held_checked.elapsed() >= HELD_EMPTY_CHECK {
+            held_checked = Instant::now();
+            held_may_have_rows = sqlx::query_scalar(&format!(
+                "SELECT EXISTS (SELECT 1 FROM {} WHERE processed_at IS NULL)",
+                inner.held.table().qualified()
+            ))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| map_sqlx("wal read", e))?;
         }
         // Read on while fewer than `read_ahead` events wait to be claimed: a relay that does not
         // claim (its broker is down) stops the reads, which would each decode again everything
@@ -813,8 +869,8 @@ async fn read_slot(
             if !peek.cut {
                 idle_lsn = peek.idle_lsn;
             }
-            if !new.is_empty() {
-                take_in(inner, conn, new).await?;
+            if !new.is_empty() && take_in(inner, conn, new, held_may_have_rows).await? {
+                held_may_have_rows = true;
             }
         }
         if again {
@@ -965,12 +1021,12 @@ async fn insert_held(
 }
 
 /// Moves each failed event, with the later events of its aggregate in hand, to the held table.
-async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error> {
+async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<bool, Error> {
     // Under the lock: pick the groups and mark them moving (claims skip them).
     let (rows, moved, previous) = {
         let mut st = inner.state();
         if st.failed == 0 {
-            return Ok(());
+            return Ok(false);
         }
         let mut failed_aggs: Vec<(String, String)> = Vec::new();
         for t in &st.txns {
@@ -984,7 +1040,7 @@ async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error
             }
         }
         if failed_aggs.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let mut rows = Vec::new();
         let mut moved = Vec::new();
@@ -1034,7 +1090,7 @@ async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error
         (rows, moved, previous)
     };
     if rows.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     let result = insert_held(inner, conn, &rows).await;
     let mut st = inner.state();
@@ -1051,7 +1107,7 @@ async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error
                 .unwrap_or_else(|p| p.into_inner())
                 .dirty = true;
             inner.wake_relay();
-            Ok(())
+            Ok(true)
         }
         Err(e) => {
             for ((end, i), state) in moved.iter().zip(previous) {
@@ -1068,7 +1124,8 @@ async fn take_in(
     inner: &Inner,
     conn: &mut PgConnection,
     new: Vec<WalTransaction>,
-) -> Result<(), Error> {
+    check_held: bool,
+) -> Result<bool, Error> {
     let mut keys_t = Vec::new();
     let mut keys_i = Vec::new();
     let mut seen = HashSet::new();
@@ -1085,7 +1142,7 @@ async fn take_in(
         }
     }
     let held = inner.held.table().qualified();
-    let found: Vec<(String, String)> = if ids.is_empty() {
+    let found: Vec<(String, String)> = if ids.is_empty() || !check_held {
         Vec::new()
     } else {
         sqlx::query_as(&format!(
@@ -1184,7 +1241,7 @@ async fn take_in(
     if claimable || !to_held.is_empty() {
         inner.wake_relay();
     }
-    Ok(())
+    Ok(!to_held.is_empty())
 }
 
 /// The dead letter of a change that is not an event.
@@ -1210,12 +1267,15 @@ async fn confirm_settled(
     conn: &mut PgConnection,
     idle_lsn: Option<u64>,
     last_idle_confirm: &mut Instant,
+    last_confirm: &mut Instant,
+    now: bool,
 ) -> Result<(), Error> {
     let (target, row_ids, count) = {
         let st = inner.state();
         let mut target = None;
         let mut row_ids = Vec::new();
         let mut count = 0;
+        let mut events = 0;
         for t in &st.txns {
             if !t.settled() {
                 break;
@@ -1223,6 +1283,16 @@ async fn confirm_settled(
             target = Some(t.end_lsn);
             row_ids.extend_from_slice(&t.row_ids);
             count += 1;
+            events += t.entries.len();
+        }
+        // A confirm decodes the WAL up to its position: one every CONFIRM_EVERY, or sooner when
+        // half the read-ahead is settled (each read decodes again what is not confirmed).
+        let due = now
+            || last_confirm.elapsed() >= CONFIRM_EVERY
+            || events >= inner.settings.read_ahead / 2;
+        if !due {
+            target = None;
+            count = 0;
         }
         if target.is_none() && st.txns.is_empty() {
             if let Some(idle) = idle_lsn {
@@ -1247,6 +1317,7 @@ async fn confirm_settled(
         .map_err(|e| map_sqlx("wal delete published rows", e))?;
     }
     inner.reader.confirm_on(conn, target).await?;
+    *last_confirm = Instant::now();
     let mut st = inner.state();
     for _ in 0..count {
         st.txns.pop_front();
