@@ -314,6 +314,27 @@ async fn wake_ends_the_idle_pause() {
 #[derive(Clone)]
 struct Counting(MemoryStore, Arc<AtomicUsize>);
 
+/// Counts claims, and of them the probes of an unreachable broker (one event, flagged).
+struct Probing(MemoryStore, Arc<AtomicUsize>, Arc<AtomicUsize>);
+
+#[async_trait]
+impl crate::Store for Probing {
+    async fn claim(&self, r: crate::ClaimRequest) -> Result<crate::Batch, Error> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        if r.probe {
+            assert_eq!(r.limit, 1, "a probe claims one event");
+            self.2.fetch_add(1, Ordering::SeqCst);
+        }
+        self.0.claim(r).await
+    }
+    async fn stats(&self) -> Result<crate::StoreStats, Error> {
+        self.0.stats().await
+    }
+    async fn check(&self) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
 #[async_trait]
 impl crate::Store for Counting {
     async fn claim(&self, r: crate::ClaimRequest) -> Result<crate::Batch, Error> {
@@ -794,11 +815,12 @@ fn outage_config(max_attempts: u32) -> RelayConfig {
 async fn outage(check_failing: bool) {
     let memory = MemoryStore::new();
     let claims = Arc::new(AtomicUsize::new(0));
+    let probes = Arc::new(AtomicUsize::new(0));
     let publisher = ScriptedPublisher::new();
     publisher.set_down(true);
     publisher.set_check_failing(check_failing);
     let cfg = outage_config(5);
-    let store = Counting(memory.clone(), claims.clone());
+    let store = Probing(memory.clone(), claims.clone(), probes.clone());
     let relay = Relay::new(Arc::new(store), publisher.clone(), cfg).unwrap();
     let (task, shutdown) = spawn(relay);
     let mut written = Vec::new();
@@ -812,6 +834,13 @@ async fn outage(check_failing: bool) {
     assert!(
         during <= 80,
         "{during} claims in a ten-minute outage: the relay spins"
+    );
+    // Only the first claim found the broker down; every later one is flagged as a probe (a store
+    // that reads ahead stops reading for them).
+    let probed = probes.load(Ordering::SeqCst);
+    assert!(
+        probed > 0 && probed + 1 >= during,
+        "{probed} of {during} claims during the outage were flagged as probes"
     );
     let tried: Vec<u32> = written
         .iter()
