@@ -419,7 +419,13 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     let wal = if wal_source {
         let slot = config.wal.slot(&table)?;
         Some(
-            WalStore::new(pg.pool().clone(), slot, pg.clone(), &config.wal)
+            WalStore::new(
+                pg.pool().clone(),
+                &config.database.url,
+                slot,
+                pg.clone(),
+                &config.wal,
+            )
                 .with_wake(wake.clone())
                 .with_held_poll_interval(config.relay.poll_interval),
         )
@@ -499,25 +505,9 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
             shutdown.clone(),
         ));
     }
-    if config.database.notify {
-        // Under the WAL source, a NOTIFY from the outbox table's writers makes the reader look.
-        let wake = match &wal {
-            Some(w) => {
-                let (reader, wake) = (w.reader_wake(), outbox_core::Wake::new());
-                let forward = wake.clone();
-                let stop = shutdown.clone();
-                tokio::spawn(async move {
-                    loop {
-                        tokio::select! {
-                            _ = forward.notified() => reader.notify_one(),
-                            _ = stop.cancelled() => return,
-                        }
-                    }
-                });
-                wake
-            }
-            None => relay.wake_handle(),
-        };
+    // Under the WAL source, the slot's stream brings the events: no NOTIFY listener.
+    if config.database.notify && wal.is_none() {
+        let wake = relay.wake_handle();
         let (pool, table, shutdown) = (pg.pool().clone(), table.clone(), shutdown.clone());
         tokio::spawn(async move {
             if let Err(e) = notify::listen(&pool, &table, wake, shutdown).await {

@@ -35,7 +35,6 @@ impl WalSource {
             "the WAL tests need wal_level = logical: run `bash scripts/test-env.sh` (it sets it and restarts the local server once)"
         );
         let config = WalConfig {
-            poll_interval: Duration::from_millis(20),
             message_prefix: table.schema().to_string(),
             ..WalConfig::default()
         };
@@ -56,6 +55,7 @@ impl WalSource {
         let pool = pool(6).await;
         WalStore::new(
             pool.clone(),
+            &outbox_postgres::testing::database_url(),
             self.slot.clone(),
             PostgresStore::new(pool, self.held.clone()),
             &self.config,
@@ -131,7 +131,7 @@ impl Drop for WalSource {
 
 impl WalSource {
     /// The settings of an `outbox relay` process reading this source (`database.source = "wal"`,
-    /// this test's message prefix, a look at the slot every 50 ms when idle), plus `extra`.
+    /// this test's message prefix), plus `extra`.
     pub fn relay_env(&self, extra: &[(&str, &str)]) -> Vec<(String, String)> {
         let mut env = vec![
             ("OUTBOX_DATABASE__SOURCE".to_string(), "wal".to_string()),
@@ -139,7 +139,6 @@ impl WalSource {
                 "OUTBOX_WAL__MESSAGE_PREFIX".to_string(),
                 self.config.message_prefix.clone(),
             ),
-            ("OUTBOX_WAL__POLL_INTERVAL".to_string(), "50ms".to_string()),
         ];
         env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         env
@@ -161,6 +160,24 @@ impl WalSource {
         .fetch_optional(pg)
         .await
         .unwrap()
+    }
+}
+
+impl WalSource {
+    /// The slot's confirmed position, as the server has it.
+    ///
+    /// # Panics
+    /// When the database is unreachable or the slot is missing (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn confirmed(&self, pg: &sqlx::PgPool) -> u64 {
+        let lsn: i64 = sqlx::query_scalar(
+            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(self.slot.slot())
+        .fetch_one(pg)
+        .await
+        .unwrap();
+        lsn as u64
     }
 }
 

@@ -863,7 +863,7 @@ async fn run_phases(
         }
     }
     if has(Phase::Drain) {
-        match WalBench::prepare(admin, &table, progress).await? {
+        match WalBench::prepare(url, admin, &table, progress).await? {
             Some(wal) => {
                 for t in [&DiscardTarget as &dyn BenchTarget, target] {
                     let result = async {
@@ -923,7 +923,7 @@ async fn run_phases(
                 .latency
                 .push(latency_run(url, admin, &table, target, o, notify_on, None, progress).await?);
         }
-        match WalBench::prepare(admin, &table, progress).await? {
+        match WalBench::prepare(url, admin, &table, progress).await? {
             Some(wal) => {
                 wal.reset(admin).await?;
                 target.reset().await?;
@@ -1968,12 +1968,14 @@ struct WalBench {
     slot: WalSlot,
     held: OutboxTable,
     config: WalConfig,
+    url: String,
 }
 
 impl WalBench {
     /// A fresh slot (a leftover of an earlier run is dropped) and held table; `None` when the
     /// server's `wal_level` is not `logical`.
     async fn prepare(
+        url: &str,
         admin: &PgPool,
         table: &OutboxTable,
         progress: &(dyn Fn(&str) + Send + Sync),
@@ -1991,7 +1993,12 @@ impl WalBench {
         let slot = config.slot(table)?;
         let held = config.held_table(table)?;
         migrate(admin, &held).await?;
-        let wal = WalBench { slot, held, config };
+        let wal = WalBench {
+            slot,
+            held,
+            config,
+            url: url.to_string(),
+        };
         wal.drop(admin).await;
         Ok(Some(wal))
     }
@@ -2015,6 +2022,7 @@ impl WalBench {
     fn store(&self, pool: PgPool, wake: outbox_core::Wake, o: &BenchOptions) -> WalStore {
         WalStore::new(
             pool.clone(),
+            &self.url,
             self.slot.clone(),
             PostgresStore::new(pool, self.held.clone()),
             &self.config,

@@ -265,152 +265,203 @@ impl WalReader {
         origin: Origin,
         after: u64,
     ) -> Result<Vec<WalTransaction>, Error> {
-        let mut parser = LogicalReplicationParser::with_protocol_version(1);
-        let mut relations: HashMap<u32, (String, String, Vec<String>)> = HashMap::new();
+        let mut decoder = Decoder::new(&self.slot, origin);
         let mut out = Vec::new();
-        let mut open: Option<(DateTime<Utc>, Vec<WalItem>)> = None;
-        let mut row_ids: Vec<Uuid> = Vec::new();
-        let mut counted = 0usize;
+        for (lsn, data) in changes {
+            if let Some(t) = decoder.feed(u64::try_from(*lsn).unwrap_or(0), data, after)? {
+                out.push(t);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Decodes a slot's pgoutput messages one at a time into whole transactions, keeping what a
+/// stream of them carries from one transaction to the next (relation descriptions, sent once per
+/// read or replication session).
+pub(crate) struct Decoder {
+    slot: String,
+    prefix: String,
+    origin: Origin,
+    parser: LogicalReplicationParser,
+    relations: HashMap<u32, (String, String, Vec<String>)>,
+    open: Option<(DateTime<Utc>, Vec<WalItem>)>,
+    row_ids: Vec<Uuid>,
+    counted: usize,
+    skipping: bool,
+}
+
+impl Decoder {
+    pub(crate) fn new(slot: &WalSlot, origin: Origin) -> Decoder {
+        Decoder {
+            slot: slot.slot().to_string(),
+            prefix: slot.message_prefix().to_string(),
+            origin,
+            parser: LogicalReplicationParser::with_protocol_version(1),
+            relations: HashMap::new(),
+            open: None,
+            row_ids: Vec::new(),
+            counted: 0,
+            skipping: false,
+        }
+    }
+
+    /// Whether a transaction is open (begun, not yet committed).
+    pub(crate) fn in_transaction(&self) -> bool {
+        self.open.is_some() || self.skipping
+    }
+
+    /// Takes the change at `lsn`; returns the transaction it completes, if any. Transactions that
+    /// committed before `after` are left out (their changes not decoded).
+    ///
+    /// # Errors
+    /// An unexpected error naming the position when the change is not a pgoutput message.
+    pub(crate) fn feed(
+        &mut self,
+        lsn: u64,
+        data: &[u8],
+        after: u64,
+    ) -> Result<Option<WalTransaction>, Error> {
+        let origin = self.origin;
+        self.counted += 1;
         // Inside a transaction committed before `after`: only relation descriptions (needed by
         // later transactions) and its end are read.
-        let mut skipping = false;
-        for (lsn, data) in changes {
-            let lsn = u64::try_from(*lsn).unwrap_or(0);
-            counted += 1;
-            if skipping {
-                match data.first() {
-                    Some(b'C') => {
-                        skipping = false;
-                        continue;
+        if self.skipping {
+            match data.first() {
+                Some(b'C') => {
+                    self.skipping = false;
+                    return Ok(None);
+                }
+                Some(b'R') => {}
+                _ => return Ok(None),
+            }
+        }
+        let message = self
+            .parser
+            .parse_wal_message(data)
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Unexpected,
+                    format!(
+                        "the slot {} returned a change at {lsn:#x} that is not pgoutput: {e}",
+                        self.slot
+                    ),
+                )
+            })?
+            .message;
+        match message {
+            LogicalReplicationMessage::Begin {
+                timestamp,
+                final_lsn,
+                ..
+            } if final_lsn >= after => {
+                self.open = Some((postgres_time(timestamp), Vec::new()));
+                self.row_ids.clear();
+                self.counted = 1;
+            }
+            LogicalReplicationMessage::Begin { .. } => {
+                self.open = None;
+                self.skipping = true;
+            }
+            LogicalReplicationMessage::Relation {
+                relation_id,
+                namespace,
+                relation_name,
+                columns,
+                ..
+            } => {
+                // Sent once per read before a relation's first row, wherever that is: not
+                // counted in a transaction's changes, which then read the same every time.
+                self.counted = self.counted.saturating_sub(1);
+                self.relations.insert(
+                    relation_id,
+                    (
+                        namespace.to_string(),
+                        relation_name.to_string(),
+                        columns.iter().map(|c| c.name.to_string()).collect(),
+                    ),
+                );
+            }
+            LogicalReplicationMessage::Insert { relation_id, tuple } => {
+                let Some((_, items)) = self.open.as_mut() else {
+                    return Ok(None);
+                };
+                // The publication holds the outbox table only (its partitions published as
+                // it): every row it carries is an event, whatever name it comes under.
+                match self.relations.get(&relation_id) {
+                    Some((_, _, names)) => {
+                        let item = row_event(lsn, names, &tuple);
+                        if let WalItem::Event(e) = &item {
+                            self.row_ids.push(e.id);
+                        }
+                        items.push(item);
                     }
-                    Some(b'R') => {}
-                    _ => continue,
+                    None => items.push(WalItem::Undecodable {
+                        id: Uuid::nil(),
+                        lsn,
+                        error: format!(
+                            "a row of relation {relation_id} came before its description"
+                        ),
+                        raw: String::new(),
+                    }),
                 }
             }
-            let message = parser
-                .parse_wal_message(data)
-                .map_err(|e| {
-                    Error::new(
-                        ErrorKind::Unexpected,
-                        format!(
-                            "the slot {} returned a change at {lsn:#x} that is not pgoutput: {e}",
-                            self.slot.slot()
-                        ),
-                    )
-                })?
-                .message;
-            match message {
-                LogicalReplicationMessage::Begin {
-                    timestamp,
-                    final_lsn,
-                    ..
-                } if final_lsn >= after => {
-                    open = Some((postgres_time(timestamp), Vec::new()));
-                    row_ids.clear();
-                    counted = 1;
+            LogicalReplicationMessage::Message {
+                flags,
+                lsn: message_lsn,
+                prefix,
+                content,
+            } if prefix == self.prefix => match self.open.as_mut() {
+                Some((commit_time, items)) if flags & 1 == 1 => {
+                    items.push(message_event(message_lsn, &content, *commit_time, origin));
                 }
-                LogicalReplicationMessage::Begin { .. } => {
-                    open = None;
-                    skipping = true;
-                }
-                LogicalReplicationMessage::Relation {
-                    relation_id,
-                    namespace,
-                    relation_name,
-                    columns,
-                    ..
-                } => {
-                    // Sent once per read before a relation's first row, wherever that is: not
-                    // counted in a transaction's changes, which then read the same every time.
-                    counted = counted.saturating_sub(1);
-                    relations.insert(
-                        relation_id,
-                        (
-                            namespace.to_string(),
-                            relation_name.to_string(),
-                            columns.iter().map(|c| c.name.to_string()).collect(),
-                        ),
-                    );
-                }
-                LogicalReplicationMessage::Insert { relation_id, tuple } => {
-                    let Some((_, items)) = open.as_mut() else {
-                        continue;
-                    };
-                    // The publication holds the outbox table only (its partitions published as
-                    // it): every row it carries is an event, whatever name it comes under.
-                    match relations.get(&relation_id) {
-                        Some((_, _, names)) => {
-                            let item = row_event(lsn, names, &tuple);
-                            if let WalItem::Event(e) = &item {
-                                row_ids.push(e.id);
-                            }
-                            items.push(item);
-                        }
-                        None => items.push(WalItem::Undecodable {
-                            id: Uuid::nil(),
-                            lsn,
-                            error: format!(
-                                "a row of relation {relation_id} came before its description"
-                            ),
-                            raw: String::new(),
-                        }),
-                    }
-                }
-                LogicalReplicationMessage::Message {
-                    flags,
-                    prefix,
-                    content,
-                    ..
-                } if prefix == self.slot.message_prefix() => match open.as_mut() {
-                    Some((commit_time, items)) if flags & 1 == 1 => {
-                        items.push(message_event(lsn, &content, *commit_time, origin));
-                    }
-                    // A non-transactional message: emitted even when its transaction rolls back,
-                    // so not an event of a committed transaction.
-                    _ => out.push(WalTransaction {
-                        end_lsn: lsn,
+                // A non-transactional message: emitted even when its transaction rolls back,
+                // so not an event of a committed transaction.
+                _ => {
+                    return Ok(Some(WalTransaction {
+                        end_lsn: message_lsn,
                         commit_time: Utc::now(),
                         row_ids: Vec::new(),
                         changes: 1,
                         items: vec![WalItem::Undecodable {
-                            id: derived_id(origin, lsn),
-                            lsn,
+                            id: derived_id(origin, message_lsn),
+                            lsn: message_lsn,
                             error: format!(
                                 "a non-transactional message with prefix {prefix:?}: emit events with pg_logical_emit_message(true, ...), so that they exist only if their transaction commits"
                             ),
                             raw: String::from_utf8_lossy(&content).into_owned(),
                         }],
-                    }),
-                },
-                LogicalReplicationMessage::Commit {
-                    end_lsn, timestamp, ..
-                } => {
-                    if let Some((_, mut items)) = open.take() {
-                        let commit_time = postgres_time(timestamp);
-                        for item in &mut items {
-                            match item {
-                                WalItem::Event(e) if e.created_at == DateTime::<Utc>::default() => {
-                                    e.created_at = commit_time;
-                                }
-                                WalItem::Undecodable { id, lsn, .. } => {
-                                    *id = derived_id(origin, *lsn);
-                                }
-                                WalItem::Event(_) => {}
-                            }
-                        }
-                        out.push(WalTransaction {
-                            end_lsn,
-                            commit_time,
-                            items,
-                            row_ids: std::mem::take(&mut row_ids),
-                            changes: counted,
-                        });
-                    }
+                    }))
                 }
-                _ => {}
+            },
+            LogicalReplicationMessage::Commit {
+                end_lsn, timestamp, ..
+            } => {
+                if let Some((_, mut items)) = self.open.take() {
+                    let commit_time = postgres_time(timestamp);
+                    for item in &mut items {
+                        match item {
+                            WalItem::Event(e) if e.created_at == DateTime::<Utc>::default() => {
+                                e.created_at = commit_time;
+                            }
+                            WalItem::Undecodable { id, lsn, .. } => {
+                                *id = derived_id(origin, *lsn);
+                            }
+                            WalItem::Event(_) => {}
+                        }
+                    }
+                    return Ok(Some(WalTransaction {
+                        end_lsn,
+                        commit_time,
+                        items,
+                        row_ids: std::mem::take(&mut self.row_ids),
+                        changes: self.counted,
+                    }));
+                }
             }
+            _ => {}
         }
-        Ok(out)
+        Ok(None)
     }
 }
 
@@ -496,9 +547,9 @@ fn parse_timestamptz(text: &str) -> Option<DateTime<Utc>> {
 /// make an id no other event of this server's history has (positions are reused after a
 /// point-in-time restore, on a new timeline).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Origin {
-    system: u64,
-    timeline: u32,
+pub(crate) struct Origin {
+    pub(crate) system: u64,
+    pub(crate) timeline: u32,
 }
 
 /// A table-less message's fields; the payload kept as written (its exact JSON text).

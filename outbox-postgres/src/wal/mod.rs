@@ -14,8 +14,6 @@
 //! from its restart position on: [`WalStatus::retained_bytes`] says how much, and `outbox wal drop`
 //! removes both.
 
-use std::time::Duration;
-
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgPool, Row};
@@ -67,11 +65,6 @@ pub struct WalConfig {
     /// empty); `false` leaves the table to you (for example, writers that insert and delete the
     /// row in the same transaction, as with Debezium's outbox router). Default true.
     pub delete_published: bool,
-    /// How often the reader looks at the slot when the last look found nothing new. Each look is a
-    /// `pg_logical_slot_peek_binary_changes` call (PostgreSQL logs two LOG lines per call up to
-    /// version 15). Default 100ms.
-    #[serde(with = "outbox_core::duration::serde_str")]
-    pub poll_interval: Duration,
     /// The most events read from the slot and not yet claimed that the reader holds in memory
     /// (the batches being published come on top: `relay.batch_size` x `relay.max_in_flight`). A
     /// relay that stops claiming (its broker is down) stops reading the slot at this mark. Default
@@ -89,9 +82,6 @@ pub struct WalConfig {
     pub quiet_decoding_logs: bool,
 }
 
-/// The default of `wal.poll_interval`: 100 ms.
-pub const DEFAULT_WAL_POLL_INTERVAL: Duration = Duration::from_millis(100);
-
 impl Default for WalConfig {
     fn default() -> Self {
         WalConfig {
@@ -101,7 +91,6 @@ impl Default for WalConfig {
             message_prefix: DEFAULT_MESSAGE_PREFIX.into(),
             held_table: None,
             delete_published: true,
-            poll_interval: DEFAULT_WAL_POLL_INTERVAL,
             read_ahead: 2_000,
             read_ahead_bytes: 16 << 20,
             quiet_decoding_logs: true,
@@ -134,11 +123,6 @@ impl WalConfig {
     /// # Errors
     /// A config error naming the setting.
     pub fn validate(&self) -> Result<(), Error> {
-        if self.poll_interval.is_zero() {
-            return Err(Error::config(
-                "wal.poll_interval = 0s: expected a positive duration such as 100ms",
-            ));
-        }
         if self.read_ahead == 0 || self.read_ahead_bytes == 0 {
             return Err(Error::config(
                 "wal.read_ahead and wal.read_ahead_bytes must be positive (defaults 2000 and 16777216)",

@@ -24,6 +24,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -43,6 +44,11 @@ use outbox_core::{
     StoreStats,
 };
 
+use pg_walstream::stream::{LogicalReplicationStream, ReplicationStreamConfig};
+use pg_walstream::SharedLsnFeedback;
+use tokio::sync::mpsc;
+
+use super::decode::{Decoder, Origin};
 use super::{WalConfig, WalItem, WalReader, WalSlot, WalTransaction};
 use crate::error::map_sqlx;
 use crate::store::PostgresStore;
@@ -76,7 +82,6 @@ pub const UNDECODABLE_AGGREGATE_TYPE: &str = "(undecodable)";
 #[derive(Debug, Clone)]
 struct Settings {
     delete_published: bool,
-    poll_interval: Duration,
     read_ahead: usize,
     read_ahead_bytes: usize,
     held_poll_interval: Duration,
@@ -119,7 +124,6 @@ struct Txn {
     commit_time: DateTime<Utc>,
     entries: Vec<Entry>,
     row_ids: Vec<Uuid>,
-    changes: usize,
 }
 
 impl Txn {
@@ -211,6 +215,7 @@ struct HeldPoll {
 
 struct Inner {
     pool: PgPool,
+    replication_url: String,
     reader: WalReader,
     source: OutboxTable,
     held: PostgresStore,
@@ -274,17 +279,27 @@ fn aggregate_key(aggregate_type: &str, aggregate_id: &str) -> u64 {
 impl WalStore {
     /// The WAL source of `slot`'s table, moving what it cannot publish at once to `held` (an
     /// outbox table migrated like any other; `outbox wal setup` makes it).
-    pub fn new(pool: PgPool, slot: WalSlot, held: PostgresStore, config: &WalConfig) -> Self {
+    ///
+    /// The slot is streamed over a replication connection to `database_url` (the pool's URL; the
+    /// role needs the `REPLICATION` attribute, as for any logical slot).
+    pub fn new(
+        pool: PgPool,
+        database_url: &str,
+        slot: WalSlot,
+        held: PostgresStore,
+        config: &WalConfig,
+    ) -> Self {
         let source = slot.table().clone();
+        let separator = if database_url.contains('?') { '&' } else { '?' };
         WalStore {
             inner: Arc::new(Inner {
                 pool,
+                replication_url: format!("{database_url}{separator}replication=database"),
                 reader: WalReader::new(slot),
                 source,
                 held,
                 settings: Settings {
                     delete_published: config.delete_published,
-                    poll_interval: config.poll_interval,
                     read_ahead: config.read_ahead.max(1),
                     read_ahead_bytes: config.read_ahead_bytes.max(1),
                     held_poll_interval: Duration::from_millis(500),
@@ -775,16 +790,188 @@ async fn try_lock(conn: &mut PgConnection, slot: &str) -> Result<bool, Error> {
         .map_err(|e| map_sqlx("wal reader lock", e))
 }
 
+/// The replication stream of one reading spell: decoded transactions come over `rx`; `feedback`
+/// carries the confirmed position to the server; `settled` counts the transactions confirmed (the
+/// stream's task reports its whole received position while every transaction it delivered is).
+struct Stream {
+    rx: mpsc::Receiver<Result<WalTransaction, Error>>,
+    feedback: Arc<SharedLsnFeedback>,
+    settled: Arc<AtomicU64>,
+    cancel: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Stream {
+    async fn close(self) {
+        self.cancel.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// Transactions decoded ahead of the reader (the stream's task waits beyond: backpressure).
+const STREAM_CHANNEL: usize = 256;
+
+/// How often the stream's task sends the server its position while no data arrives, and reports
+/// the whole received position when everything it delivered is confirmed (an idle outbox on a busy
+/// database: the slot still moves on).
+const STREAM_FEEDBACK: Duration = Duration::from_secs(1);
+
+fn stream_error(what: &str, e: pg_walstream::ReplicationError) -> Error {
+    // Retryable: the reader connects again (a walsender still holding the slot for a reader
+    // that just died answers 55006 for a moment).
+    Error::new(outbox_core::ErrorKind::Connection, format!("{what}: {e}"))
+}
+
+/// Opens the slot's replication stream from its confirmed position, with a task of its own that
+/// decodes whole transactions and hands them over.
+async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream, Error> {
+    let slot = inner.reader.slot();
+    let mut config = ReplicationStreamConfig::builder(slot.slot(), slot.publication())
+        .with_protocol_version(1)
+        .with_messages(true)
+        .with_feedback_interval(STREAM_FEEDBACK)
+        .with_connection_timeout(Duration::from_secs(30));
+    config.retry_config.max_attempts = 1;
+    let mut stream = LogicalReplicationStream::new(&inner.replication_url, config)
+        .await
+        .map_err(|e| stream_error("wal stream connect", e))?;
+    // From the slot's confirmed position.
+    stream
+        .start(None)
+        .await
+        .map_err(|e| stream_error("wal stream start", e))?;
+    let feedback = stream.shared_lsn_feedback.clone();
+    let settled = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = mpsc::channel(STREAM_CHANNEL);
+    let cancel = CancellationToken::new();
+    let decoder = Decoder::new(slot, origin);
+    let task = tokio::spawn(stream_task(
+        stream,
+        decoder,
+        tx,
+        feedback.clone(),
+        settled.clone(),
+        cancel.clone(),
+    ));
+    Ok(Stream {
+        rx,
+        feedback,
+        settled,
+        cancel,
+        task,
+    })
+}
+
+async fn stream_task(
+    mut stream: LogicalReplicationStream,
+    mut decoder: Decoder,
+    tx: mpsc::Sender<Result<WalTransaction, Error>>,
+    feedback: Arc<SharedLsnFeedback>,
+    settled: Arc<AtomicU64>,
+    cancel: CancellationToken,
+) {
+    let mut delivered = 0u64;
+    let mut period = cancel.child_token();
+    let mut period_timer = spawn_period(period.clone());
+    loop {
+        let raw = match stream.next_raw_event(&period).await {
+            Ok(raw) => raw,
+            Err(e) if e.is_cancelled() => {
+                if cancel.is_cancelled() {
+                    period_timer.abort();
+                    let _ = stream.stop().await;
+                    return;
+                }
+                // A quiet second: report the whole received position (keepalives included:
+                // everything committed below it was sent before) when all delivered is settled.
+                if settled.load(Ordering::SeqCst) == delivered && !decoder.in_transaction() {
+                    let at = stream.current_lsn();
+                    feedback.update_flushed_lsn(at);
+                    feedback.update_applied_lsn(at);
+                }
+                let _ = stream.send_feedback().await;
+                period = cancel.child_token();
+                period_timer = spawn_period(period.clone());
+                continue;
+            }
+            Err(e) => {
+                let _ = tx.send(Err(stream_error("wal stream", e))).await;
+                return;
+            }
+        };
+        let decoded = decoder.feed(raw.wal_start.value(), &raw.data, 0);
+        let transaction = match decoded {
+            Ok(Some(t)) => t,
+            Ok(None) => continue,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        };
+        delivered += 1;
+        let mut transaction = Some(transaction);
+        // Wait for room, answering the server meanwhile (it ends a silent connection).
+        while let Some(t) = transaction.take() {
+            tokio::select! {
+                permit = tx.reserve() => match permit {
+                    Ok(p) => p.send(Ok(t)),
+                    Err(_) => return,
+                },
+                _ = tokio::time::sleep(Duration::from_secs(10)) => {
+                    transaction = Some(t);
+                    let _ = stream.send_feedback().await;
+                }
+                _ = cancel.cancelled() => {
+                    let _ = stream.stop().await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn spawn_period(token: CancellationToken) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        tokio::time::sleep(STREAM_FEEDBACK).await;
+        token.cancel();
+    })
+}
+
+/// The server's identity, for the ids of messages written without one.
+async fn origin(conn: &mut PgConnection) -> Result<Origin, Error> {
+    let (system, timeline): (i64, i32) = sqlx::query_as(
+        "SELECT (SELECT system_identifier FROM pg_control_system()),
+                (SELECT timeline_id FROM pg_control_checkpoint())",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal read", e))?;
+    Ok(Origin {
+        system: system as u64,
+        timeline: timeline as u32,
+    })
+}
+
 /// Reads, moves and confirms while the lock is held; returns on `stop` (after a last round) or
-/// on a database error.
+/// on a database or stream error.
 async fn read_slot(
     inner: &Inner,
     conn: &mut PgConnection,
     stop: &CancellationToken,
 ) -> Result<(), Error> {
-    let mut extra_changes = 0usize;
-    let mut idle_lsn: Option<u64> = None;
-    let mut last_idle_confirm = Instant::now();
+    let origin = origin(conn).await?;
+    let mut stream = open_stream(inner, origin).await?;
+    let result = read_stream(inner, conn, &mut stream, stop).await;
+    stream.close().await;
+    result
+}
+
+async fn read_stream(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    stream: &mut Stream,
+    stop: &CancellationToken,
+) -> Result<(), Error> {
     let mut last_confirm = Instant::now();
     // Whether the held table may hold unpublished events: until it is seen empty, every event
     // read is checked against it (its aggregate may wait there; a replayed event may be there).
@@ -796,15 +983,7 @@ async fn read_slot(
             held_may_have_rows = true;
         }
         let stopping = stop.is_cancelled();
-        confirm_settled(
-            inner,
-            conn,
-            idle_lsn.take(),
-            &mut last_idle_confirm,
-            &mut last_confirm,
-            stopping,
-        )
-        .await?;
+        confirm_settled(inner, conn, stream, &mut last_confirm, stopping).await?;
         if stopping {
             return Ok(());
         }
@@ -818,75 +997,63 @@ async fn read_slot(
             .await
             .map_err(|e| map_sqlx("wal read", e))?;
         }
-        // Read on while fewer than `read_ahead` events wait to be claimed: a relay that does not
-        // claim (its broker is down) stops the reads, which would each decode again everything
-        // not confirmed.
-        let (room, known_changes, unsettled_bytes, read_to, claiming) = {
+        // Take in while fewer than `read_ahead` events wait to be claimed: a relay that does not
+        // claim (its broker is down) stops the reading, and the server waits.
+        let room = {
             let st = inner.state();
-            let changes: usize = st.txns.iter().map(|t| t.changes).sum();
             let claiming = inner
                 .last_claim
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .elapsed()
                 < inner.settings.claims_paused_after();
-            (
-                claiming
-                    && st.unsettled - st.in_flight < inner.settings.read_ahead
-                    && st.unsettled_bytes < inner.settings.read_ahead_bytes,
-                changes,
-                st.unsettled_bytes,
-                st.read_to,
-                claiming,
-            )
+            claiming
+                && st.unsettled - st.in_flight < inner.settings.read_ahead
+                && st.unsettled_bytes < inner.settings.read_ahead_bytes
         };
-        let mut again = false;
+        let mut new = Vec::new();
         if room {
-            let max_changes = known_changes
-                .saturating_add(inner.settings.read_ahead)
-                .saturating_add(extra_changes)
-                .saturating_add(16);
-            let max_bytes = unsettled_bytes.saturating_add(inner.settings.read_ahead_bytes);
-            let peek = inner
-                .reader
-                .peek_after(
-                    conn,
-                    i32::try_from(max_changes).unwrap_or(i32::MAX),
-                    max_bytes,
-                    read_to,
-                )
-                .await?;
-            let new: Vec<WalTransaction> = peek
-                .transactions
-                .into_iter()
-                .filter(|t| t.end_lsn > read_to)
-                .collect();
-            if new.is_empty() && peek.cut {
-                // The transactions in hand took more changes than counted: read further next time.
-                extra_changes = extra_changes.saturating_mul(2).max(256);
+            // Whatever is decoded already, without waiting.
+            while new.len() < STREAM_CHANNEL {
+                match stream.rx.try_recv() {
+                    Ok(t) => new.push(t?),
+                    Err(_) => break,
+                }
             }
-            again = !new.is_empty() || peek.cut;
-            if !peek.cut {
-                idle_lsn = peek.idle_lsn;
-            }
-            if !new.is_empty() && take_in(inner, conn, new, held_may_have_rows).await? {
+        }
+        if !new.is_empty() {
+            if take_in(inner, conn, new, held_may_have_rows).await? {
                 held_may_have_rows = true;
             }
-        }
-        if again {
-            tokio::task::yield_now().await;
             continue;
         }
-        // While the relay does not claim, its next claim (or settle) wakes the reader.
-        let wait = if claiming {
-            inner.settings.poll_interval
+        // Nothing in hand: wait for a transaction, a settled batch, a confirm due, or the stop.
+        let confirm_in = CONFIRM_EVERY.saturating_sub(last_confirm.elapsed());
+        let wait = if room {
+            confirm_in.max(Duration::from_millis(1))
         } else {
             PAUSED_WAIT
         };
-        tokio::select! {
-            _ = inner.reader_wake.notified() => {}
-            _ = tokio::time::sleep(wait) => {}
-            _ = stop.cancelled() => {}
+        if room {
+            tokio::select! {
+                t = stream.rx.recv() => match t {
+                    Some(t) => {
+                        if take_in(inner, conn, vec![t?], held_may_have_rows).await? {
+                            held_may_have_rows = true;
+                        }
+                    }
+                    None => return Err(Error::new(outbox_core::ErrorKind::Connection, "the WAL stream ended")),
+                },
+                _ = inner.reader_wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+                _ = stop.cancelled() => {}
+            }
+        } else {
+            tokio::select! {
+                _ = inner.reader_wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+                _ = stop.cancelled() => {}
+            }
         }
     }
 }
@@ -1214,7 +1381,6 @@ async fn take_in(
             commit_time: t.commit_time,
             entries,
             row_ids: t.row_ids,
-            changes: t.changes,
         });
     }
     // Into the held table first: a transaction is confirmed only once it is in hand.
@@ -1261,12 +1427,11 @@ fn undecodable_event(id: Uuid, lsn: u64, raw: String, commit_time: DateTime<Utc>
 }
 
 /// Confirms the settled transactions at the front (deleting their outbox rows first when the
-/// source table is emptied), or, with nothing in hand, the idle position (at most once a second).
+/// source table is emptied): the stream reports the position to the server.
 async fn confirm_settled(
     inner: &Inner,
     conn: &mut PgConnection,
-    idle_lsn: Option<u64>,
-    last_idle_confirm: &mut Instant,
+    stream: &Stream,
     last_confirm: &mut Instant,
     now: bool,
 ) -> Result<(), Error> {
@@ -1274,7 +1439,7 @@ async fn confirm_settled(
         let st = inner.state();
         let mut target = None;
         let mut row_ids = Vec::new();
-        let mut count = 0;
+        let mut count = 0u64;
         let mut events = 0;
         for t in &st.txns {
             if !t.settled() {
@@ -1285,21 +1450,13 @@ async fn confirm_settled(
             count += 1;
             events += t.entries.len();
         }
-        // A confirm decodes the WAL up to its position: one every CONFIRM_EVERY, or sooner when
-        // half the read-ahead is settled (each read decodes again what is not confirmed).
+        // The outbox rows are deleted in batches: one statement every CONFIRM_EVERY, or sooner
+        // when half the read-ahead is settled.
         let due = now
             || last_confirm.elapsed() >= CONFIRM_EVERY
             || events >= inner.settings.read_ahead / 2;
         if !due {
             target = None;
-            count = 0;
-        }
-        if target.is_none() && st.txns.is_empty() {
-            if let Some(idle) = idle_lsn {
-                if idle > st.confirmed && last_idle_confirm.elapsed() >= Duration::from_secs(1) {
-                    target = Some(idle);
-                }
-            }
         }
         (target, row_ids, count)
     };
@@ -1316,15 +1473,15 @@ async fn confirm_settled(
         .await
         .map_err(|e| map_sqlx("wal delete published rows", e))?;
     }
-    inner.reader.confirm_on(conn, target).await?;
+    stream.feedback.update_flushed_lsn(target);
+    stream.feedback.update_applied_lsn(target);
     *last_confirm = Instant::now();
     let mut st = inner.state();
     for _ in 0..count {
         st.txns.pop_front();
     }
     st.confirmed = st.confirmed.max(target);
-    if count == 0 {
-        *last_idle_confirm = Instant::now();
-    }
+    drop(st);
+    stream.settled.fetch_add(count, Ordering::SeqCst);
     Ok(())
 }
