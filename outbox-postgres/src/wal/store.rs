@@ -796,6 +796,8 @@ async fn try_lock(conn: &mut PgConnection, slot: &str) -> Result<bool, Error> {
 struct Stream {
     rx: mpsc::Receiver<Result<WalTransaction, Error>>,
     feedback: Arc<SharedLsnFeedback>,
+    /// Makes the stream's task send the confirmed position now.
+    feedback_now: Arc<Notify>,
     settled: Arc<AtomicU64>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
@@ -829,7 +831,9 @@ async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream, Error> {
     let mut config = ReplicationStreamConfig::builder(slot.slot(), slot.publication())
         .with_protocol_version(1)
         .with_messages(true)
-        .with_feedback_interval(STREAM_FEEDBACK)
+        // Confirms reach the server within this while data flows (the stream checks every 128
+        // messages): a new reader replays from there.
+        .with_feedback_interval(CONFIRM_EVERY)
         .with_connection_timeout(Duration::from_secs(30));
     config.retry_config.max_attempts = 1;
     let mut stream = LogicalReplicationStream::new(&inner.replication_url, config)
@@ -845,17 +849,20 @@ async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream, Error> {
     let (tx, rx) = mpsc::channel(STREAM_CHANNEL);
     let cancel = CancellationToken::new();
     let decoder = Decoder::new(slot, origin);
+    let feedback_now = Arc::new(Notify::new());
     let task = tokio::spawn(stream_task(
         stream,
         decoder,
         tx,
         feedback.clone(),
+        feedback_now.clone(),
         settled.clone(),
         cancel.clone(),
     ));
     Ok(Stream {
         rx,
         feedback,
+        feedback_now,
         settled,
         cancel,
         task,
@@ -867,12 +874,13 @@ async fn stream_task(
     mut decoder: Decoder,
     tx: mpsc::Sender<Result<WalTransaction, Error>>,
     feedback: Arc<SharedLsnFeedback>,
+    feedback_now: Arc<Notify>,
     settled: Arc<AtomicU64>,
     cancel: CancellationToken,
 ) {
     let mut delivered = 0u64;
     let mut period = cancel.child_token();
-    let mut period_timer = spawn_period(period.clone());
+    let mut period_timer = spawn_period(period.clone(), feedback_now.clone());
     loop {
         let raw = match stream.next_raw_event(&period).await {
             Ok(raw) => raw,
@@ -891,7 +899,7 @@ async fn stream_task(
                 }
                 let _ = stream.send_feedback().await;
                 period = cancel.child_token();
-                period_timer = spawn_period(period.clone());
+                period_timer = spawn_period(period.clone(), feedback_now.clone());
                 continue;
             }
             Err(e) => {
@@ -930,9 +938,15 @@ async fn stream_task(
     }
 }
 
-fn spawn_period(token: CancellationToken) -> JoinHandle<()> {
+/// Ends the stream task's wait for data after [`STREAM_FEEDBACK`], or at once when the reader
+/// confirmed something (so that a new reader replays as little as can be).
+fn spawn_period(token: CancellationToken, now: Arc<Notify>) -> JoinHandle<()> {
     tokio::spawn(async move {
-        tokio::time::sleep(STREAM_FEEDBACK).await;
+        tokio::select! {
+            _ = tokio::time::sleep(STREAM_FEEDBACK) => {}
+            _ = now.notified() => {}
+            _ = token.cancelled() => {}
+        }
         token.cancel();
     })
 }
@@ -1475,6 +1489,7 @@ async fn confirm_settled(
     }
     stream.feedback.update_flushed_lsn(target);
     stream.feedback.update_applied_lsn(target);
+    stream.feedback_now.notify_one();
     *last_confirm = Instant::now();
     let mut st = inner.state();
     for _ in 0..count {
