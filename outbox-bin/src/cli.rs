@@ -286,8 +286,15 @@ pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
 
 fn init_logging(config: &Config) {
     use tracing_subscriber::EnvFilter;
+    // The replication library reports every status update at INFO: its errors only, unless the
+    // level names it.
+    let level = if config.log.level.contains("pg_walstream") {
+        config.log.level.clone()
+    } else {
+        format!("{},pg_walstream=error", config.log.level)
+    };
     let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&config.log.level))
+        .or_else(|_| EnvFilter::try_new(&level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
     // Logs go to standard error: standard output carries command output and stdout-published events.
     let builder = tracing_subscriber::fmt()

@@ -973,6 +973,22 @@ async fn read_slot(
     conn: &mut PgConnection,
     stop: &CancellationToken,
 ) -> Result<(), Error> {
+    // The replication library would make a missing slot (at the stream's current position,
+    // skipping what was committed meanwhile): a missing slot is the operator's to set up.
+    let slot = inner.reader.slot();
+    let exists: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",
+    )
+    .bind(slot.slot())
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal read", e))?;
+    if !exists {
+        return Err(Error::config(format!(
+            "the replication slot {} does not exist: run `outbox wal setup`",
+            slot.slot()
+        )));
+    }
     let origin = origin(conn).await?;
     let mut stream = open_stream(inner, origin).await?;
     let result = read_stream(inner, conn, &mut stream, stop).await;
