@@ -73,13 +73,6 @@ pub struct WalConfig {
     /// The most payload bytes of the events read and not yet settled (a single transaction larger
     /// than this is still read whole). Default 16 MiB.
     pub read_ahead_bytes: usize,
-    /// Keep the reader's routine decoding messages out of the server's log: every read of the
-    /// slot logs (at LOG level) that decoding starts and where, six lines with the statement,
-    /// several times a second. The reader's session sets `log_min_messages = fatal` where its role
-    /// may (a superuser, or `GRANT SET ON PARAMETER log_min_messages TO <role>` from PostgreSQL
-    /// 15; otherwise the messages stay): the server ranks LOG above ERROR, so the reader's errors
-    /// leave the server's log too, and reach the relay's, which logs them. Default true.
-    pub quiet_decoding_logs: bool,
 }
 
 impl Default for WalConfig {
@@ -93,7 +86,6 @@ impl Default for WalConfig {
             delete_published: true,
             read_ahead: 2_000,
             read_ahead_bytes: 16 << 20,
-            quiet_decoding_logs: true,
         }
     }
 }

@@ -85,7 +85,6 @@ struct Settings {
     read_ahead: usize,
     read_ahead_bytes: usize,
     held_poll_interval: Duration,
-    quiet_decoding_logs: bool,
 }
 
 impl Settings {
@@ -303,7 +302,6 @@ impl WalStore {
                     read_ahead: config.read_ahead.max(1),
                     read_ahead_bytes: config.read_ahead_bytes.max(1),
                     held_poll_interval: Duration::from_millis(500),
-                    quiet_decoding_logs: config.quiet_decoding_logs,
                 },
                 state: Mutex::new(State::default()),
                 held_poll: Mutex::new(HeldPoll {
@@ -765,19 +763,6 @@ async fn connect(inner: &Inner) -> Result<PgConnection, Error> {
     .execute(&mut conn)
     .await
     .map_err(|e| map_sqlx("wal reader connect", e))?;
-    // Each read of the slot makes PostgreSQL log that decoding starts and where (LOG level: six
-    // lines with their statement, several times a second): this session's are left out of the
-    // server's log where the role may set it (superusers; `GRANT SET ON PARAMETER
-    // log_min_messages` from PostgreSQL 15). The server ranks LOG above ERROR for its log, so only
-    // FATAL stays: the reader's errors reach the relay, which logs them.
-    if inner.settings.quiet_decoding_logs {
-        if let Err(e) = sqlx::query("SET log_min_messages = fatal")
-            .execute(&mut conn)
-            .await
-        {
-            debug!(error = %e, "the WAL reader's decoding messages stay in the server's log");
-        }
-    }
     Ok(conn)
 }
 
