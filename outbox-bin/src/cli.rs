@@ -433,8 +433,8 @@ async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
                 pg.clone(),
                 &config.wal,
             )
-                .with_wake(wake.clone())
-                .with_held_poll_interval(config.relay.poll_interval),
+            .with_wake(wake.clone())
+            .with_held_poll_interval(config.relay.poll_interval),
         )
     } else {
         None
@@ -946,7 +946,11 @@ async fn cmd_wal(config: &Config, table: OutboxTable, command: WalCommand) -> Re
                 slot.slot(),
                 said(created.slot),
                 held.qualified(),
-                if applied.is_empty() { "up to date".to_string() } else { format!("applied migrations {applied:?}") }
+                if applied.is_empty() {
+                    "up to date".to_string()
+                } else {
+                    format!("applied migrations {applied:?}")
+                }
             );
             info!(
                 slot = slot.slot(),

@@ -114,6 +114,8 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
             run("relay", "amqp", 1, 3000),
             run("relay", "discard", 2, 3000),
             run("relay", "amqp", 2, 3000),
+            run("wal", "discard", 1, 3000),
+            run("wal", "amqp", 1, 3000),
             run("reference", "amqp", 1, 400),
         ]
     );
@@ -131,7 +133,10 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
     assert!((ratio("ceiling_vs_yardstick_n") - rate(3) / rate(0)).abs() < 1e-9);
     assert!((ratio("target_vs_ceiling_1") - rate(2) / rate(1)).abs() < 1e-9);
     assert!((ratio("target_vs_ceiling_n") - rate(4) / rate(3)).abs() < 1e-9);
-    assert!((ratio("target_vs_reference") - rate(2).max(rate(4)) / rate(5)).abs() < 1e-9);
+    assert!((ratio("target_vs_reference") - rate(2).max(rate(4)) / rate(7)).abs() < 1e-9);
+    // The WAL source beside the polling relay, one relay each.
+    assert!((ratio("wal_vs_polling_ceiling") - rate(5) / rate(1)).abs() < 1e-9);
+    assert!((ratio("wal_vs_polling_target") - rate(6) / rate(2)).abs() < 1e-9);
     // The publisher alone: the drain's backlog, in the relay's batch size and in-flight count.
     let p = &r["publisher"];
     assert_eq!(p["events"].as_u64(), Some(3000), "{p}");
@@ -145,9 +150,10 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
     assert_eq!(num(&r, "relay_peak_rss_bytes"), one_relay_rss);
 
     let latency = r["latency"].as_array().unwrap();
-    assert_eq!(latency.len(), 2);
+    assert_eq!(latency.len(), 3);
     assert_eq!(latency[0]["wakeup"], "poll");
     assert_eq!(latency[1]["wakeup"], "notify");
+    assert_eq!(latency[2]["wakeup"], "wal");
     for l in latency {
         // 2 s at 200/s, the first second not counted: about 200 events, each acknowledged.
         let events = num(l, "events");
@@ -214,8 +220,13 @@ async fn drains_to_kafka_and_sqs() {
         }
         assert_eq!(code, 0, "{broker}: {stderr}");
         let drain = r["drain"].as_array().unwrap();
-        assert_eq!(drain.len(), 3, "{r}");
+        // The yardstick, the polling relay to the ceiling and the broker, the WAL source to both.
+        assert_eq!(drain.len(), 5, "{r}");
         assert_eq!(drain[2]["publisher"], broker);
+        assert_eq!(
+            (drain[4]["relay"].as_str(), drain[4]["publisher"].as_str()),
+            (Some("wal"), Some(broker))
+        );
         assert_eq!(
             drain[2]["events"].as_u64().unwrap(),
             backlog.parse::<u64>().unwrap()

@@ -15,60 +15,67 @@ use outbox_tests::wal::{pairs, WalSource};
 /// PostgreSQL restarted under load while one relay publishes to `broker`; with `wal`, the relay
 /// reads the WAL source (its reader's session ends with the restart and takes the slot again).
 async fn restart_during_load(broker: Broker, wal: bool) {
-        let pg = pool(2).await;
-        let table = fresh_table(&pg).await;
-        let source = if wal { Some(WalSource::setup(&table).await) } else { None };
-        let env = source.as_ref().map(|w| w.relay_env(&[])).unwrap_or_default();
-        let sink = Sink::new(broker).await;
-        let load = broker.load(&table).await;
-        let relay = RelayProcess::start(&table, &sink, &pairs(&env));
-        let mut restarts = 0;
-        for _ in 0..soak_factor() {
-            let before = sink.received_count().await;
-            sink.wait_past(
-                before,
-                Duration::from_secs(60),
-                "the relay published nothing before the restart",
-            )
-            .await;
-            tokio::task::spawn_blocking(restart_postgres).await.unwrap();
-            restarts += 1;
-        }
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    let source = if wal {
+        Some(WalSource::setup(&table).await)
+    } else {
+        None
+    };
+    let env = source
+        .as_ref()
+        .map(|w| w.relay_env(&[]))
+        .unwrap_or_default();
+    let sink = Sink::new(broker).await;
+    let load = broker.load(&table).await;
+    let relay = RelayProcess::start(&table, &sink, &pairs(&env));
+    let mut restarts = 0;
+    for _ in 0..soak_factor() {
         let before = sink.received_count().await;
         sink.wait_past(
             before,
-            Duration::from_secs(120),
-            "the relay published nothing after the restart",
+            Duration::from_secs(60),
+            "the relay published nothing before the restart",
         )
         .await;
-        let written = load.stop().await;
-        let pg = pool(2).await;
-        let committed = committed_in_db(&pg, &table, &written).await;
-        sink.wait_all(&committed, Duration::from_secs(120)).await;
-        assert_eq!(
-            relay.terminate(Duration::from_secs(60)),
-            Some(0),
-            "the relay survived the restart"
-        );
-        let verdict = sink.judge(&committed).await;
-        report_with(
-            "postgres-restart",
-            broker,
-            &verdict,
-            if wal { " source=wal" } else { "" },
-        );
-        println!(
-            "  ({} events of transactions whose commit the writer could not confirm; the database \
+        tokio::task::spawn_blocking(restart_postgres).await.unwrap();
+        restarts += 1;
+    }
+    let before = sink.received_count().await;
+    sink.wait_past(
+        before,
+        Duration::from_secs(120),
+        "the relay published nothing after the restart",
+    )
+    .await;
+    let written = load.stop().await;
+    let pg = pool(2).await;
+    let committed = committed_in_db(&pg, &table, &written).await;
+    sink.wait_all(&committed, Duration::from_secs(120)).await;
+    assert_eq!(
+        relay.terminate(Duration::from_secs(60)),
+        Some(0),
+        "the relay survived the restart"
+    );
+    let verdict = sink.judge(&committed).await;
+    report_with(
+        "postgres-restart",
+        broker,
+        &verdict,
+        if wal { " source=wal" } else { "" },
+    );
+    println!(
+        "  ({} events of transactions whose commit the writer could not confirm; the database \
              says which committed)",
-            written.uncertain.len()
-        );
-        // A restart loses the relay's sessions: what it published and had not marked is sent again
-        // (README, guarantee 3), at most a batch per batch in flight.
-        // WAL source: the relay outlives the restart, and publishes from what its reader held
-        // (up to wal.read_ahead, 2000 events) until it finds the reader's connections cut; all of
-        // it is read again from the slot's confirmed position.
-        assert_crash_verdict(&verdict, restarts, 100, if wal { 2 + 20 } else { 2 });
-        let _ = std::fs::remove_dir_all(relay_log_dir(&table));
+        written.uncertain.len()
+    );
+    // A restart loses the relay's sessions: what it published and had not marked is sent again
+    // (README, guarantee 3), at most a batch per batch in flight.
+    // WAL source: the relay outlives the restart, and publishes from what its reader held
+    // (up to wal.read_ahead, 2000 events) until it finds the reader's connections cut; all of
+    // it is read again from the slot's confirmed position.
+    assert_crash_verdict(&verdict, restarts, 100, if wal { 2 + 20 } else { 2 });
+    let _ = std::fs::remove_dir_all(relay_log_dir(&table));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -45,7 +45,10 @@ async fn reader_killed(broker: Broker, kills: usize, scenario: &str) {
             if let Some(tag) = wal.reader(&pg).await {
                 break tag;
             }
-            assert!(Instant::now() < deadline, "no relay reads the slot (waited 60 s)");
+            assert!(
+                Instant::now() < deadline,
+                "no relay reads the slot (waited 60 s)"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         let i = relays
@@ -57,9 +60,7 @@ async fn reader_killed(broker: Broker, kills: usize, scenario: &str) {
         victim.kill9();
         // A standby takes the slot once PostgreSQL has ended the victim's session.
         wait_until(Duration::from_secs(60), "a standby takes over", || async {
-            wal.reader(&pg)
-                .await
-                .is_some_and(|tag| tag != reading)
+            wal.reader(&pg).await.is_some_and(|tag| tag != reading)
         })
         .await;
         takeovers.push(killed_at.elapsed());

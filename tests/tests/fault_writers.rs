@@ -87,12 +87,7 @@ async fn racing_writers_two_relays_killed(broker: Broker, wal: bool) {
     assert!(!committed.is_empty() && !rolled_back.is_empty());
     // Rolled-back events are not in the outbox: any of them received counts as unexpected.
     // WAL source: what was published and not yet confirmed is read again (one more round).
-    assert_crash_verdict(
-        &verdict,
-        killer.count,
-        BATCH,
-        IN_FLIGHT + usize::from(wal),
-    );
+    assert_crash_verdict(&verdict, killer.count, BATCH, IN_FLIGHT + usize::from(wal));
     let _ = std::fs::remove_dir_all(relay_log_dir(&table));
 }
 

@@ -72,9 +72,11 @@ async fn wal_relays_keep_order_through_random_failures_with_a_standby() {
     let (b, tb) = wal
         .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
         .await;
-    wait_until(Duration::from_secs(30), "one relay reads the slot", || async {
-        a.progress().active || b.progress().active
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "one relay reads the slot",
+        || async { a.progress().active || b.progress().active },
+    )
     .await;
     // Retryable failures on about 8% of the events (by id: random), each failing once or twice:
     // the failed event and the later ones of its aggregate go through the held table.
@@ -142,14 +144,18 @@ async fn a_poison_event_dead_letters_and_holds_back_only_its_aggregate() {
         .cloned()
         .collect();
     let first_of_3 = committed.iter().find(|(a, _)| a == "agg-3").unwrap().1;
-    wait_until(Duration::from_secs(60), "the healthy aggregates and the dead letter", || async {
-        let got: std::collections::HashSet<Uuid> =
-            publisher.delivered().iter().map(|e| e.id).collect();
-        others.iter().all(|(_, id)| got.contains(id))
-            && got.contains(&first_of_3)
-            && store.held().stats().await.unwrap().dead_letters == 1
-            && source_rows(&pool, &table).await == 0
-    })
+    wait_until(
+        Duration::from_secs(60),
+        "the healthy aggregates and the dead letter",
+        || async {
+            let got: std::collections::HashSet<Uuid> =
+                publisher.delivered().iter().map(|e| e.id).collect();
+            others.iter().all(|(_, id)| got.contains(id))
+                && got.contains(&first_of_3)
+                && store.held().stats().await.unwrap().dead_letters == 1
+                && source_rows(&pool, &table).await == 0
+        },
+    )
     .await;
     let held = store.held().stats().await.unwrap();
     assert_eq!(held.dead_letters, 1, "{held:?}");
@@ -208,10 +214,16 @@ async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettere
         // Table-less events and outbox rows, side by side in one transaction.
         for a in 0..3 {
             let e = sample_event(&format!("m-{a}"), n);
-            committed.push((e.aggregate_id.clone(), messages.emit(&mut tx, e).await.unwrap()));
+            committed.push((
+                e.aggregate_id.clone(),
+                messages.emit(&mut tx, e).await.unwrap(),
+            ));
         }
         let e = sample_event("row", n);
-        committed.push((e.aggregate_id.clone(), writer.enqueue(&mut tx, e).await.unwrap()));
+        committed.push((
+            e.aggregate_id.clone(),
+            writer.enqueue(&mut tx, e).await.unwrap(),
+        ));
         if n == 7 {
             sqlx::query("SELECT pg_logical_emit_message(true, $1, 'not an event')")
                 .bind(table.schema())
@@ -230,11 +242,15 @@ async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettere
     let (store, task) = wal
         .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
         .await;
-    wait_until(Duration::from_secs(60), "every event and the dead letter", || async {
-        publisher.delivered().len() >= committed.len()
-            && store.held().stats().await.unwrap().dead_letters == 1
-            && source_rows(&pool, &table).await == 0
-    })
+    wait_until(
+        Duration::from_secs(60),
+        "every event and the dead letter",
+        || async {
+            publisher.delivered().len() >= committed.len()
+                && store.held().stats().await.unwrap().dead_letters == 1
+                && source_rows(&pool, &table).await == 0
+        },
+    )
     .await;
     shutdown.cancel();
     task.await.unwrap();
@@ -250,7 +266,11 @@ async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettere
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!(letters[0].aggregate_type, UNDECODABLE_AGGREGATE_TYPE);
     assert!(
-        letters[0].last_error.as_deref().unwrap_or("").contains("not a JSON object"),
+        letters[0]
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("not a JSON object"),
         "{letters:?}"
     );
 }
@@ -289,15 +309,19 @@ async fn the_standby_takes_over_when_the_readers_session_ends() {
     assert_eq!(ended, 1, "the reader's session holds the lock");
     let more = write_rounds(&table, 20, 5).await;
     committed.extend(more);
-    wait_until(Duration::from_secs(30), "the standby takes over", || async {
-        b.progress().active
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "the standby takes over",
+        || async { b.progress().active },
+    )
     .await;
     drained(&pool, &table, &wal, &publisher, committed.len()).await;
     // The first relay stands by now.
-    wait_until(Duration::from_secs(30), "the first relay stands by", || async {
-        !a.progress().active
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "the first relay stands by",
+        || async { !a.progress().active },
+    )
     .await;
     shutdown.cancel();
     ta.await.unwrap();
@@ -326,4 +350,49 @@ async fn readiness_fails_while_the_slot_is_missing() {
         "{e}"
     );
     let _ = PostgresStore::new(pool.clone(), table);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_written_twice_is_published_twice_and_wedges_nothing() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let messages = MessageWriter::new(table.schema());
+    // A writer that retried a commit whose answer it never saw writes the same event again; both
+    // copies may land in one batch.
+    let twice = sample_event("dup", 0);
+    let after = sample_event("dup", 1);
+    let mut tx = pool.begin().await.unwrap();
+    messages.emit(&mut tx, twice.clone()).await.unwrap();
+    messages.emit(&mut tx, twice.clone()).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    messages.emit(&mut tx, after.clone()).await.unwrap();
+    tx.commit().await.unwrap();
+    let (store, task) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    wait_until(
+        Duration::from_secs(60),
+        "both copies and the next event",
+        || async { publisher.delivered().len() >= 3 },
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        "everything settled and confirmed",
+        || async {
+            let progress = store.progress();
+            progress.unsettled == 0
+                && progress.confirmed_lsn > 0
+                && wal.confirmed(&pool).await >= progress.confirmed_lsn
+        },
+    )
+    .await;
+    shutdown.cancel();
+    task.await.unwrap();
+    let ids: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    assert_eq!(ids, vec![twice.id, twice.id, after.id]);
 }

@@ -927,7 +927,8 @@ async fn run_phases(
             Some(wal) => {
                 wal.reset(admin).await?;
                 target.reset().await?;
-                let run = latency_run(url, admin, &table, target, o, false, Some(&wal), progress).await;
+                let run =
+                    latency_run(url, admin, &table, target, o, false, Some(&wal), progress).await;
                 wal.drop(admin).await;
                 report.latency.push(run?);
             }

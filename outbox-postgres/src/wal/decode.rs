@@ -195,7 +195,9 @@ impl WalReader {
             .bind(self.slot.publication())
             .fetch(&mut *conn);
             let mut bytes = 0usize;
-            while let Some((f, system, timeline, lsn, data)) = stream.try_next().await.map_err(map)? {
+            while let Some((f, system, timeline, lsn, data)) =
+                stream.try_next().await.map_err(map)?
+            {
                 flushed = f;
                 origin = Origin {
                     system: system as u64,
@@ -228,7 +230,10 @@ impl WalReader {
     /// # Errors
     /// A database error.
     pub async fn confirm(&self, pool: &PgPool, end_lsn: u64) -> Result<(), Error> {
-        let mut conn = pool.acquire().await.map_err(|e| map_sqlx("wal confirm", e))?;
+        let mut conn = pool
+            .acquire()
+            .await
+            .map_err(|e| map_sqlx("wal confirm", e))?;
         self.confirm_on(&mut conn, end_lsn).await
     }
 

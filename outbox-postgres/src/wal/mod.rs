@@ -1,12 +1,11 @@
 //! The WAL source's slot: the publication and the logical replication slot it reads, their setup,
 //! status and removal.
 //!
-//! The slot is read through PostgreSQL's SQL slot functions (`pg_logical_slot_peek_binary_changes`
-//! with the built-in `pgoutput` plugin, `pg_replication_slot_advance` to confirm), over the same sqlx
-//! pool as everything else: sqlx cannot open a replication connection, and a second client stack
-//! (TLS, authentication) beside it would buy streaming at the price of every deployment's
-//! configuration twice. The pgoutput messages are decoded by the `pg_walstream` crate's parser
-//! (its parser only: no connection, TLS or C code), not by hand.
+//! The WAL source's store ([`WalStore`]) streams the slot over a replication connection (the
+//! `pg_walstream` crate's transport and pgoutput parser); [`WalReader`] reads it with the SQL slot
+//! functions (`pg_logical_slot_peek_binary_changes`, `pg_replication_slot_advance`) over the sqlx
+//! pool, for `outbox wal status` and tools: each such call decodes from the slot's restart position,
+//! too slow for the relay (BENCHMARKS.md, eighth machine).
 //!
 //! The publication holds the outbox table's inserts only (`publish = 'insert'`: the relay's own
 //! updates and deletes are not decoded) and is created before the slot (a slot older than its
@@ -25,12 +24,12 @@ use crate::table::OutboxTable;
 
 mod decode;
 mod store;
+pub use decode::{
+    MessageWriter, WalItem, WalPeek, WalReader, WalTransaction, DEFAULT_MESSAGE_PREFIX,
+};
 pub use store::{
     ReaderHandle, WalProgress, WalStore, CLAIMS_PAUSED_AFTER, STANDBY_RETRY,
     UNDECODABLE_AGGREGATE_TYPE,
-};
-pub use decode::{
-    MessageWriter, WalItem, WalPeek, WalReader, WalTransaction, DEFAULT_MESSAGE_PREFIX,
 };
 
 /// The pgoutput protocol version read (1: whole transactions only, no streaming of transactions in

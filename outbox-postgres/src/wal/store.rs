@@ -6,8 +6,10 @@
 //!   own and takes a session advisory lock for the slot; other relays wait (hot standbys, trying
 //!   every [`STANDBY_RETRY`]) and take over when the reader's session ends (a crash, `kill -9`, a
 //!   dropped connection: PostgreSQL frees the lock with the session). Every statement of the
-//!   reader (reads, hand-overs, confirms) runs on that connection, so a reader that lost its lock
-//!   lost the connection it would write with.
+//!   reader (hand-overs to the held table, deletes of published rows) runs on that connection, so
+//!   a reader that lost its lock lost the connection it would write with; the slot itself is
+//!   streamed over a replication connection (`START_REPLICATION`, which the slot admits one at a
+//!   time), opened once the lock is held, and confirmed with standby status updates.
 //! - **Claims.** The reader keeps the transactions it read, whole and in commit order, in memory
 //!   (bounded: `wal.read_ahead` events and `wal.read_ahead_bytes`). A claim takes, per aggregate,
 //!   the first unsettled event and the ready ones after it, never an aggregate another batch holds.
@@ -40,8 +42,7 @@ use uuid::Uuid;
 
 use outbox_core::Wake;
 use outbox_core::{
-    Action, Batch, ClaimRequest, Error, Event, Lease, OrderingPolicy, Settlement, Store,
-    StoreStats,
+    Action, Batch, ClaimRequest, Error, Event, Lease, OrderingPolicy, Settlement, Store, StoreStats,
 };
 
 use pg_walstream::stream::{LogicalReplicationStream, ReplicationStreamConfig};
@@ -356,11 +357,7 @@ impl WalStore {
     /// What the reader has in hand.
     pub fn progress(&self) -> WalProgress {
         let st = self.inner.state();
-        let oldest = st
-            .txns
-            .iter()
-            .find(|t| !t.settled())
-            .map(|t| t.commit_time);
+        let oldest = st.txns.iter().find(|t| !t.settled()).map(|t| t.commit_time);
         WalProgress {
             active: st.active,
             unsettled: st.unsettled,
@@ -373,6 +370,10 @@ impl WalStore {
     }
 
     /// Starts the reader: it waits for the slot's reader lock (a standby meanwhile), then reads.
+    ///
+    /// Needs a multi-thread tokio runtime (the replication transport's worker on a current-thread
+    /// runtime drops frames when a wait for data is cut): on another, the reader logs why and
+    /// does not read, and [`Store::check`] fails.
     pub fn start(&self) -> ReaderHandle {
         let stop = CancellationToken::new();
         let task = tokio::spawn(run_reader(self.inner.clone(), stop.clone()));
@@ -531,6 +532,7 @@ impl Store for WalStore {
 
     /// The held table answers and the slot exists.
     async fn check(&self) -> Result<(), Error> {
+        runtime_supported()?;
         self.inner.held.check().await?;
         let slot = self.inner.reader.slot();
         let exists: bool = sqlx::query_scalar(
@@ -575,19 +577,20 @@ struct WalLease {
     inner: Arc<Inner>,
     generation: u64,
     lease_id: u64,
-    positions: HashMap<Uuid, (u64, usize)>,
+    /// Each event of the batch and where it is (two events may share an id: both are settled).
+    positions: Vec<(Uuid, (u64, usize))>,
     open: bool,
 }
 
 impl WalLease {
-    fn apply(&mut self, mut actions: HashMap<Uuid, Action>) {
+    fn apply(&mut self, actions: HashMap<Uuid, Action>) {
         self.open = false;
         let mut st = self.inner.state();
         if st.generation != self.generation {
             // The reader lost the slot meanwhile: what this batch held is read again.
             return;
         }
-        for (id, (end, i)) in self.positions.drain() {
+        for (id, (end, i)) in std::mem::take(&mut self.positions) {
             let holds = matches!(
                 st.entry_mut(end, i).map(|e| &e.state),
                 Some(EntryState::InFlight(l)) if *l == self.lease_id
@@ -595,10 +598,10 @@ impl WalLease {
             if !holds {
                 continue;
             }
-            let state = match actions.remove(&id) {
+            let state = match actions.get(&id) {
                 Some(Action::Published) => EntryState::Done,
                 Some(a @ (Action::Retry { .. } | Action::DeadLetter { .. })) => {
-                    EntryState::Failed(a)
+                    EntryState::Failed(a.clone())
                 }
                 Some(Action::Release) | None => EntryState::Ready,
             };
@@ -635,6 +638,10 @@ impl Drop for WalLease {
 /// The reader: waits for the lock, reads while it holds it, reconnects after failures.
 async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
     let slot = inner.reader.slot().slot().to_string();
+    if let Err(e) = runtime_supported() {
+        tracing::error!(error = %e, slot = %slot, "the WAL reader does not read");
+        return;
+    }
     let mut waiting_logged = false;
     let mut failures = RepeatedWarning::default();
     loop {
@@ -721,6 +728,17 @@ async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
     }
 }
 
+/// The WAL source reads on a multi-thread tokio runtime only (see [`WalStore::start`]).
+fn runtime_supported() -> Result<(), Error> {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => Ok(()),
+        _ => Err(Error::config(
+            "the WAL source needs a multi-thread tokio runtime (#[tokio::main] or \
+             #[tokio::test(flavor = \"multi_thread\")])",
+        )),
+    }
+}
+
 /// Logs a failure that repeats once a minute rather than at every retry.
 #[derive(Default)]
 struct RepeatedWarning {
@@ -791,12 +809,14 @@ struct Stream {
 impl Stream {
     async fn close(self) {
         self.cancel.cancel();
+        // The task may be waiting to hand over a transaction or an error: no one takes them now.
+        drop(self.rx);
         let _ = self.task.await;
     }
 }
 
 /// Transactions decoded ahead of the reader (the stream's task waits beyond: backpressure).
-const STREAM_CHANNEL: usize = 256;
+const STREAM_CHANNEL: usize = 64;
 
 /// How often the stream's task sends the server its position while no data arrives, and reports
 /// the whole received position when everything it delivered is confirmed (an idle outbox on a busy
@@ -888,7 +908,7 @@ async fn stream_task(
                 continue;
             }
             Err(e) => {
-                let _ = tx.send(Err(stream_error("wal stream", e))).await;
+                hand_over_error(&tx, &cancel, stream_error("wal stream", e)).await;
                 return;
             }
         };
@@ -897,7 +917,7 @@ async fn stream_task(
             Ok(Some(t)) => t,
             Ok(None) => continue,
             Err(e) => {
-                let _ = tx.send(Err(e)).await;
+                hand_over_error(&tx, &cancel, e).await;
                 return;
             }
         };
@@ -920,6 +940,18 @@ async fn stream_task(
                 }
             }
         }
+    }
+}
+
+/// Gives the reader the stream's error, unless it stops first.
+async fn hand_over_error(
+    tx: &mpsc::Sender<Result<WalTransaction, Error>>,
+    cancel: &CancellationToken,
+    e: Error,
+) {
+    tokio::select! {
+        _ = tx.send(Err(e)) => {}
+        _ = cancel.cancelled() => {}
     }
 }
 
@@ -1028,10 +1060,23 @@ async fn read_stream(
         };
         let mut new = Vec::new();
         if room {
-            // Whatever is decoded already, without waiting.
-            while new.len() < STREAM_CHANNEL {
+            // Whatever is decoded already, without waiting, within the read-ahead.
+            let (mut events, mut bytes) = {
+                let st = inner.state();
+                (st.unsettled - st.in_flight, st.unsettled_bytes)
+            };
+            while events < inner.settings.read_ahead && bytes < inner.settings.read_ahead_bytes {
                 match stream.rx.try_recv() {
-                    Ok(t) => new.push(t?),
+                    Ok(t) => {
+                        let t = t?;
+                        for item in &t.items {
+                            if let WalItem::Event(e) = item {
+                                events += 1;
+                                bytes += e.payload.len();
+                            }
+                        }
+                        new.push(t);
+                    }
                     Err(_) => break,
                 }
             }
@@ -1042,10 +1087,15 @@ async fn read_stream(
             }
             continue;
         }
-        // Nothing in hand: wait for a transaction, a settled batch, a confirm due, or the stop.
-        let confirm_in = CONFIRM_EVERY.saturating_sub(last_confirm.elapsed());
-        let wait = if room {
-            confirm_in.max(Duration::from_millis(1))
+        // Nothing in hand: wait for a transaction, a settled batch, a confirm due (only while a
+        // settled transaction waits for it), or the stop.
+        let settled_waiting = inner.state().txns.front().is_some_and(|t| t.settled());
+        let wait = if !room {
+            PAUSED_WAIT
+        } else if settled_waiting {
+            CONFIRM_EVERY
+                .saturating_sub(last_confirm.elapsed())
+                .max(Duration::from_millis(1))
         } else {
             PAUSED_WAIT
         };
