@@ -508,6 +508,68 @@ async fn wal_setup_status_and_drop_commands() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wal_source_needs_its_setup_and_its_operators_tools_work_on_the_held_table() {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    struct DropSlot(OutboxTable);
+    impl Drop for DropSlot {
+        fn drop(&mut self) {
+            let _ = run(outbox(&self.0, &["wal", "drop", "--yes"]));
+        }
+    }
+    let _guard = DropSlot(table.clone());
+    let wal = |args: &[&str]| {
+        let mut c = outbox(&table, args);
+        c.env("OUTBOX_DATABASE__SOURCE", "wal");
+        c
+    };
+    // Before `outbox wal setup`: the relay refuses to start (a configuration error), naming the
+    // command.
+    let out = run(wal(&["relay"]));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("outbox wal setup")
+            && text(&out.stderr).contains("outbox_events_held"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(wal(&["wal", "setup"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("held table")
+            && text(&out.stdout).contains("outbox_events_held"),
+        "{}",
+        text(&out.stdout)
+    );
+    // A dead letter in the held table: status and dead-letters see it under the WAL source.
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\".outbox_events_held (aggregate_type, aggregate_id, event_type, payload, dead_lettered_at, last_error)
+         VALUES ('order', 'h-1', 'order.created', '{{}}', now(), 'refused')",
+        table.schema()
+    ))
+    .execute(&pg)
+    .await
+    .unwrap();
+    let out = run(wal(&["status", "--json"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["stats"]["dead_letters"], 1, "{status}");
+    assert!(
+        status["table"]
+            .as_str()
+            .unwrap()
+            .contains("outbox_events_held"),
+        "{status}"
+    );
+    let out = run(wal(&["dead-letters", "list"]));
+    assert!(text(&out.stdout).contains("h-1"), "{}", text(&out.stdout));
+    // The polling source's view of the same table has none.
+    let out = run(outbox(&table, &["status", "--json"]));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["stats"]["dead_letters"], 0, "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_and_cleanup_commands() {
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
