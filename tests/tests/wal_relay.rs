@@ -3,14 +3,13 @@
 //! dead letters, table-less events, and a standby taking over.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::testkit::{sample_event, Behavior, ScriptedPublisher};
 use outbox_core::{CancellationToken, RelayConfig, RetryPolicy, Store};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::wal::{MessageWriter, UNDECODABLE_AGGREGATE_TYPE};
-use outbox_postgres::{DeadLetterFilter, OutboxTable, PostgresStore};
+use outbox_postgres::{DeadLetterFilter, OutboxTable};
 use outbox_tests::harness::{assert_clean_verdict, wait_until};
 use outbox_tests::wal::WalSource;
 use outbox_tests::{check, write_rounds};
@@ -349,7 +348,6 @@ async fn readiness_fails_while_the_slot_is_missing() {
         e.message().contains(wal.slot.slot()) && e.message().contains("outbox wal setup"),
         "{e}"
     );
-    let _ = PostgresStore::new(pool.clone(), table);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
