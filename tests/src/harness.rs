@@ -733,13 +733,7 @@ impl Kills {
         sink: &Sink,
         received_before: usize,
     ) {
-        sink.wait_past(
-            received_before,
-            Duration::from_secs(120),
-            "no progress between two kills: nothing more was delivered",
-        )
-        .await;
-        tokio::time::sleep(Duration::from_millis(self.rng.u64(0..300))).await;
+        self.before_kill(sink, received_before).await;
         if relay.wait_in_transaction(pg, Duration::from_secs(2)).await {
             self.in_flight += 1;
         }
@@ -750,6 +744,13 @@ impl Kills {
     /// As [`Kills::kill`], without waiting for a claim held open: for relays of the WAL source,
     /// which publish without one (and of which a standby holds nothing).
     pub async fn kill_any(&mut self, relay: RelayProcess, sink: &Sink, received_before: usize) {
+        self.before_kill(sink, received_before).await;
+        relay.kill9();
+        self.count += 1;
+    }
+
+    /// Waits for progress past `received_before` (at most 120 s), then a random moment.
+    async fn before_kill(&mut self, sink: &Sink, received_before: usize) {
         sink.wait_past(
             received_before,
             Duration::from_secs(120),
@@ -757,8 +758,6 @@ impl Kills {
         )
         .await;
         tokio::time::sleep(Duration::from_millis(self.rng.u64(0..300))).await;
-        relay.kill9();
-        self.count += 1;
     }
 
     /// Asserts that some kills hit work in flight (at least a quarter of them), and prints the counts.

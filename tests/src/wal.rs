@@ -50,6 +50,15 @@ impl WalSource {
         }
     }
 
+    /// [`WalSource::setup`] when `wal`, for scenarios run on both sources.
+    pub async fn setup_if(wal: bool, table: &OutboxTable) -> Option<WalSource> {
+        if wal {
+            Some(WalSource::setup(table).await)
+        } else {
+            None
+        }
+    }
+
     /// A WAL store with a pool of its own (as a relay process has), waking `wake`.
     pub async fn store(&self, wake: Wake) -> WalStore {
         let pool = pool(6).await;

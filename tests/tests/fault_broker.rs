@@ -38,11 +38,7 @@ async fn broker_down(broker: Broker, wal: bool) {
     let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
-    let source = if wal {
-        Some(WalSource::setup(&table).await)
-    } else {
-        None
-    };
+    let source = WalSource::setup_if(wal, &table).await;
     let mut server = BrokerServer::start(broker).await;
     let sink = server.sink().await;
     let http = format!("127.0.0.1:{}", free_port());

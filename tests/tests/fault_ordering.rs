@@ -21,11 +21,7 @@ async fn four_relays_with_failures(broker: Broker, wal: bool) {
     let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
-    let source = if wal {
-        Some(WalSource::setup(&table).await)
-    } else {
-        None
-    };
+    let source = WalSource::setup_if(wal, &table).await;
     let sink = Sink::new(broker).await;
     let rounds = 5 * soak_factor();
     let committed = write_rounds(&table, 1000, rounds).await;

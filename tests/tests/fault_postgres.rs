@@ -17,11 +17,7 @@ use outbox_tests::wal::{pairs, WalSource};
 async fn restart_during_load(broker: Broker, wal: bool) {
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
-    let source = if wal {
-        Some(WalSource::setup(&table).await)
-    } else {
-        None
-    };
+    let source = WalSource::setup_if(wal, &table).await;
     let env = source
         .as_ref()
         .map(|w| w.relay_env(&[]))

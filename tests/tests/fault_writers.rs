@@ -26,11 +26,7 @@ async fn racing_writers_two_relays_killed(broker: Broker, wal: bool) {
     let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
-    let source = if wal {
-        Some(WalSource::setup(&table).await)
-    } else {
-        None
-    };
+    let source = WalSource::setup_if(wal, &table).await;
     let env = match &source {
         Some(w) => w.relay_env(&[WAL_KEEP]),
         None => vec![(KEEP.0.to_string(), KEEP.1.to_string())],

@@ -32,6 +32,28 @@ fn relay_config() -> RelayConfig {
     }
 }
 
+/// A fresh outbox table with its WAL source, a scripted publisher and a shutdown token.
+struct Fixture {
+    pool: sqlx::PgPool,
+    table: OutboxTable,
+    wal: WalSource,
+    publisher: std::sync::Arc<ScriptedPublisher>,
+    shutdown: CancellationToken,
+}
+
+async fn fixture() -> Fixture {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    Fixture {
+        pool,
+        table,
+        wal,
+        publisher: ScriptedPublisher::new(),
+        shutdown: CancellationToken::new(),
+    }
+}
+
 async fn source_rows(pool: &sqlx::PgPool, table: &OutboxTable) -> i64 {
     sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
         .fetch_one(pool)
@@ -60,11 +82,13 @@ async fn drained(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_relays_keep_order_through_random_failures_with_a_standby() {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    let wal = WalSource::setup(&table).await;
-    let publisher = ScriptedPublisher::new();
-    let shutdown = CancellationToken::new();
+    let Fixture {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
     let (a, ta) = wal
         .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
         .await;
@@ -121,11 +145,13 @@ async fn wal_relays_keep_order_through_random_failures_with_a_standby() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_event_dead_letters_and_holds_back_only_its_aggregate() {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    let wal = WalSource::setup(&table).await;
-    let publisher = ScriptedPublisher::new();
-    let shutdown = CancellationToken::new();
+    let Fixture {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
     let committed = write_rounds(&table, 10, 6).await;
     let poison = committed
         .iter()
@@ -200,11 +226,13 @@ async fn a_poison_event_dead_letters_and_holds_back_only_its_aggregate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettered() {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    let wal = WalSource::setup(&table).await;
-    let publisher = ScriptedPublisher::new();
-    let shutdown = CancellationToken::new();
+    let Fixture {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
     let messages = MessageWriter::new(table.schema());
     let writer = outbox_postgres::Writer::new(table.clone());
     let mut committed = Vec::new();
@@ -276,11 +304,13 @@ async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettere
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_standby_takes_over_when_the_readers_session_ends() {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    let wal = WalSource::setup(&table).await;
-    let publisher = ScriptedPublisher::new();
-    let shutdown = CancellationToken::new();
+    let Fixture {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
     let (a, ta) = wal
         .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
         .await;
@@ -352,11 +382,13 @@ async fn readiness_fails_while_the_slot_is_missing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_written_twice_is_published_twice_and_wedges_nothing() {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    let wal = WalSource::setup(&table).await;
-    let publisher = ScriptedPublisher::new();
-    let shutdown = CancellationToken::new();
+    let Fixture {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
     let messages = MessageWriter::new(table.schema());
     // A writer that retried a commit whose answer it never saw writes the same event again; both
     // copies may land in one batch.

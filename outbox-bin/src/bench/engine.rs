@@ -846,7 +846,7 @@ async fn run_phases(
     if has(Phase::Drain) {
         truncate(admin, &table).await?;
         progress(&format!("drain: filling {} events", o.backlog));
-        prefill(admin, &table, o.backlog as u64, o, false, 99).await?;
+        prefill(admin, &table, o.backlog as u64, o, false, 99, None).await?;
         report
             .drain
             .push(yardstick_run(url, &table, o.backlog as u64, o, progress).await?);
@@ -854,7 +854,7 @@ async fn run_phases(
             for t in [&DiscardTarget as &dyn BenchTarget, target] {
                 truncate(admin, &table).await?;
                 progress(&format!("drain: filling {} events", o.backlog));
-                prefill(admin, &table, o.backlog as u64, o, false, fill).await?;
+                prefill(admin, &table, o.backlog as u64, o, false, fill, None).await?;
                 fill += 1;
                 t.reset().await?;
                 let d = drain_run(url, &table, t, relays, o.backlog as u64, o, progress).await?;
@@ -872,7 +872,7 @@ async fn run_phases(
                             "drain (WAL source): filling {} events in transactions of {WAL_FILL_TX_ROWS}",
                             o.backlog
                         ));
-                        prefill_in(admin, &table, o.backlog as u64, o, false, fill, Some(WAL_FILL_TX_ROWS)).await?;
+                        prefill(admin, &table, o.backlog as u64, o, false, fill, Some(WAL_FILL_TX_ROWS)).await?;
                         fill += 1;
                         t.reset().await?;
                         wal_drain_run(url, &wal, t, o.backlog as u64, o, progress).await
@@ -909,7 +909,16 @@ async fn run_phases(
         )
         .await?;
         progress(&format!("reference: filling {} events", o.reference_events));
-        prefill(admin, &reference, o.reference_events as u64, o, false, 90).await?;
+        prefill(
+            admin,
+            &reference,
+            o.reference_events as u64,
+            o,
+            false,
+            90,
+            None,
+        )
+        .await?;
         target.reset().await?;
         report
             .drain
@@ -968,20 +977,9 @@ fn payload(n: u64, pad: usize) -> serde_json::Value {
 /// Inserts `count` events over `o.aggregates` aggregates in one statement per million rows (per
 /// 2,000 rows over more than 2,000 aggregates), with time-ordered ids (as the writer's UUID v7),
 /// then analyzes the table. `fill` keeps ids of different fills apart.
-async fn prefill(
-    pool: &PgPool,
-    table: &OutboxTable,
-    count: u64,
-    o: &BenchOptions,
-    processed: bool,
-    fill: u32,
-) -> Result<(), Error> {
-    prefill_in(pool, table, count, o, processed, fill, None).await
-}
-
-/// As [`prefill`], `tx_rows` rows per transaction when given (the WAL source reads a transaction
+/// With `tx_rows`, that many rows per transaction instead (the WAL source reads a transaction
 /// whole: a backlog written as writers write it, in small transactions).
-async fn prefill_in(
+async fn prefill(
     pool: &PgPool,
     table: &OutboxTable,
     count: u64,
@@ -2120,7 +2118,7 @@ async fn claim_phase(
         });
     };
     progress(&format!("claim: {small} pending rows, no history"));
-    prefill(admin, &table, small, o, false, 100).await?;
+    prefill(admin, &table, small, o, false, 100, None).await?;
     push(
         "pending only",
         small,
@@ -2132,7 +2130,7 @@ async fn claim_phase(
         "claim: adding {} processed rows (keep-processed mode); this takes a while",
         o.claim_processed_rows
     ));
-    prefill(admin, &table, o.claim_processed_rows, o, true, 101).await?;
+    prefill(admin, &table, o.claim_processed_rows, o, true, 101, None).await?;
     push(
         "pending + processed history",
         small,
@@ -2142,7 +2140,7 @@ async fn claim_phase(
     );
     truncate(admin, &table).await?;
     progress(&format!("claim: {} pending rows", o.claim_pending_rows));
-    prefill(admin, &table, o.claim_pending_rows, o, false, 102).await?;
+    prefill(admin, &table, o.claim_pending_rows, o, false, 102, None).await?;
     push(
         "large pending backlog",
         o.claim_pending_rows,

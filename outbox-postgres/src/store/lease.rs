@@ -13,7 +13,8 @@ use crate::error::map_sqlx;
 
 use super::*;
 
-pub(super) struct EmptyLease;
+/// The lease of an empty batch: nothing to settle or release.
+pub(crate) struct EmptyLease;
 
 #[async_trait]
 impl Lease for EmptyLease {

@@ -26,6 +26,7 @@ pub use operator::{
     CleanupBatch, CleanupLock, DeadLetter, DeadLetterDetail, DeadLetterFilter, HELD_BACK_SHOWN,
 };
 
+pub(crate) use lease::EmptyLease;
 use sql::Sql;
 use stats::CountPass;
 

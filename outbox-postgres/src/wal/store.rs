@@ -52,7 +52,7 @@ use tokio::sync::mpsc;
 use super::decode::{Decoder, Origin};
 use super::{WalConfig, WalItem, WalReader, WalSlot, WalTransaction};
 use crate::error::map_sqlx;
-use crate::store::PostgresStore;
+use crate::store::{EmptyLease, PostgresStore};
 use crate::table::OutboxTable;
 
 /// How often a standby tries to take the reader lock.
@@ -553,20 +553,6 @@ impl Store for WalStore {
                 slot.slot()
             )));
         }
-        Ok(())
-    }
-}
-
-/// The lease of an empty batch.
-struct EmptyLease;
-
-#[async_trait]
-impl Lease for EmptyLease {
-    async fn settle(self: Box<Self>, _settlements: Vec<Settlement>) -> Result<(), Error> {
-        Ok(())
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), Error> {
         Ok(())
     }
 }
