@@ -47,7 +47,7 @@ pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, out
 }
 
 /// Run on every new connection of a pool opened here (see `connect_with`).
-const KEEPALIVES: &str =
+pub(crate) const KEEPALIVES: &str =
     "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3";
 
 async fn connect_with(

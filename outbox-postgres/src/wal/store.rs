@@ -67,6 +67,10 @@ pub const CLAIMS_PAUSED_AFTER: Duration = Duration::from_secs(1);
 /// The longest the reader waits to confirm settled transactions (see `confirm_settled`).
 const CONFIRM_EVERY: Duration = Duration::from_millis(50);
 
+/// How often the reader runs a statement on its lock connection at least (a dead one ends the
+/// reading spell, so that a reader that lost its lock stops).
+const LOCK_PING: Duration = Duration::from_secs(10);
+
 /// How often the reader looks whether the held table is empty again, while it may not be.
 const HELD_EMPTY_CHECK: Duration = Duration::from_secs(1);
 
@@ -767,6 +771,14 @@ async fn connect(inner: &Inner) -> Result<PgConnection, Error> {
     .execute(&mut conn)
     .await
     .map_err(|e| map_sqlx("wal reader connect", e))?;
+    // The pool's server-side TCP keepalives: a reader whose host vanished loses its session, and
+    // the lock with it, within about 25 s instead of the kernel's two hours.
+    {
+        use sqlx::Executor;
+        conn.execute(sqlx::raw_sql(crate::KEEPALIVES))
+            .await
+            .map_err(|e| map_sqlx("wal reader connect", e))?;
+    }
     Ok(conn)
 }
 
@@ -1020,7 +1032,11 @@ async fn read_stream(
         if stopping {
             return Ok(());
         }
-        if held_may_have_rows && held_checked.elapsed() >= HELD_EMPTY_CHECK {
+        if (held_may_have_rows && held_checked.elapsed() >= HELD_EMPTY_CHECK)
+            || held_checked.elapsed() >= LOCK_PING
+        {
+            // Also proves the lock's session alive now and then (a reader of table-less events
+            // only may run no other statement on it).
             held_checked = Instant::now();
             held_may_have_rows = sqlx::query_scalar(&format!(
                 "SELECT EXISTS (SELECT 1 FROM {} WHERE processed_at IS NULL)",
