@@ -9,10 +9,12 @@ use std::time::Duration;
 
 use outbox_core::{Uuid, DEFAULT_MAX_BATCH_BYTES};
 use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::OutboxTable;
 use outbox_tests::harness::{
     assert_clean_verdict, one_at_a_time, relay_log_dir, report_with, rng, wait_until, Broker,
     RelayProcess, Sink,
 };
+use outbox_tests::wal::{pairs, WalSource};
 
 const MIB: usize = 1024 * 1024;
 
@@ -29,21 +31,52 @@ async fn pending(pg: &sqlx::PgPool, table: &outbox_postgres::OutboxTable) -> i64
     .unwrap()
 }
 
+/// Events not yet published nor dead-lettered: the outbox table's, and under the WAL source (which
+/// empties it) the held table's.
+async fn unsettled(pg: &sqlx::PgPool, table: &OutboxTable, wal: Option<&WalSource>) -> i64 {
+    match wal {
+        None => pending(pg, table).await,
+        Some(w) => {
+            let rows: i64 =
+                sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
+                    .fetch_one(pg)
+                    .await
+                    .unwrap();
+            rows + pending(pg, &w.held).await
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundreds_of_megabytes_of_large_events_stay_within_the_byte_budget() {
+    large_events(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_megabytes_of_large_events_on_the_wal_source() {
+    large_events(true).await;
+}
+
+async fn large_events(wal: bool) {
     let _serial = one_at_a_time().await;
     let pg = pool(4).await;
     let table = fresh_table(&pg).await;
+    let source = WalSource::setup_if(wal, &table).await;
     let sink = Sink::new(Broker::Amqp).await;
-    let mut relay = RelayProcess::start(
-        &table,
-        &sink,
-        &[
-            // The defaults a user runs (the harness lowers the batch size for other scenarios).
-            ("OUTBOX_RELAY__BATCH_SIZE", "500"),
-            ("OUTBOX_AMQP__MAX_MESSAGE_BYTES", &BROKER_LIMIT.to_string()),
-        ],
-    );
+    let limit = BROKER_LIMIT.to_string();
+    let settings = [
+        // The defaults a user runs (the harness lowers the batch size for other scenarios).
+        ("OUTBOX_RELAY__BATCH_SIZE", "500"),
+        ("OUTBOX_AMQP__MAX_MESSAGE_BYTES", limit.as_str()),
+    ];
+    let env: Vec<(String, String)> = match &source {
+        Some(w) => w.relay_env(&settings),
+        None => settings
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    let mut relay = RelayProcess::start(&table, &sink, &pairs(&env));
     let tag = relay.tag.clone();
     wait_until(Duration::from_secs(60), "the relay connects", || {
         let pg = pg.clone();
@@ -120,7 +153,8 @@ async fn hundreds_of_megabytes_of_large_events_stay_within_the_byte_budget() {
         || {
             let pg = pg.clone();
             let table = table.clone();
-            async move { pending(&pg, &table).await == 0 }
+            let source = source.as_ref();
+            async move { unsettled(&pg, &table, source).await == 0 }
         },
     )
     .await;
@@ -131,9 +165,11 @@ async fn hundreds_of_megabytes_of_large_events_stay_within_the_byte_budget() {
     );
     let peak = relay.peak_rss();
 
+    // Under the WAL source the dead letters are in the held table.
+    let kept = source.as_ref().map_or(&table, |w| &w.held);
     let dead: Vec<(Uuid, String)> = sqlx::query_as(&format!(
         "SELECT id, last_error FROM {} WHERE dead_lettered_at IS NOT NULL ORDER BY seq",
-        table.qualified()
+        kept.qualified()
     ))
     .fetch_all(&pg)
     .await
@@ -164,9 +200,16 @@ async fn hundreds_of_megabytes_of_large_events_stay_within_the_byte_budget() {
         .max()
         .unwrap()
         .max(DEFAULT_MAX_BATCH_BYTES) as u64;
-    let bound = baseline + 3 * 2 * largest + 32 * MIB as u64;
+    // The WAL source holds besides what it read ahead (wal.read_ahead_bytes, 16 MiB, in its buffer
+    // and again in its channel) and decodes a transaction from its hex text (twice its bytes).
+    let wal_extra = if wal {
+        2 * 16 * MIB as u64 + 2 * largest
+    } else {
+        0
+    };
+    let bound = baseline + 3 * 2 * largest + 32 * MIB as u64 + wal_extra;
     report_with(
-        "large_payloads",
+        if wal { "large_payloads_wal" } else { "large_payloads" },
         Broker::Amqp,
         &v,
         &format!(

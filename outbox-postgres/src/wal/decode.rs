@@ -472,28 +472,33 @@ impl Decoder {
 
 /// The event of an inserted outbox row, from pgoutput's text form of its columns.
 fn row_event(lsn: u64, names: &[String], tuple: &TupleData) -> WalItem {
-    let mut values: HashMap<&str, Option<String>> = HashMap::new();
+    // The columns as the stream holds them (a large payload is not copied before it is decoded).
+    let mut values: HashMap<&str, Option<&[u8]>> = HashMap::new();
     for (name, column) in names.iter().zip(tuple.columns.iter()) {
         let value = if column.is_null() {
             None
         } else {
-            Some(String::from_utf8_lossy(column.as_bytes()).into_owned())
+            Some(column.as_bytes())
         };
         values.insert(name.as_str(), value);
     }
     let raw = || {
-        let shown: BTreeMap<&str, &Option<String>> = values.iter().map(|(k, v)| (*k, v)).collect();
+        let shown: BTreeMap<&str, Option<String>> = values
+            .iter()
+            .map(|(k, v)| (*k, v.map(|b| String::from_utf8_lossy(b).into_owned())))
+            .collect();
         format!("{shown:?}")
     };
-    let text = |k: &str| values.get(k).cloned().flatten();
+    let bytes = |k: &str| values.get(k).copied().flatten();
+    let text = |k: &str| bytes(k).map(|b| String::from_utf8_lossy(b).into_owned());
     let required = |k: &str| text(k).ok_or_else(|| format!("the row has no {k}"));
     let event = (|| -> Result<Event, String> {
         let id: Uuid = required("id")?
             .parse()
             .map_err(|e| format!("id is not a UUID: {e}"))?;
-        let payload = match text("payload_bytes") {
-            Some(hex) => decode_bytea(&hex).ok_or("payload_bytes is not bytea hex text")?,
-            None => required("payload")?.into_bytes(),
+        let payload = match bytes("payload_bytes") {
+            Some(hex) => decode_bytea(hex).ok_or("payload_bytes is not bytea hex text")?,
+            None => bytes("payload").ok_or("the row has no payload")?.to_vec(),
         };
         let created_at = match text("created_at") {
             // Filled with the commit time below.
@@ -521,14 +526,14 @@ fn row_event(lsn: u64, names: &[String], tuple: &TupleData) -> WalItem {
 }
 
 /// `\x0102...` (bytea's hex output) as bytes.
-fn decode_bytea(text: &str) -> Option<Vec<u8>> {
-    let hex = text.strip_prefix("\\x")?;
+fn decode_bytea(text: &[u8]) -> Option<Vec<u8>> {
+    let hex = text.strip_prefix(b"\\x")?;
     if hex.len() % 2 != 0 {
         return None;
     }
-    (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    hex.chunks_exact(2)
+        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
         .collect()
 }
 
@@ -722,8 +727,11 @@ mod tests {
 
     #[test]
     fn column_texts_decode() {
-        assert_eq!(decode_bytea("\\x00ff10"), Some(vec![0, 255, 16]));
-        assert_eq!(decode_bytea("00ff"), None);
+        assert_eq!(decode_bytea(b"\\x00ff10"), Some(vec![0, 255, 16]));
+        assert_eq!(decode_bytea(b"\\xAbCd"), Some(vec![0xab, 0xcd]));
+        assert_eq!(decode_bytea(b"00ff"), None);
+        assert_eq!(decode_bytea(b"\\x0"), None);
+        assert_eq!(decode_bytea(b"\\x0g"), None);
         let t = parse_timestamptz("2026-12-04 10:11:12.345678+00").unwrap();
         assert_eq!(t.to_rfc3339(), "2026-12-04T10:11:12.345678+00:00");
         let t = parse_timestamptz("2026-12-04 10:11:12+05:30").unwrap();

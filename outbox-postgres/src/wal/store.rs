@@ -800,11 +800,22 @@ struct Stream {
     /// Makes the stream's task send the confirmed position now.
     feedback_now: Arc<Notify>,
     settled: Arc<AtomicU64>,
+    /// Payload bytes of the transactions in the channel (the task waits while they pass
+    /// `wal.read_ahead_bytes`).
+    channel_bytes: Arc<AtomicU64>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
 }
 
 impl Stream {
+    /// A transaction taken from the channel: its bytes leave the channel's count.
+    fn taken(&self, t: Result<WalTransaction, Error>) -> Result<WalTransaction, Error> {
+        let t = t?;
+        self.channel_bytes
+            .fetch_sub(transaction_bytes(&t), Ordering::SeqCst);
+        Ok(t)
+    }
+
     async fn close(self) {
         self.cancel.cancel();
         // The task may be waiting to hand over a transaction or an error: no one takes them now.
@@ -853,13 +864,18 @@ async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream, Error> {
     let cancel = CancellationToken::new();
     let decoder = Decoder::new(slot, origin);
     let feedback_now = Arc::new(Notify::new());
+    let channel_bytes = Arc::new(AtomicU64::new(0));
     let task = tokio::spawn(stream_task(
         stream,
         decoder,
-        tx,
-        feedback.clone(),
-        feedback_now.clone(),
-        settled.clone(),
+        StreamShared {
+            tx,
+            feedback: feedback.clone(),
+            feedback_now: feedback_now.clone(),
+            settled: settled.clone(),
+            channel_bytes: channel_bytes.clone(),
+            max_bytes: inner.settings.read_ahead_bytes as u64,
+        },
         cancel.clone(),
     ));
     Ok(Stream {
@@ -867,21 +883,49 @@ async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream, Error> {
         feedback,
         feedback_now,
         settled,
+        channel_bytes,
         cancel,
         task,
     })
 }
 
-async fn stream_task(
-    mut stream: LogicalReplicationStream,
-    mut decoder: Decoder,
+/// What the stream's task shares with the reader.
+struct StreamShared {
     tx: mpsc::Sender<Result<WalTransaction, Error>>,
     feedback: Arc<SharedLsnFeedback>,
     feedback_now: Arc<Notify>,
     settled: Arc<AtomicU64>,
+    channel_bytes: Arc<AtomicU64>,
+    max_bytes: u64,
+}
+
+/// The payload bytes of a transaction's events.
+fn transaction_bytes(t: &WalTransaction) -> u64 {
+    t.items
+        .iter()
+        .map(|item| match item {
+            WalItem::Event(e) => e.payload.len() as u64,
+            WalItem::Undecodable { raw, .. } => raw.len() as u64,
+        })
+        .sum()
+}
+
+async fn stream_task(
+    mut stream: LogicalReplicationStream,
+    mut decoder: Decoder,
+    shared: StreamShared,
     cancel: CancellationToken,
 ) {
+    let StreamShared {
+        tx,
+        feedback,
+        feedback_now,
+        settled,
+        channel_bytes,
+        max_bytes,
+    } = shared;
     let mut delivered = 0u64;
+    let mut last_answer = Instant::now();
     let mut period = cancel.child_token();
     let mut period_timer = spawn_period(period.clone(), feedback_now.clone());
     loop {
@@ -920,12 +964,34 @@ async fn stream_task(
             }
         };
         delivered += 1;
+        let bytes = transaction_bytes(&transaction);
         let mut transaction = Some(transaction);
-        // Wait for room, answering the server meanwhile (it ends a silent connection).
+        // Wait for room (a place in the channel, and its bytes under the read-ahead unless it is
+        // empty), answering the server meanwhile (it ends a silent connection).
         while let Some(t) = transaction.take() {
+            let full = channel_bytes.load(Ordering::SeqCst) > 0
+                && channel_bytes.load(Ordering::SeqCst) + bytes > max_bytes;
+            if full {
+                transaction = Some(t);
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                    _ = cancel.cancelled() => {
+                        let _ = stream.stop().await;
+                        return;
+                    }
+                }
+                if last_answer.elapsed() >= Duration::from_secs(10) {
+                    last_answer = Instant::now();
+                    let _ = stream.send_feedback().await;
+                }
+                continue;
+            }
             tokio::select! {
                 permit = tx.reserve() => match permit {
-                    Ok(p) => p.send(Ok(t)),
+                    Ok(p) => {
+                        channel_bytes.fetch_add(bytes, Ordering::SeqCst);
+                        p.send(Ok(t));
+                    }
                     Err(_) => return,
                 },
                 _ = tokio::time::sleep(Duration::from_secs(10)) => {
@@ -1070,7 +1136,7 @@ async fn read_stream(
             while events < inner.settings.read_ahead && bytes < inner.settings.read_ahead_bytes {
                 match stream.rx.try_recv() {
                     Ok(t) => {
-                        let t = t?;
+                        let t = stream.taken(t)?;
                         for item in &t.items {
                             if let WalItem::Event(e) = item {
                                 events += 1;
@@ -1105,7 +1171,8 @@ async fn read_stream(
             tokio::select! {
                 t = stream.rx.recv() => match t {
                     Some(t) => {
-                        if take_in(inner, conn, vec![t?], held_may_have_rows).await? {
+                        let t = stream.taken(t)?;
+                        if take_in(inner, conn, vec![t], held_may_have_rows).await? {
                             held_may_have_rows = true;
                         }
                     }
