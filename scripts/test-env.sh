@@ -86,13 +86,14 @@ ensure_postgres() {
     fi
     # Schemas left by earlier test runs, each dropped in a transaction of its own (dropping hundreds
     # in one transaction takes more locks than the server's lock table holds).
-    # Replication slots and publications of WAL tests that stopped early (a slot keeps WAL for ever).
+    # Replication slots and publications of WAL tests and bench tests that stopped early (a slot
+    # keeps WAL for ever).
     # One slot per statement, errors ignored: a slot read meanwhile is left alone.
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \
-      "SELECT format('SELECT pg_drop_replication_slot(%L);', slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'outbox\_t\_%' AND NOT active" \
+      "SELECT format('SELECT pg_drop_replication_slot(%L);', slot_name) FROM pg_replication_slots WHERE (slot_name LIKE 'outbox\_t\_%' OR slot_name LIKE 'outbox\_bench\_t%') AND NOT active" \
       | psql -h 127.0.0.1 -U postgres -d test -q -f - >/dev/null 2>&1 || true
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \
-      "SELECT format('DROP PUBLICATION IF EXISTS %I;', pubname) FROM pg_publication WHERE pubname LIKE 'outbox\_t\_%'" \
+      "SELECT format('DROP PUBLICATION IF EXISTS %I;', pubname) FROM pg_publication WHERE pubname LIKE 'outbox\_t\_%' OR pubname LIKE 'outbox\_bench\_t%'" \
       | psql -h 127.0.0.1 -U postgres -d test -q -v ON_ERROR_STOP=1 -f - >/dev/null
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \
       "SELECT format('DROP SCHEMA IF EXISTS %I CASCADE;', nspname) FROM pg_namespace WHERE nspname LIKE 'outbox\_t\_%'" \

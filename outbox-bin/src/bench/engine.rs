@@ -1983,10 +1983,10 @@ impl WalBench {
             progress(WAL_UNAVAILABLE);
             return Ok(None);
         }
+        // Named after the bench's schema (slots are server-wide: two benches at once in two
+        // schemas each have their own), as `outbox wal setup` names them.
         let config = WalConfig {
-            slot: Some("outbox_bench_slot".into()),
-            publication: Some("outbox_bench_pub".into()),
-            message_prefix: "outbox_bench".into(),
+            message_prefix: table.schema().to_string(),
             ..WalConfig::default()
         };
         let slot = config.slot(table)?;
