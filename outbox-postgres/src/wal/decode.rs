@@ -52,9 +52,6 @@ pub struct WalTransaction {
     pub items: Vec<WalItem>,
     /// The ids of its events that are rows of the outbox table (the others are table-less).
     pub row_ids: Vec<Uuid>,
-    /// The changes the slot returned for it (its begin, rows, messages and commit; relation
-    /// descriptions, sent once per read, are not counted).
-    pub changes: usize,
 }
 
 /// A change of a transaction.
@@ -136,8 +133,7 @@ impl WalReader {
         self.peek_on(&mut conn, max_changes, usize::MAX).await
     }
 
-    /// As [`WalReader::peek`], on `conn` (the WAL source reads on the connection that holds its
-    /// reader lock, so that a reader that lost it cannot read on), and stopping after the first
+    /// As [`WalReader::peek`], on `conn`, and stopping after the first
     /// transaction that takes the changes read past `max_bytes` (their pgoutput bytes): the read is
     /// then cut, and the memory it holds bounded by the budget plus one transaction.
     ///
@@ -148,22 +144,6 @@ impl WalReader {
         conn: &mut PgConnection,
         max_changes: i32,
         max_bytes: usize,
-    ) -> Result<WalPeek, Error> {
-        self.peek_after(conn, max_changes, max_bytes, 0).await
-    }
-
-    /// As [`WalReader::peek_on`], leaving out (without decoding their changes) the transactions
-    /// that committed before `after`: the reader passes the end of the last transaction it holds,
-    /// since a peek returns everything from the confirmed position again.
-    ///
-    /// # Errors
-    /// As [`WalReader::peek`].
-    pub async fn peek_after(
-        &self,
-        conn: &mut PgConnection,
-        max_changes: i32,
-        max_bytes: usize,
-        after: u64,
     ) -> Result<WalPeek, Error> {
         let map = |e| map_sqlx("wal read", e);
         // One statement, one round trip. The first part runs before the slot is read (the lateral
@@ -218,7 +198,7 @@ impl WalReader {
         }
         let cut = over_budget || rows.len() >= usize::try_from(max_changes).unwrap_or(0);
         Ok(WalPeek {
-            transactions: self.decode_from(&rows, origin, after)?,
+            transactions: self.decode_from(&rows, origin)?,
             cut,
             idle_lsn: (!cut).then(|| u64::try_from(flushed).unwrap_or(0)),
         })
@@ -261,19 +241,18 @@ impl WalReader {
     /// # Errors
     /// An unexpected error naming the position when a change is not a pgoutput message.
     pub fn decode(&self, changes: &[(i64, Vec<u8>)]) -> Result<Vec<WalTransaction>, Error> {
-        self.decode_from(changes, Origin::default(), 0)
+        self.decode_from(changes, Origin::default())
     }
 
     fn decode_from(
         &self,
         changes: &[(i64, Vec<u8>)],
         origin: Origin,
-        after: u64,
     ) -> Result<Vec<WalTransaction>, Error> {
         let mut decoder = Decoder::new(&self.slot, origin);
         let mut out = Vec::new();
         for (lsn, data) in changes {
-            if let Some(t) = decoder.feed(u64::try_from(*lsn).unwrap_or(0), data, after)? {
+            if let Some(t) = decoder.feed(u64::try_from(*lsn).unwrap_or(0), data)? {
                 out.push(t);
             }
         }
@@ -292,8 +271,6 @@ pub(crate) struct Decoder {
     relations: HashMap<u32, (String, String, Vec<String>)>,
     open: Option<(DateTime<Utc>, Vec<WalItem>)>,
     row_ids: Vec<Uuid>,
-    counted: usize,
-    skipping: bool,
 }
 
 impl Decoder {
@@ -306,41 +283,20 @@ impl Decoder {
             relations: HashMap::new(),
             open: None,
             row_ids: Vec::new(),
-            counted: 0,
-            skipping: false,
         }
     }
 
     /// Whether a transaction is open (begun, not yet committed).
     pub(crate) fn in_transaction(&self) -> bool {
-        self.open.is_some() || self.skipping
+        self.open.is_some()
     }
 
-    /// Takes the change at `lsn`; returns the transaction it completes, if any. Transactions that
-    /// committed before `after` are left out (their changes not decoded).
+    /// Takes the change at `lsn`; returns the transaction it completes, if any.
     ///
     /// # Errors
     /// An unexpected error naming the position when the change is not a pgoutput message.
-    pub(crate) fn feed(
-        &mut self,
-        lsn: u64,
-        data: &[u8],
-        after: u64,
-    ) -> Result<Option<WalTransaction>, Error> {
+    pub(crate) fn feed(&mut self, lsn: u64, data: &[u8]) -> Result<Option<WalTransaction>, Error> {
         let origin = self.origin;
-        self.counted += 1;
-        // Inside a transaction committed before `after`: only relation descriptions (needed by
-        // later transactions) and its end are read.
-        if self.skipping {
-            match data.first() {
-                Some(b'C') => {
-                    self.skipping = false;
-                    return Ok(None);
-                }
-                Some(b'R') => {}
-                _ => return Ok(None),
-            }
-        }
         let message = self
             .parser
             .parse_wal_message(data)
@@ -355,18 +311,9 @@ impl Decoder {
             })?
             .message;
         match message {
-            LogicalReplicationMessage::Begin {
-                timestamp,
-                final_lsn,
-                ..
-            } if final_lsn >= after => {
+            LogicalReplicationMessage::Begin { timestamp, .. } => {
                 self.open = Some((postgres_time(timestamp), Vec::new()));
                 self.row_ids.clear();
-                self.counted = 1;
-            }
-            LogicalReplicationMessage::Begin { .. } => {
-                self.open = None;
-                self.skipping = true;
             }
             LogicalReplicationMessage::Relation {
                 relation_id,
@@ -375,9 +322,6 @@ impl Decoder {
                 columns,
                 ..
             } => {
-                // Sent once per read before a relation's first row, wherever that is: not
-                // counted in a transaction's changes, which then read the same every time.
-                self.counted = self.counted.saturating_sub(1);
                 self.relations.insert(
                     relation_id,
                     (
@@ -427,7 +371,6 @@ impl Decoder {
                         end_lsn: message_lsn,
                         commit_time: Utc::now(),
                         row_ids: Vec::new(),
-                        changes: 1,
                         items: vec![WalItem::Undecodable {
                             id: derived_id(origin, message_lsn),
                             lsn: message_lsn,
@@ -460,7 +403,6 @@ impl Decoder {
                         commit_time,
                         items,
                         row_ids: std::mem::take(&mut self.row_ids),
-                        changes: self.counted,
                     }));
                 }
             }

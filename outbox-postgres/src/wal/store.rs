@@ -142,8 +142,6 @@ struct State {
     generation: u64,
     active: bool,
     txns: VecDeque<Txn>,
-    /// The end of the last transaction read.
-    read_to: u64,
     next_lease: u64,
     /// Events not yet published nor moved, and their payload bytes.
     unsettled: usize,
@@ -954,7 +952,7 @@ async fn stream_task(
                 return;
             }
         };
-        let decoded = decoder.feed(raw.wal_start.value(), &raw.data, 0);
+        let decoded = decoder.feed(raw.wal_start.value(), &raw.data);
         let transaction = match decoded {
             Ok(Some(t)) => t,
             Ok(None) => continue,
@@ -1529,7 +1527,6 @@ async fn take_in(
     let mut st = inner.state();
     let mut claimable = false;
     for t in txns {
-        st.read_to = st.read_to.max(t.end_lsn);
         for e in &t.entries {
             st.unsettled += 1;
             st.unsettled_bytes += e.event.payload.len();
