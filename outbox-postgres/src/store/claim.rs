@@ -1,7 +1,10 @@
-//! The claim: lock the heads of ready aggregates (`FOR UPDATE SKIP LOCKED`), then read their runs,
-//! within a byte budget.
+//! The claim. Ordered: take partitions of the aggregates (transaction-scoped advisory locks, held
+//! by the batch's lease), then read the oldest ready events of those partitions, within a byte
+//! budget; skip scans over the aggregates find heads beyond that read. Unordered: lock ready rows
+//! (`FOR UPDATE SKIP LOCKED`).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
 
 use sqlx::postgres::PgRow;
 use sqlx::{Connection, Postgres, Row, Transaction};
@@ -33,8 +36,8 @@ pub(super) fn claim_begin(hold_for: std::time::Duration) -> String {
 }
 
 /// The savepoint taken before a claim locks anything: when the byte budget leaves locked rows out of
-/// the batch, the claim rolls back to it (releasing every lock) and locks again only the rows it keeps,
-/// so that no row is held by a lease that will not publish it.
+/// an unordered batch, the claim rolls back to it (releasing every lock) and locks again only the
+/// rows it keeps, so that no row is held by a lease that will not publish it.
 pub(super) const CLAIM_LOCKS: &str = "claim_locks";
 
 /// Claims that read more payload bytes than this give their connection's grown buffers back.
@@ -91,10 +94,35 @@ pub(super) struct Head {
     pub(super) key: (String, String),
 }
 
-/// How many ready rows (in seq order) the heads are looked for among: four batches, and at least
-/// 256, so that a batch fills from the window whenever the backlog is spread over many aggregates.
+/// Runs longer than this among a claim's events make the next claims use the wide form of the owned
+/// read (see `claim_owned_wide`) until they are no longer.
+pub(super) const WIDE_ABOVE: i64 = 2;
+
+/// The longest run of one aggregate among `events`.
+pub(super) fn longest_run(events: &[Event]) -> i64 {
+    let mut runs: HashMap<(&str, &str), i64> = HashMap::new();
+    let mut longest = 0;
+    for e in events {
+        let n = runs
+            .entry((e.aggregate_type.as_str(), e.aggregate_id.as_str()))
+            .or_insert(0);
+        *n += 1;
+        longest = longest.max(*n);
+    }
+    longest
+}
+
+/// How many ready rows (in seq order) a claim chooses its partitions from: four batches, and at
+/// least 256. A claim takes the partitions that hold a batch's worth of them, so about four
+/// claims at once (a relay's batches in flight, other relays) each find a full batch there.
 pub(super) fn heads_window(limit: i64) -> i64 {
     limit.saturating_mul(4).max(256)
+}
+
+/// How many ready events (in seq order) the owned read looks at most: eight batches, at least
+/// 512, so that a claim holding an eighth of the partitions still fills its batch.
+pub(super) fn owned_scan(limit: i64) -> i64 {
+    limit.saturating_mul(8).max(512)
 }
 
 /// How long skip scans rest after a complete walk over the aggregates that took `walk` and found no
@@ -164,65 +192,7 @@ impl PostgresStore {
                 }
                 events
             }
-            OrderingPolicy::PerAggregate => {
-                let (heads, whole) = self.claim_heads(&mut tx, limit, max_bytes).await?;
-                if heads.is_empty() {
-                    Vec::new()
-                } else if let Some(events) = whole.and_then(|rows| heads_as_batch(rows).transpose())
-                {
-                    events?
-                } else {
-                    let mut head_seq: HashMap<(String, String), i64> = HashMap::new();
-                    let (mut types, mut ids) = (Vec::new(), Vec::new());
-                    for head in &heads {
-                        types.push(head.key.0.clone());
-                        ids.push(head.key.1.clone());
-                        head_seq.insert(head.key.clone(), head.seq);
-                    }
-                    let mut rows = sqlx::query(&self.sql.claim_runs)
-                        .bind(&types)
-                        .bind(&ids)
-                        .bind(limit)
-                        .bind(run_cap(limit, heads.len()))
-                        .bind(max_bytes)
-                        .fetch_all(&mut *tx)
-                        .await
-                        .map_err(|e| map_sqlx("claim", e))?;
-                    let mut keyed = Vec::with_capacity(rows.len());
-                    for row in rows.drain(..) {
-                        let seq: i64 = row.try_get("seq").map_err(|e| map_sqlx("claim", e))?;
-                        keyed.push((seq, row));
-                    }
-                    keyed.sort_by_key(|(seq, _)| *seq);
-                    let rows: Vec<PgRow> = keyed.into_iter().map(|(_, row)| row).collect();
-                    let mut events = runs_from_heads(rows, &head_seq)?;
-                    let used: HashSet<(String, String)> = events
-                        .iter()
-                        .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
-                        .collect();
-                    if used.len() < heads.len() {
-                        let seqs: Vec<i64> = heads
-                            .iter()
-                            .filter(|h| used.contains(&h.key))
-                            .map(|h| h.seq)
-                            .collect();
-                        let kept: HashSet<i64> = self
-                            .relock(
-                                &mut tx,
-                                sqlx::query_scalar(&self.sql.relock_heads).bind(&seqs),
-                            )
-                            .await?
-                            .into_iter()
-                            .collect();
-                        events.retain(|e| {
-                            head_seq
-                                .get(&(e.aggregate_type.clone(), e.aggregate_id.clone()))
-                                .is_some_and(|seq| kept.contains(seq))
-                        });
-                    }
-                    events
-                }
-            }
+            OrderingPolicy::PerAggregate => self.claim_owned(&mut tx, limit, max_bytes).await?,
         };
         // The connection's read buffer grew to the largest row it read and would keep that size for
         // the life of the connection (one per pool slot): a few large events would otherwise pin
@@ -270,52 +240,132 @@ impl PostgresStore {
             .map_err(|e| map_sqlx("claim", e))
     }
 
-    /// Step 1 of an ordered claim: locks up to `limit` ready heads, oldest first. The window over the
-    /// first ready rows finds them in the common case; when it was full and yielded fewer than
-    /// `limit` (other relays hold the heads in it, or it holds one aggregate's backlog behind a
-    /// backing-off head), skip scans over the aggregates find the others.
-    /// Also returns the window statement's rows when those heads alone fill the batch (`limit`
-    /// heads locked there); their events come whole when they fit `max_bytes`.
-    async fn claim_heads(
+    /// An ordered claim: takes partitions (`claim_partitions`), reads the oldest ready events of
+    /// those it holds (`claim_owned`), and, when that read's scan was full of events it could not
+    /// take, looks for heads beyond it with skip scans over the aggregates.
+    async fn claim_owned(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
         max_bytes: i64,
-    ) -> Result<(Vec<Head>, Option<Vec<PgRow>>), Error> {
+    ) -> Result<Vec<Event>, Error> {
+        let get = |e: sqlx::Error| map_sqlx("claim", e);
         let window = heads_window(limit);
-        let rows = sqlx::query(&self.sql.claim_heads)
+        let row = sqlx::query(&self.sql.claim_partitions)
             .bind(limit)
             .bind(window)
             .bind(max_bytes)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(get)?;
+        let window_rows: i64 = row.try_get("window_rows").map_err(get)?;
+        let parts: Vec<i32> = row.try_get("parts").map_err(get)?;
+        let scan = owned_scan(limit);
+        let (mut events, mut seqs, mut full) = (Vec::new(), Vec::new(), window_rows >= window);
+        if !parts.is_empty() {
+            let wide = self.wide.load(Ordering::Relaxed);
+            let statement = if wide {
+                &self.sql.claim_owned_wide
+            } else {
+                &self.sql.claim_owned
+            };
+            let rows = sqlx::query(statement)
+                .bind(&parts)
+                .bind(limit)
+                .bind(scan)
+                .bind(max_bytes)
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(get)?;
+            let mut longest = 0i64;
+            for row in &rows {
+                full = row.try_get("full").map_err(get)?;
+                longest = row.try_get("longest").map_err(get)?;
+                if let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(get)? {
+                    seqs.push(seq);
+                    events.push(decode_event(row)?);
+                }
+            }
+            // The next claim's form: wide while the events looked at come in runs longer than
+            // two, narrow (cheaper) otherwise.
+            if wide {
+                if longest <= WIDE_ABOVE {
+                    self.wide.store(false, Ordering::Relaxed);
+                }
+            } else if events.len() as i64 >= limit && longest_run(&events) > WIDE_ABOVE {
+                self.wide.store(true, Ordering::Relaxed);
+            }
+        }
+        let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
+        if (events.len() as i64) < limit && full && (events.is_empty() || bytes < max_bytes) {
+            let more = self
+                .claim_beyond(tx, limit - events.len() as i64, max_bytes - bytes, &seqs, &parts)
+                .await?;
+            events.extend(more);
+        }
+        Ok(events)
+    }
+
+    /// The skip scans and the runs behind the heads they find, for up to `limit` more events within
+    /// `max_bytes` (strictly when `taken`, the events already in the batch, is not empty).
+    async fn claim_beyond(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        limit: i64,
+        max_bytes: i64,
+        taken: &[i64],
+        parts: &[i32],
+    ) -> Result<Vec<Event>, Error> {
+        let heads = self.skip_heads(tx, limit, taken, parts).await?;
+        if heads.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut head_seq: HashMap<(String, String), i64> = HashMap::new();
+        let (mut types, mut ids) = (Vec::new(), Vec::new());
+        for head in &heads {
+            types.push(head.key.0.clone());
+            ids.push(head.key.1.clone());
+            head_seq.insert(head.key.clone(), head.seq);
+        }
+        let mut rows = sqlx::query(&self.sql.claim_runs)
+            .bind(&types)
+            .bind(&ids)
+            .bind(limit)
+            .bind(run_cap(limit, heads.len()))
+            .bind(max_bytes.max(0))
+            .bind(taken.is_empty())
             .fetch_all(&mut **tx)
             .await
             .map_err(|e| map_sqlx("claim", e))?;
-        let mut window_rows = 0i64;
-        let mut heads = Vec::new();
-        for row in &rows {
-            window_rows = row
-                .try_get("window_rows")
-                .map_err(|e| map_sqlx("claim", e))?;
-            heads.extend(head_of(row)?);
+        let mut keyed = Vec::with_capacity(rows.len());
+        for row in rows.drain(..) {
+            let seq: i64 = row.try_get("seq").map_err(|e| map_sqlx("claim", e))?;
+            keyed.push((seq, row));
         }
-        if heads.len() as i64 >= limit {
-            return Ok((heads, Some(rows)));
-        }
-        if window_rows < window {
-            return Ok((heads, None));
-        }
+        keyed.sort_by_key(|(seq, _)| *seq);
+        runs_from_heads(keyed.into_iter().map(|(_, row)| row).collect(), &head_seq)
+    }
+
+    /// Up to four skip scans, each going on from where the previous one stopped (one that started
+    /// after a cursor and reached the last aggregate goes on from the first, once), for up to
+    /// `limit` ready heads not in `taken`, of partitions the claim holds (`parts`) or takes. A complete walk that found nothing rests the skip scans (see [`skip_rest`]).
+    async fn skip_heads(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        limit: i64,
+        taken: &[i64],
+        parts: &[i32],
+    ) -> Result<Vec<Head>, Error> {
         let started = std::time::Instant::now();
         let resting = self
             .skip_rest_until
             .lock()
             .is_ok_and(|until| until.is_some_and(|t| started < t));
         if resting {
-            return Ok((heads, None));
+            return Ok(Vec::new());
         }
-        let found_before = heads.len();
+        let mut heads: Vec<Head> = Vec::new();
         let mut walked_all = false;
-        // Up to four skip scans per claim, each going on from where the previous one stopped; one
-        // that started after a cursor and reached the last aggregate goes on from the first (once).
         let span = skip_span(limit);
         let (mut scans, mut wrapped) = (0, false);
         while (heads.len() as i64) < limit && scans < 4 {
@@ -324,14 +374,16 @@ impl PostgresStore {
                 .skip_cursor
                 .lock()
                 .map_or(None, |cursor| cursor.clone());
-            let held: Vec<i64> = heads.iter().map(|h| h.seq).collect();
+            let mut held: Vec<i64> = taken.to_vec();
+            held.extend(heads.iter().map(|h| h.seq));
             let query = match &cursor {
                 None => sqlx::query(&self.sql.claim_skip_first),
                 Some(_) => sqlx::query(&self.sql.claim_skip_after),
             }
             .bind(limit - heads.len() as i64)
             .bind(span)
-            .bind(&held);
+            .bind(&held)
+            .bind(parts);
             let query = match &cursor {
                 None => query,
                 Some((aggregate_type, aggregate_id)) => {
@@ -343,6 +395,8 @@ impl PostgresStore {
                 .await
                 .map_err(|e| map_sqlx("claim", e))?;
             let (mut visited, mut last) = (0i64, None);
+            let wanted = limit - heads.len() as i64;
+            let mut found = Vec::new();
             for row in &rows {
                 let get = |e: sqlx::Error| map_sqlx("claim", e);
                 visited = row
@@ -352,12 +406,20 @@ impl PostgresStore {
                 let last_type: Option<String> = row.try_get("last_type").map_err(get)?;
                 let last_id: Option<String> = row.try_get("last_id").map_err(get)?;
                 last = last_type.zip(last_id);
-                heads.extend(head_of(row)?);
+                found.extend(head_of(row)?);
             }
-            let reached_end = visited < span;
+            // Cut by the batch: the next scan goes on after the last head taken (in key order),
+            // so the aggregates visited beyond it have their turn next.
+            let cut = found.len() as i64 >= wanted;
+            let reached_end = visited < span && !cut;
             if let Ok(mut guard) = self.skip_cursor.lock() {
-                *guard = if reached_end { None } else { last };
+                *guard = match found.last() {
+                    Some(head) if cut => Some(head.key.clone()),
+                    _ if reached_end => None,
+                    _ => last,
+                };
             }
+            heads.extend(found);
             if reached_end {
                 if cursor.is_none() || wrapped {
                     walked_all = true;
@@ -369,39 +431,11 @@ impl PostgresStore {
         // A futile complete walk rests the skip scans ten times as long as it took (at least 50 ms):
         // their share of the database stays under a tenth while every head is taken.
         if let Ok(mut until) = self.skip_rest_until.lock() {
-            *until = (walked_all && heads.len() == found_before)
-                .then(|| started + skip_rest(started.elapsed()));
+            *until = (walked_all && heads.is_empty()).then(|| started + skip_rest(started.elapsed()));
         }
         heads.sort_by_key(|h| h.seq);
-        Ok((heads, None))
+        Ok(heads)
     }
-}
-
-/// The batch when the locked heads fill it within the byte budget: their events in seq order, read
-/// from the rows of the statement that locked them. `None` when the statement sent them by key only
-/// (`fits` false: over the budget), for the runs statement to cut the batch to the budget.
-fn heads_as_batch(rows: Vec<PgRow>) -> Result<Option<Vec<Event>>, Error> {
-    let get = |e: sqlx::Error| map_sqlx("claim", e);
-    let mut keyed = Vec::with_capacity(rows.len());
-    for row in rows {
-        let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(get)? else {
-            continue;
-        };
-        if !row
-            .try_get::<Option<bool>, _>("fits")
-            .map_err(get)?
-            .unwrap_or(false)
-        {
-            return Ok(None);
-        }
-        keyed.push((seq, row));
-    }
-    keyed.sort_by_key(|(seq, _)| *seq);
-    keyed
-        .iter()
-        .map(|(_, row)| decode_event(row))
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
 }
 
 #[cfg(test)]
@@ -409,22 +443,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn claim_sql_locks_heads_and_honours_the_table() {
+    fn claim_sql_takes_partitions_and_honours_the_table() {
         let t = OutboxTable::new("s", "events").unwrap();
         let sql = Sql::new(&t, Retention::Delete);
-        assert!(sql.claim_heads.contains("FOR UPDATE SKIP LOCKED"));
-        assert!(sql.claim_heads.contains("\"s\".\"events\""));
+        let key = format!("pg_try_advisory_xact_lock({}, ", sql::partition_lock_key(&t));
+        assert!(sql.claim_partitions.contains(&key));
+        assert!(sql.claim_partitions.contains("\"s\".\"events\""));
+        assert!(sql.claim_owned.contains("\"s\".\"events\""));
+        assert!(!sql.claim_owned.contains("FOR UPDATE"));
+        assert!(sql.claim_owned.contains("b.retry_after > now()"));
         assert!(sql.claim_runs.contains("\"s\".\"events\""));
         for skip in [&sql.claim_skip_first, &sql.claim_skip_after] {
-            assert!(skip.contains("FOR UPDATE SKIP LOCKED"));
+            assert!(skip.contains(&key));
             assert!(skip.contains("\"s\".\"events\""));
         }
-        assert!(sql.claim_skip_after.contains("> ($4, $5)"));
-        assert!(!sql.claim_skip_first.contains("$4"));
+        assert!(sql.claim_skip_after.contains("> ($5, $6)"));
+        assert!(!sql.claim_skip_first.contains("$5"));
+        assert!(sql.lock_lost_partitions.contains(&key));
+        assert!(sql.claim_unordered.contains("FOR UPDATE SKIP LOCKED"));
         assert!(!sql.claim_unordered.contains("NOT EXISTS"));
         assert!(sql.settle.contains("DELETE FROM \"s\".\"events\""));
         let keep = Sql::new(&t, Retention::Keep);
         assert!(keep.settle.contains("SET processed_at = now()"));
+    }
+
+    #[test]
+    fn partition_lock_keys_are_stable_and_differ_by_table() {
+        let a = OutboxTable::new("s", "events").unwrap();
+        let b = OutboxTable::new("s", "events2").unwrap();
+        assert_eq!(sql::partition_lock_key(&a), sql::partition_lock_key(&a));
+        assert_ne!(sql::partition_lock_key(&a), sql::partition_lock_key(&b));
+        // FNV-1a of `outbox.claim "s"."events"`: relays of every version must agree on it.
+        assert_eq!(sql::partition_lock_key(&a), -2_051_167_190);
     }
 
     #[test]
@@ -445,6 +495,8 @@ mod tests {
     fn the_heads_window_and_skip_span_follow_the_batch_within_bounds() {
         assert_eq!(heads_window(500), 2000);
         assert_eq!(heads_window(1), 256);
+        assert_eq!(owned_scan(500), 4000);
+        assert_eq!(owned_scan(1), 512);
         assert_eq!(skip_span(500), 1000);
         assert_eq!(skip_span(1), 256);
         assert_eq!(skip_span(100_000), 20_000);

@@ -146,9 +146,9 @@ impl SettleArgs {
 
 /// Settles a lost lease's outcomes outside it (the claiming session died: killed, timed out, or its
 /// connection dropped, so its locks are gone), in a transaction of its own, for what it can own again
-/// as a claim would: under per-aggregate ordering, each of its aggregates whose head (oldest
-/// unprocessed row) is one of its rows and no other lease holds (that head is locked, and the lease's
-/// rows of the aggregate are settled); unordered, each of its rows no other lease holds. What another
+/// as a claim would: under per-aggregate ordering, its rows still unprocessed in the partitions of
+/// aggregates no other lease holds (taken as a claim takes them); unordered, each of its rows no
+/// other lease holds. What another
 /// lease took since is left to it. Without this, an event whose every publish outlived its lease
 /// would be retried for ever with its attempts never counted, and published events would all be sent
 /// again. Returns how many rows were settled.
@@ -160,17 +160,28 @@ pub(super) async fn settle_lost_lease(
 ) -> Result<usize, Error> {
     let map = |e| map_sqlx("settle", e);
     let mut tx = pool.begin().await.map_err(map)?;
-    let lock = match ordering {
-        OrderingPolicy::PerAggregate => &sql.lock_free,
-        OrderingPolicy::Unordered => &sql.lock_free_rows,
+    let ids = args.ids();
+    let free = match ordering {
+        OrderingPolicy::PerAggregate => {
+            let parts: Vec<i32> = sqlx::query_scalar(&sql.lock_lost_partitions)
+                .bind(&ids)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(map)?;
+            sqlx::query_scalar::<_, Uuid>(&sql.lock_free)
+                .bind(&ids)
+                .bind(&parts)
+                .fetch_all(&mut *tx)
+                .await
+        }
+        OrderingPolicy::Unordered => {
+            sqlx::query_scalar::<_, Uuid>(&sql.lock_free_rows)
+                .bind(&ids)
+                .fetch_all(&mut *tx)
+                .await
+        }
     };
-    let free: HashSet<Uuid> = sqlx::query_scalar::<_, Uuid>(lock)
-        .bind(args.ids())
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(map)?
-        .into_iter()
-        .collect();
+    let free: HashSet<Uuid> = free.map_err(map)?.into_iter().collect();
     args.retain(&free);
     if args.is_empty() {
         tx.rollback().await.map_err(map)?;

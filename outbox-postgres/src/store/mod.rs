@@ -1,4 +1,5 @@
-//! The relay's store: claim with `FOR UPDATE SKIP LOCKED`, settle a batch in one statement.
+//! The relay's store: claim what no other lease holds (partitions of the aggregates for ordered
+//! claims, rows for unordered ones), settle a batch in one statement.
 //!
 //! [`PostgresStore`] is put together from one module per job: the statements ([`sql`]), the claim
 //! algorithm ([`claim`]), the lease and its settlement ([`lease`]), the bounded statistics
@@ -61,6 +62,9 @@ pub struct PostgresStore {
     /// to take (other relays hold them all), so that claims bound to find nothing beyond the window
     /// do not keep walking the aggregates (the window still runs on every claim).
     skip_rest_until: Arc<Mutex<Option<std::time::Instant>>>,
+    /// Whether ordered claims use the wide form of the owned read: set while the backlog comes in
+    /// runs (see `claim::WIDE_ABOVE`).
+    wide: Arc<std::sync::atomic::AtomicBool>,
     /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
     stats_max_rows: i64,
     /// The counts in progress: pending rows, dead letters.
@@ -135,6 +139,7 @@ impl PostgresStore {
             sql,
             skip_cursor: Arc::new(Mutex::new(None)),
             skip_rest_until: Arc::new(Mutex::new(None)),
+            wide: Arc::default(),
             stats_max_rows: DEFAULT_STATS_MAX_ROWS as i64,
             stats_passes: Arc::default(),
         }

@@ -5,19 +5,23 @@ use crate::table::OutboxTable;
 use super::{Retention, EVENT_COLUMNS};
 
 pub(super) struct Sql {
-    pub(super) claim_heads: String,
+    /// Takes the claim's partitions (see [`CLAIM_PARTITIONS`]).
+    pub(super) claim_partitions: String,
+    /// Reads the oldest ready events of the claim's partitions.
+    pub(super) claim_owned: String,
+    /// The same, spread over as many aggregates as it can (for backlogs written in runs).
+    pub(super) claim_owned_wide: String,
     pub(super) claim_skip_first: String,
     pub(super) claim_skip_after: String,
     pub(super) claim_runs: String,
     pub(super) claim_unordered: String,
     pub(super) settle: String,
-    /// Locks the heads of a lost lease's aggregates that no other lease holds, and returns the
-    /// lease's rows of those aggregates (see `PgLease::settle`).
+    /// Takes the partitions of a lost lease's rows that no other lease holds (see `PgLease::settle`).
+    pub(super) lock_lost_partitions: String,
+    /// Returns the lost lease's rows still unprocessed in the partitions taken.
     pub(super) lock_free: String,
     /// The same for unordered claims: locks the lost lease's rows no other lease holds.
     pub(super) lock_free_rows: String,
-    /// Locks again the heads a budget-cut batch keeps (see [`CLAIM_LOCKS`]).
-    pub(super) relock_heads: String,
     /// Locks again the rows a budget-cut unordered batch keeps.
     pub(super) relock_rows: String,
 }
@@ -34,88 +38,167 @@ pub(super) const PENDING: &str = "e.processed_at IS NULL AND e.dead_lettered_at 
 /// Dead letters, as the partial index `<table>_dead_idx` holds them.
 pub(super) const DEAD: &str = "e.dead_lettered_at IS NOT NULL AND e.processed_at IS NULL";
 
+/// How many partitions the aggregates are hashed into for ordered claims. A claim owns the
+/// partitions it takes (a transaction-scoped advisory lock each, held by the claim's transaction,
+/// which is the batch's lease) and reads events only from them: no other lease can hold an
+/// event of those aggregates meanwhile.
+pub(super) const CLAIM_PARTITIONS: i32 = 256;
+
+/// The partition of the aggregate of the row aliased `a`: a hash of its type and id, the same in
+/// every relay (`hashtextextended` is stable across PostgreSQL versions and platforms).
+pub(super) fn partition_of(a: &str) -> String {
+    format!(
+        "(hashtextextended({a}.aggregate_id, hashtextextended({a}.aggregate_type, 0)) & {})::int",
+        CLAIM_PARTITIONS - 1
+    )
+}
+
+/// The first key of the claim's partition locks for `table` (the partition is the second), so
+/// that two outbox tables' relays never wait for each other. A 32-bit FNV-1a hash of the qualified
+/// name: the same in every relay process and version. (The writer-order trigger's locks take one
+/// 64-bit key, a space of their own.)
+pub(super) fn partition_lock_key(table: &OutboxTable) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in format!("outbox.claim {}", table.qualified()).bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    i32::from_ne_bytes(h.to_ne_bytes())
+}
+
+/// The row aliased `a` is held back: an earlier unprocessed event of its aggregate is dead-lettered
+/// or backing off (its `retry_after` not yet reached at the claim's start, `now()`). A point lookup
+/// on the partial index `<table>_blocked_idx`, which holds only such rows (and those whose backoff
+/// is over), so it stays small.
+pub(super) fn held_back(t: &str, a: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM {t} b
+                 WHERE b.aggregate_type = {a}.aggregate_type AND b.aggregate_id = {a}.aggregate_id
+                   AND b.processed_at IS NULL AND (b.dead_lettered_at IS NOT NULL OR b.retry_after IS NOT NULL)
+                   AND b.seq < {a}.seq
+                   AND (b.dead_lettered_at IS NOT NULL OR b.retry_after > now()))"
+    )
+}
+
+/// Ready, as of the claim's start (`now()`, the time [`held_back`] uses: one instant for both, so
+/// that an event is never taken while an earlier one of its aggregate is judged not yet due).
+pub(super) const READY_AT_START: &str = "e.processed_at IS NULL AND e.dead_lettered_at IS NULL
+      AND (e.retry_after IS NULL OR e.retry_after <= now())";
+
 pub(super) const READY: &str = "e.processed_at IS NULL AND e.dead_lettered_at IS NULL
       AND (e.retry_after IS NULL OR e.retry_after <= clock_timestamp())";
 
 impl Sql {
     pub(super) fn new(table: &OutboxTable, retention: Retention) -> Self {
         let t = table.qualified();
-        // A head is the oldest unprocessed row of its aggregate (an earlier pending, backing-off,
-        // claimed or dead-lettered row makes it not a head). Locking the heads with SKIP LOCKED gives
-        // this relay the aggregates' runs for the life of its transaction; other relays skip the
-        // locked heads and cannot see the runs' later rows as heads.
-        // Step 1 locks the heads; step 2 (a new statement, so a fresh snapshot in which the heads are
-        // ours) reads every unprocessed row of those aggregates, and the store keeps, per aggregate,
-        // the ready rows from the head on, up to the first row that is not ready. An aggregate whose
-        // oldest unprocessed row is not the locked head (it changed since step 1's snapshot) is left
-        // out of this batch.
-        // The heads are looked for among the first $2 ready rows in seq order (the window), never
-        // the whole backlog: when other relays hold most heads, or one aggregate's long backlog
-        // waits behind a backing-off head, a scan for heads would otherwise walk every pending row.
-        // The first column tells how many rows the window held, so the store knows whether heads
-        // may lie beyond it (the window was full) and the skip scan below is worth running.
-        // The window's rows are located once (their row addresses); only the first of each aggregate
-        // can be a head (a head has no earlier unprocessed row, so none earlier in the window). Those
-        // candidates are taken in seq order, one at a time (a lateral subquery with its own lock,
-        // so the walk stops at the $1-th locked head instead of checking every candidate): each is
-        // fetched by address and is a head when no earlier unprocessed row of its aggregate exists
-        // (a point lookup on the aggregate index, written as a scalar subquery so that it cannot
-        // become a join). The grouping sorts by bytes (`COLLATE "C"`): it only needs equality, which
-        // is byte equality under any deterministic collation, and a linguistic sort (ICU, glibc
-        // en_US) of the window's keys costs more per claim (BENCHMARKS.md, third machine).
-        // Every step is a row-address or index access whose cost follows the window, whatever the
-        // planner believes of the table's size (see `CLAIM_BEGIN`): a plan cached while the outbox
-        // was empty stays cheap once it is not.
-        // When the locked heads fill the batch ($1 of them) within the byte budget ($3, counted from
-        // their recorded sizes), they are the batch (a batch cut by position in the runs takes every
-        // head's first event before any second one): they come back whole (`fits`), and the runs
-        // statement is not needed. Otherwise no payload or headers leave the server: the heads are
-        // returned by key, and the runs statement reads what fits the budget.
-        let claim_heads = format!(
-            "WITH w AS MATERIALIZED (
-                SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id
-                FROM {t} e WHERE {READY} ORDER BY e.seq LIMIT $2),
-            firsts AS MATERIALIZED (
-                SELECT DISTINCT ON (w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\") w.tid, w.seq
-                FROM w ORDER BY w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\", w.seq)
-            SELECT e.window_rows, e.seq, e.fits, {EVENT_COLUMNS}
-            FROM (
-              SELECT r.window_rows, r.seq, r.fits, r.id, r.aggregate_type, r.aggregate_id, r.event_type,
-                     CASE WHEN r.fits THEN r.payload END AS payload,
-                     CASE WHEN r.fits THEN r.payload_bytes END AS payload_bytes,
-                     r.content_type,
-                     CASE WHEN r.fits THEN r.headers END AS headers,
-                     r.destination, r.created_at, r.attempts
-              FROM (
-                SELECT (SELECT count(*) FROM w) AS window_rows, h.*,
-                       (count(h.seq) OVER () = $1 AND COALESCE(sum(h.size) OVER (), 0) <= $3) AS fits
-                FROM (SELECT 1) one
-                LEFT JOIN LATERAL (
-                SELECT l.*
-                FROM (SELECT f.tid, f.seq FROM firsts f ORDER BY f.seq) c
+        let key = partition_lock_key(table);
+        let part_e = partition_of("e");
+        let part_w = partition_of("w");
+        // Ordered claims own partitions of the aggregates (see `CLAIM_PARTITIONS`): a claim first
+        // takes partitions (this statement), then reads the oldest ready events of the partitions
+        // it holds (`claim_owned`, a new statement and so a fresh snapshot taken after the locks:
+        // a lease that held one of them and has just committed is seen settled). Every ordered
+        // lease holds the partitions of its events until it ends, so an event read under the
+        // lock is in no other lease, nor is any earlier event of its aggregate: the claim needs no
+        // row lock and no per-event check that the event is its aggregate's oldest, only that no
+        // earlier event of its aggregate is held back (`held_back`).
+        // Which partitions: those of the first $2 ready events in seq order (the window), in the
+        // order of their first event, each tried with `pg_try_advisory_xact_lock` (one taken by
+        // another lease is passed over), until those taken hold $1 aggregates of the window (a
+        // batch of one event of each: the fewest publisher calls) or about $3 bytes (counting one
+        // event per aggregate). A claim thus takes what fills a batch with the oldest events it
+        // can have, and leaves the rest to other leases (a relay's next batch, other relays).
+        // Returns the partitions taken and how many events the window held.
+        let claim_partitions = format!(
+            "WITH RECURSIVE w AS MATERIALIZED (
+                SELECT e.seq, e.aggregate_type, e.aggregate_id, {part_e} AS part, {PAYLOAD_SIZE} AS size
+                FROM {t} e WHERE {READY_AT_START} ORDER BY e.seq LIMIT $2),
+            ord AS MATERIALIZED (
+                SELECT array_agg(p.part ORDER BY p.first) AS parts, array_agg(p.n ORDER BY p.first) AS ns,
+                       array_agg(p.bytes ORDER BY p.first) AS bytes
+                FROM (SELECT a.part, min(a.first) AS first, count(*) AS n, sum(a.bytes) AS bytes
+                      FROM (SELECT w.part, min(w.seq) AS first, min(w.size) AS bytes FROM w
+                            GROUP BY w.part, w.aggregate_type, w.aggregate_id) a
+                      GROUP BY a.part) p),
+            walk(i, events, bytes, part, taken) AS (
+                SELECT 0, 0::bigint, 0::numeric, NULL::int, false
+                UNION ALL
+                SELECT walk.i + 1,
+                       walk.events + CASE WHEN l.taken THEN ord.ns[walk.i + 1] ELSE 0 END,
+                       walk.bytes + CASE WHEN l.taken THEN ord.bytes[walk.i + 1] ELSE 0 END,
+                       ord.parts[walk.i + 1], l.taken
+                FROM walk CROSS JOIN ord
                 CROSS JOIN LATERAL (
-                    SELECT e.seq, {PAYLOAD_SIZE} AS size, e.id, e.aggregate_type, e.aggregate_id,
-                           e.event_type, e.payload, e.payload_bytes, e.content_type, e.headers,
-                           e.destination, e.created_at, e.attempts
-                    FROM {t} e
-                    WHERE e.ctid = c.tid
-                      AND {READY}
-                      AND (SELECT 1 FROM {t} p
-                           WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
-                             AND p.processed_at IS NULL AND p.seq < e.seq
-                           LIMIT 1) IS NULL
-                    FOR UPDATE SKIP LOCKED
-                ) l
-                ORDER BY c.seq
-                LIMIT $1
-                ) h ON true
-              ) r
-            ) e"
+                    SELECT pg_try_advisory_xact_lock({key}, ord.parts[walk.i + 1]) AS taken) l
+                WHERE walk.events < $1 AND walk.bytes < $3 AND walk.i < cardinality(ord.parts))
+            SELECT (SELECT count(*) FROM w) AS window_rows,
+                   ARRAY(SELECT walk.part FROM walk WHERE walk.taken) AS parts"
         );
-        // The skip scan: walks up to $2 aggregates with unprocessed rows, in key order from a cursor
-        // the store rotates, takes each one's oldest unprocessed row (its head) and locks the ready
-        // heads not already held ($3). Its cost follows $2, not the number of pending rows. The first
-        // columns tell how many aggregates were visited and the last one, for the next cursor.
+        // The owned read: among the first $3 ready events in seq order (a bound on the rows read,
+        // whatever the backlog; the scan stops as soon as the batch is full), those of the claim's
+        // partitions ($1) not held back, the first $2 of them, cut to the byte budget ($4) by their
+        // recorded sizes before any payload is read (the first event always: an event larger than
+        // the budget goes alone). Seq order keeps each aggregate's events a prefix of its run. The
+        // first column tells, when the batch is not full, whether the scan reached its bound (so
+        // events may lie beyond it: the skip scan's case).
+        // The wide form, for backlogs written in runs (several events of an aggregate one after
+        // another, or one busy aggregate): it looks at twice as many events and cuts the batch by
+        // position in the runs (every aggregate's first event, then every second one...), so a
+        // batch spreads over as many aggregates as it can (a publisher that sends an aggregate's
+        // later events one call apart then needs few calls); it also returns the longest run
+        // among the events it looked at, for the store to choose the form of the next claim.
+        let owned = |wide: bool| {
+            let (take, pos, order, longest) = if wide {
+                (
+                    "$2 * 2",
+                    ", row_number() OVER (PARTITION BY w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\" ORDER BY w.seq) AS pos",
+                    "c.pos, c.seq",
+                    "(SELECT max(c.pos) FROM c)",
+                )
+            } else {
+                ("$2", ", 1 AS pos", "c.seq", "1::bigint")
+            };
+            format!(
+                "WITH c AS MATERIALIZED (
+                    SELECT w.tid, w.seq, w.size {pos}
+                    FROM (SELECT e.ctid AS tid, e.seq, e.aggregate_type, e.aggregate_id, {PAYLOAD_SIZE} AS size
+                          FROM {t} e WHERE {READY_AT_START} ORDER BY e.seq LIMIT $3) w
+                    WHERE {part_w} = ANY($1::int[]) AND NOT {held_w}
+                    ORDER BY w.seq LIMIT {take}),
+                b AS {b},
+                k AS (
+                    SELECT b.*, sum(b.size) OVER (ORDER BY {order_b} ROWS UNBOUNDED PRECEDING) AS upto,
+                           row_number() OVER (ORDER BY {order_b}) AS n
+                    FROM b)
+                SELECT s.full, s.longest, k.seq, {EVENT_COLUMNS}
+                FROM (SELECT (SELECT count(*) FROM b) < $2 AND EXISTS (
+                          SELECT 1 FROM {t} e WHERE {READY_AT_START} ORDER BY e.seq OFFSET $3 - 1 LIMIT 1) AS full,
+                             {longest} AS longest) s
+                LEFT JOIN (k CROSS JOIN LATERAL (SELECT * FROM {t} x WHERE x.ctid = k.tid) e)
+                  ON k.n = 1 OR k.upto <= $4
+                ORDER BY k.seq",
+                held_w = held_back(&t, "w"),
+                order_b = order.replace("c.", "b."),
+                b = if wide {
+                    "MATERIALIZED (SELECT c.* FROM c ORDER BY c.pos, c.seq LIMIT $2)"
+                } else {
+                    "(SELECT c.* FROM c)"
+                },
+            )
+        };
+        let claim_owned = owned(false);
+        let claim_owned_wide = owned(true);
+        // The skip scan, for when the owned read's scan is full of events it cannot take (held
+        // back behind a failing event, or of partitions other leases hold): walks up to $2
+        // aggregates with unprocessed rows, in key order from a cursor the store rotates, takes
+        // each one's oldest unprocessed row (its head), and keeps the ready heads not already in
+        // the batch ($3) whose partition the claim holds ($4) or can take. Its cost follows $2,
+        // not the number of pending rows. Heads are taken in key order (the walk's), so that when
+        // $1 cuts them the next cursor goes on after the last one taken. A head is judged in this
+        // statement's snapshot, taken before some of the partitions were: the runs statement (a
+        // fresh snapshot) keeps an aggregate only when its head is still its oldest unprocessed
+        // event. The first columns tell how many aggregates were visited and the last one, for
+        // the next cursor.
         let skip = |start: &str| {
             format!(
                 "WITH RECURSIVE aggs AS (
@@ -144,19 +227,23 @@ impl Sql {
                 FROM (SELECT 1) one
                 LEFT JOIN last ON true
                 LEFT JOIN LATERAL (
-                    SELECT e.seq, e.aggregate_type, e.aggregate_id
-                    FROM {t} e
-                    WHERE e.seq = ANY(ARRAY(SELECT seq FROM heads))
-                      AND e.seq <> ALL($3::bigint[])
-                      AND {READY}
-                    ORDER BY e.seq
+                    SELECT c.seq, c.aggregate_type, c.aggregate_id
+                    FROM (
+                        SELECT e.seq, e.aggregate_type, e.aggregate_id, {part_e} AS part
+                        FROM {t} e
+                        WHERE e.seq = ANY(ARRAY(SELECT seq FROM heads))
+                          AND e.seq <> ALL($3::bigint[])
+                          AND {READY}
+                        ORDER BY e.aggregate_type, e.aggregate_id
+                        OFFSET 0) c
+                    WHERE c.part = ANY($4::int[]) OR pg_try_advisory_xact_lock({key}, c.part)
                     LIMIT $1
-                    FOR UPDATE SKIP LOCKED
-                ) h ON true"
+                ) h ON true
+                ORDER BY h.aggregate_type, h.aggregate_id"
             )
         };
         let claim_skip_first = skip("");
-        let claim_skip_after = skip("AND (a.aggregate_type, a.aggregate_id) > ($4, $5)");
+        let claim_skip_after = skip("AND (a.aggregate_type, a.aggregate_id) > ($5, $6)");
         // Each aggregate's run is read from its index in seq order and cut at $4 rows, so the cost
         // of a claim follows the batch size, not the length of the backlog behind each head. The
         // batch is cut at $3 rows by position in the run first (every locked head's first row, then
@@ -167,8 +254,9 @@ impl Sql {
         // The byte budget ($5) is applied before any payload is read: the rows are first chosen by
         // their recorded sizes (`PAYLOAD_SIZE`), then only the chosen ones are fetched by address.
         // The cut keeps the rows up to the last whose running total stays within the budget (the
-        // first row always: an event larger than the budget goes alone), in the batch's order, so
-        // each aggregate keeps a prefix of its run.
+        // first row always when $6: an event larger than the budget goes alone; not when the owned
+        // read already filled part of the batch, whose budget this is the rest of), in the batch's
+        // order, so each aggregate keeps a prefix of its run.
         let claim_runs = format!(
             "WITH m AS MATERIALIZED (
                 SELECT r.tid, r.seq, r.ready, r.run_pos, r.size
@@ -191,7 +279,7 @@ impl Sql {
                 FROM m)
             SELECT {EVENT_COLUMNS}, c.seq, c.ready, c.run_pos
             FROM c CROSS JOIN LATERAL (SELECT * FROM {t} x WHERE x.ctid = c.tid) e
-            WHERE c.n = 1 OR c.upto <= $5
+            WHERE (c.n = 1 AND $6) OR c.upto <= $5
             ORDER BY c.run_pos, c.seq"
         );
         // Unordered claims lock up to $1 ready rows and return those within the byte budget ($2),
@@ -237,27 +325,23 @@ impl Sql {
             )
             SELECT 1"
         );
-        // A lost lease's rows may be settled only where this transaction owns the aggregate as a
-        // claim would: by locking its head (its oldest unprocessed row), which must be one of the
-        // lease's rows. Rows behind another lease's head are left to that lease.
+        // A lost lease's rows may be settled only where this transaction owns them as a claim
+        // would: by taking their partitions (those another lease holds are left to it), then, in a
+        // fresh snapshot, reading which of them are still unprocessed.
+        let lock_lost_partitions = format!(
+            "SELECT ARRAY(
+                SELECT d.part FROM (
+                    SELECT DISTINCT {part_e} AS part FROM {t} e
+                    WHERE e.id = ANY($1::uuid[]) AND e.processed_at IS NULL) d
+                WHERE pg_try_advisory_xact_lock({key}, d.part))"
+        );
         let lock_free = format!(
-            "WITH heads AS (
-                SELECT h.aggregate_type, h.aggregate_id FROM {t} h
-                WHERE h.id = ANY($1::uuid[]) AND h.processed_at IS NULL
-                  AND (SELECT 1 FROM {t} p
-                       WHERE p.aggregate_type = h.aggregate_type AND p.aggregate_id = h.aggregate_id
-                         AND p.processed_at IS NULL AND p.seq < h.seq
-                       LIMIT 1) IS NULL
-                FOR UPDATE OF h SKIP LOCKED)
-            SELECT e.id FROM {t} e JOIN heads USING (aggregate_type, aggregate_id)
-            WHERE e.id = ANY($1::uuid[]) AND e.processed_at IS NULL"
+            "SELECT e.id FROM {t} e
+             WHERE e.id = ANY($1::uuid[]) AND e.processed_at IS NULL AND {part_e} = ANY($2::int[])"
         );
-        // After the byte budget left some locked rows out of a batch (and the claim rolled back to its
-        // savepoint): lock again the heads (ordered) or rows (unordered) the batch keeps, if still
-        // ready and free. One that is not (another relay took it in between) leaves the batch.
-        let relock_heads = format!(
-            "SELECT e.seq FROM {t} e WHERE e.seq = ANY($1::bigint[]) AND {READY} FOR UPDATE SKIP LOCKED"
-        );
+        // After the byte budget left some locked rows out of an unordered batch (and the claim rolled
+        // back to its savepoint): lock again the rows the batch keeps, if still ready and free. One
+        // that is not (another relay took it in between) leaves the batch.
         let relock_rows = format!(
             "SELECT e.id FROM {t} e WHERE e.id = ANY($1::uuid[]) AND {READY} FOR UPDATE SKIP LOCKED"
         );
@@ -266,11 +350,13 @@ impl Sql {
             "SELECT id FROM {t} WHERE id = ANY($1::uuid[]) AND processed_at IS NULL FOR UPDATE SKIP LOCKED"
         );
         Sql {
-            relock_heads,
             relock_rows,
+            lock_lost_partitions,
             lock_free,
             lock_free_rows,
-            claim_heads,
+            claim_partitions,
+            claim_owned,
+            claim_owned_wide,
             claim_skip_first,
             claim_skip_after,
             claim_runs,
