@@ -94,6 +94,9 @@ pub(super) struct Head {
     pub(super) key: (String, String),
 }
 
+/// The longest a claim waits for another lease to end when every partition with events is held.
+pub(super) const PARTITION_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Runs longer than this among a claim's events make the next claims use the wide form of the owned
 /// read (see `claim_owned_wide`) until they are no longer.
 pub(super) const WIDE_ABOVE: i64 = 2;
@@ -251,15 +254,15 @@ impl PostgresStore {
     ) -> Result<Vec<Event>, Error> {
         let get = |e: sqlx::Error| map_sqlx("claim", e);
         let window = heads_window(limit);
-        let row = sqlx::query(&self.sql.claim_partitions)
-            .bind(limit)
-            .bind(window)
-            .bind(max_bytes)
-            .fetch_one(&mut **tx)
-            .await
-            .map_err(get)?;
-        let window_rows: i64 = row.try_get("window_rows").map_err(get)?;
-        let parts: Vec<i32> = row.try_get("parts").map_err(get)?;
+        let (mut window_rows, mut parts, busy) = self.take_partitions(tx, limit, max_bytes).await?;
+        if let (true, Some(busy)) = (parts.is_empty(), busy) {
+            // Other leases hold every partition with events: wait (a while) for the one with the
+            // oldest to end, rather than come back empty and have the relay pause.
+            if !self.wait_for_partition(tx, busy).await? {
+                return Ok(Vec::new());
+            }
+            (window_rows, parts, _) = self.take_partitions(tx, limit, max_bytes).await?;
+        }
         let scan = owned_scan(limit);
         let (mut events, mut seqs, mut full) = (Vec::new(), Vec::new(), window_rows >= window);
         if !parts.is_empty() {
@@ -297,13 +300,79 @@ impl PostgresStore {
             }
         }
         let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
-        if (events.len() as i64) < limit && full && (events.is_empty() || bytes < max_bytes) {
+        if (events.len() as i64) < limit
+            && full
+            && !parts.is_empty()
+            && (events.is_empty() || bytes < max_bytes)
+        {
             let more = self
                 .claim_beyond(tx, limit - events.len() as i64, max_bytes - bytes, &seqs, &parts)
                 .await?;
             events.extend(more);
         }
         Ok(events)
+    }
+
+    /// Runs `claim_partitions`: how many events its window held, the partitions taken, and the
+    /// first partition of the window another lease holds.
+    async fn take_partitions(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        limit: i64,
+        max_bytes: i64,
+    ) -> Result<(i64, Vec<i32>, Option<i32>), Error> {
+        let get = |e: sqlx::Error| map_sqlx("claim", e);
+        let row = sqlx::query(&self.sql.claim_partitions)
+            .bind(limit)
+            .bind(heads_window(limit))
+            .bind(max_bytes)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(get)?;
+        Ok((
+            row.try_get("window_rows").map_err(get)?,
+            row.try_get("parts").map_err(get)?,
+            row.try_get("busy").map_err(get)?,
+        ))
+    }
+
+    /// Waits up to [`PARTITION_WAIT`] for the lease holding partition `part` to end, and takes the
+    /// partition. False when the wait ran out (the claim's transaction is left as it was).
+    async fn wait_for_partition(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        part: i32,
+    ) -> Result<bool, Error> {
+        let get = |e: sqlx::Error| map_sqlx("claim", e);
+        let arm = format!(
+            "SAVEPOINT claim_wait; SET LOCAL lock_timeout = {}",
+            PARTITION_WAIT.as_millis()
+        );
+        sqlx::Executor::execute(&mut **tx, arm.as_str())
+            .await
+            .map_err(get)?;
+        let waited = sqlx::query(&self.sql.wait_partition)
+            .bind(part)
+            .execute(&mut **tx)
+            .await;
+        match waited {
+            Ok(_) => {
+                sqlx::Executor::execute(
+                    &mut **tx,
+                    "RELEASE SAVEPOINT claim_wait; SET LOCAL lock_timeout = DEFAULT",
+                )
+                .await
+                .map_err(get)?;
+                Ok(true)
+            }
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+                sqlx::Executor::execute(&mut **tx, "ROLLBACK TO SAVEPOINT claim_wait")
+                    .await
+                    .map_err(get)?;
+                Ok(false)
+            }
+            Err(e) => Err(get(e)),
+        }
     }
 
     /// The skip scans and the runs behind the heads they find, for up to `limit` more events within

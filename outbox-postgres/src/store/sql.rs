@@ -7,6 +7,8 @@ use super::{Retention, EVENT_COLUMNS};
 pub(super) struct Sql {
     /// Takes the claim's partitions (see [`CLAIM_PARTITIONS`]).
     pub(super) claim_partitions: String,
+    /// Waits for a partition (see `PostgresStore::wait_for_partition`).
+    pub(super) wait_partition: String,
     /// Reads the oldest ready events of the claim's partitions.
     pub(super) claim_owned: String,
     /// The same, spread over as many aggregates as it can (for backlogs written in runs).
@@ -108,7 +110,10 @@ impl Sql {
         // batch of one event of each: the fewest publisher calls) or about $3 bytes (counting one
         // event per aggregate). A claim thus takes what fills a batch with the oldest events it
         // can have, and leaves the rest to other leases (a relay's next batch, other relays).
-        // Returns the partitions taken and how many events the window held.
+        // When other leases hold every partition of the window, the claim takes the free
+        // partitions that have no event there (the window may not reach their events). Returns
+        // the partitions taken, the first of the window's partitions another lease holds (the
+        // one to wait for when none could be taken), and how many events the window held.
         let claim_partitions = format!(
             "WITH RECURSIVE w AS MATERIALIZED (
                 SELECT e.seq, e.aggregate_type, e.aggregate_id, {part_e} AS part, {PAYLOAD_SIZE} AS size
@@ -130,9 +135,18 @@ impl Sql {
                 FROM walk CROSS JOIN ord
                 CROSS JOIN LATERAL (
                     SELECT pg_try_advisory_xact_lock({key}, ord.parts[walk.i + 1]) AS taken) l
-                WHERE walk.events < $1 AND walk.bytes < $3 AND walk.i < cardinality(ord.parts))
+                WHERE walk.events < $1 AND walk.bytes < $3 AND walk.i < cardinality(ord.parts)),
+            taken AS MATERIALIZED (SELECT walk.part FROM walk WHERE walk.taken),
+            outside AS MATERIALIZED (
+                SELECT q.part FROM (
+                    SELECT p AS part FROM generate_series(0, {last_part}) p, ord
+                    WHERE NOT EXISTS (SELECT 1 FROM taken) AND p <> ALL(COALESCE(ord.parts, '{{}}'))
+                    OFFSET 0) q
+                WHERE pg_try_advisory_xact_lock({key}, q.part))
             SELECT (SELECT count(*) FROM w) AS window_rows,
-                   ARRAY(SELECT walk.part FROM walk WHERE walk.taken) AS parts"
+                   ARRAY(SELECT part FROM taken UNION ALL SELECT part FROM outside) AS parts,
+                   (SELECT walk.part FROM walk WHERE NOT walk.taken AND walk.i > 0 ORDER BY walk.i LIMIT 1) AS busy",
+            last_part = CLAIM_PARTITIONS - 1,
         );
         // The owned read: among the first $3 ready events in seq order (a bound on the rows read,
         // whatever the backlog; the scan stops as soon as the batch is full), those of the claim's
@@ -153,7 +167,7 @@ impl Sql {
                     "$2 * 2",
                     ", row_number() OVER (PARTITION BY w.aggregate_type COLLATE \"C\", w.aggregate_id COLLATE \"C\" ORDER BY w.seq) AS pos",
                     "c.pos, c.seq",
-                    "(SELECT max(c.pos) FROM c)",
+                    "(SELECT COALESCE(max(c.pos), 0) FROM c)",
                 )
             } else {
                 ("$2", ", 1 AS pos", "c.seq", "1::bigint")
@@ -187,6 +201,7 @@ impl Sql {
             )
         };
         let claim_owned = owned(false);
+        let wait_partition = format!("SELECT pg_advisory_xact_lock({key}, $1)");
         let claim_owned_wide = owned(true);
         // The skip scan, for when the owned read's scan is full of events it cannot take (held
         // back behind a failing event, or of partitions other leases hold): walks up to $2
@@ -357,6 +372,7 @@ impl Sql {
             claim_partitions,
             claim_owned,
             claim_owned_wide,
+            wait_partition,
             claim_skip_first,
             claim_skip_after,
             claim_runs,
