@@ -90,10 +90,20 @@ async fn a_second_relay_finds_the_events_beyond_those_the_first_holds() {
     // the skip scan finds the `b` aggregates the first does not hold.
     let batch = second.claim(strict(100)).await.unwrap();
     let mine = aggregates(&batch.events);
-    assert!(!mine.is_empty(), "the second relay found nothing beyond the window");
+    assert!(
+        !mine.is_empty(),
+        "the second relay found nothing beyond the window"
+    );
     assert!(mine.iter().all(|a| a.starts_with('b')), "{mine:?}");
-    assert!(mine.is_disjoint(&held_aggregates), "an aggregate in two leases");
-    assert_eq!(batch.events.len(), mine.len(), "one event per aggregate, each once");
+    assert!(
+        mine.is_disjoint(&held_aggregates),
+        "an aggregate in two leases"
+    );
+    assert_eq!(
+        batch.events.len(),
+        mine.len(),
+        "one event per aggregate, each once"
+    );
     batch.lease.release().await.unwrap();
     held.lease.release().await.unwrap();
 }
@@ -194,11 +204,18 @@ async fn rotating_skip_scans_give_every_blocked_out_aggregate_its_turn() {
     for turn in 0..3 {
         let batch = store.claim(strict(300)).await.unwrap();
         let mine = aggregates(&batch.events);
-        assert_eq!(mine.len(), batch.events.len(), "an aggregate twice in a batch");
+        assert_eq!(
+            mine.len(),
+            batch.events.len(),
+            "an aggregate twice in a batch"
+        );
         assert_eq!(mine.len(), 300, "turn {turn}: the batch did not fill");
         if turn < 2 {
             // The third turn reaches the last aggregate and goes on from the first.
-            assert!(mine.is_disjoint(&seen), "a turn came twice before every aggregate had one");
+            assert!(
+                mine.is_disjoint(&seen),
+                "a turn came twice before every aggregate had one"
+            );
         }
         seen.extend(mine);
         batch.lease.release().await.unwrap();
@@ -358,7 +375,11 @@ async fn batches_over_a_backlog_written_in_runs_spread_over_the_aggregates() {
     let store = PostgresStore::new(pool.clone(), table.clone());
     let first = store.claim(strict(10)).await.unwrap();
     assert_eq!(first.events.len(), 10);
-    assert_eq!(aggregates(&first.events).len(), 2, "seq order: two runs of five");
+    assert_eq!(
+        aggregates(&first.events).len(),
+        2,
+        "seq order: two runs of five"
+    );
     first.lease.release().await.unwrap();
     let batch = store.claim(strict(10)).await.unwrap();
     assert_eq!(batch.events.len(), 10);
@@ -379,7 +400,11 @@ async fn batches_over_a_backlog_written_in_runs_spread_over_the_aggregates() {
             .filter(|e| e.aggregate_id == a)
             .map(|e| e.event_type.as_str())
             .collect();
-        assert_eq!(types, ["e1", "e2", "e3"][..types.len()], "{a}: not a prefix of its run");
+        assert_eq!(
+            types,
+            ["e1", "e2", "e3"][..types.len()],
+            "{a}: not a prefix of its run"
+        );
     }
     batch.lease.release().await.unwrap();
 }

@@ -306,7 +306,13 @@ impl PostgresStore {
             && (events.is_empty() || bytes < max_bytes)
         {
             let more = self
-                .claim_beyond(tx, limit - events.len() as i64, max_bytes - bytes, &seqs, &parts)
+                .claim_beyond(
+                    tx,
+                    limit - events.len() as i64,
+                    max_bytes - bytes,
+                    &seqs,
+                    &parts,
+                )
                 .await?;
             events.extend(more);
         }
@@ -500,7 +506,8 @@ impl PostgresStore {
         // A futile complete walk rests the skip scans ten times as long as it took (at least 50 ms):
         // their share of the database stays under a tenth while every head is taken.
         if let Ok(mut until) = self.skip_rest_until.lock() {
-            *until = (walked_all && heads.is_empty()).then(|| started + skip_rest(started.elapsed()));
+            *until =
+                (walked_all && heads.is_empty()).then(|| started + skip_rest(started.elapsed()));
         }
         heads.sort_by_key(|h| h.seq);
         Ok(heads)
@@ -515,7 +522,10 @@ mod tests {
     fn claim_sql_takes_partitions_and_honours_the_table() {
         let t = OutboxTable::new("s", "events").unwrap();
         let sql = Sql::new(&t, Retention::Delete);
-        let key = format!("pg_try_advisory_xact_lock({}, ", sql::partition_lock_key(&t));
+        let key = format!(
+            "pg_try_advisory_xact_lock({}, ",
+            sql::partition_lock_key(&t)
+        );
         assert!(sql.claim_partitions.contains(&key));
         assert!(sql.claim_partitions.contains("\"s\".\"events\""));
         assert!(sql.claim_owned.contains("\"s\".\"events\""));
