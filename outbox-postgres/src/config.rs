@@ -61,7 +61,7 @@ pub struct DatabaseConfig {
     /// (`outbox_stats_estimated` is then 1). Bounds the cost of statistics on a large backlog. At
     /// least 1000. Default 100000.
     pub stats_max_rows: u64,
-    /// Where the relay reads events: `polling` (the outbox table, claimed with `SKIP LOCKED`) or
+    /// Where the relay reads events: `polling` (the outbox table, claimed by partitions of the aggregates) or
     /// `wal` (a logical replication slot: the table's inserts and table-less events, in commit
     /// order; see `[wal]` and `outbox wal setup`). Default `polling`.
     pub source: Source,

@@ -72,7 +72,7 @@ async fn connect_with(
     PgPoolOptions::new()
         .max_connections(max_connections.max(1))
         // Server-side TCP keepalives: when the relay's host or network vanishes, the server notices
-        // within about 25 s and ends the session, so the heads it locked are claimable again (with
+        // within about 25 s and ends the session, so the partitions its batches held are claimable again (with
         // the kernel's defaults a dead peer's session, and its locks, last about two hours). Set
         // once per connection (startup options are refused by some poolers). They guard the
         // server's own socket: behind a session pooler that is the pooler's connection, whose own

@@ -408,3 +408,115 @@ async fn batches_over_a_backlog_written_in_runs_spread_over_the_aggregates() {
     }
     batch.lease.release().await.unwrap();
 }
+
+/// Aggregates held back behind a dead letter count for nothing when a claim chooses its
+/// partitions: with few events (well under the reads' bounds), ten held-back aggregates first in
+/// the window must not keep the claim from the one claimable aggregate behind them.
+#[tokio::test]
+async fn held_back_aggregates_do_not_hide_a_claimable_one_behind_them() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    insert(&pool, &table, "h", 0..10, 2).await;
+    sqlx::query(&format!(
+        "UPDATE {t} SET dead_lettered_at = now(), attempts = 5
+         WHERE seq IN (SELECT min(seq) FROM {t} WHERE aggregate_id LIKE 'h%' GROUP BY aggregate_id)",
+        t = table.qualified()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    insert(&pool, &table, "z", 0..1, 1).await;
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    let batch = store.claim(strict(10)).await.unwrap();
+    assert_eq!(
+        aggregates(&batch.events),
+        BTreeSet::from(["z0000".to_string()]),
+        "only the claimable aggregate, and it is found"
+    );
+    batch.lease.release().await.unwrap();
+}
+
+/// Waits until a session waits for one of the claim's partition locks.
+async fn someone_waits_for_a_partition(pool: &PgPool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no claim waited for a partition"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+/// A claim that finds every partition with events held waits for the lease holding the oldest;
+/// when that lease settles, the waiting claim reads in a snapshot taken after the lock, so it does
+/// not see the published events as pending (a duplicate without a crash), even when the role's
+/// default isolation is REPEATABLE READ (the claim's transaction is READ COMMITTED regardless).
+#[tokio::test]
+async fn a_claim_waiting_for_a_partition_sees_what_its_holder_settled() {
+    for isolation in ["read committed", "repeatable read"] {
+        let admin = pool(2).await;
+        let table = fresh_table(&admin).await;
+        insert(&admin, &table, "a", 0..1, 3).await;
+        let relay_pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    sqlx::query(&format!(
+                        "SET default_transaction_isolation = '{isolation}'"
+                    ))
+                    .execute(conn)
+                    .await
+                    .map(|_| ())
+                })
+            })
+            .connect(&outbox_postgres::testing::database_url())
+            .await
+            .unwrap();
+        let first = PostgresStore::new(relay_pool.clone(), table.clone());
+        let second = PostgresStore::new(relay_pool.clone(), table.clone());
+        let held = first.claim(strict(10)).await.unwrap();
+        assert_eq!(held.events.len(), 3, "{isolation}");
+        let waiting = tokio::spawn(async move { second.claim(strict(10)).await });
+        someone_waits_for_a_partition(&admin).await;
+        let settled = held
+            .events
+            .iter()
+            .map(|e| Settlement {
+                id: e.id,
+                action: Action::Published,
+            })
+            .collect();
+        held.lease.settle(settled).await.unwrap();
+        let after = waiting.await.unwrap().unwrap();
+        assert!(
+            after.events.is_empty(),
+            "{isolation}: published events claimed again: {:?}",
+            after.events
+        );
+        after.lease.release().await.unwrap();
+        // The wait is bounded: with the partition held throughout, a claim comes back empty.
+        insert(&admin, &table, "a", 0..1, 1).await;
+        let held = first.claim(strict(10)).await.unwrap();
+        assert_eq!(held.events.len(), 1);
+        let started = std::time::Instant::now();
+        let second = PostgresStore::new(relay_pool.clone(), table.clone());
+        let none = second.claim(strict(10)).await.unwrap();
+        assert!(none.events.is_empty());
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "the wait for a partition is not bounded"
+        );
+        none.lease.release().await.unwrap();
+        held.lease.release().await.unwrap();
+    }
+}

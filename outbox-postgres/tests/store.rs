@@ -719,8 +719,7 @@ async fn the_byte_budget_counts_compressed_payloads_at_their_real_size() {
         );
         b.lease.release().await.unwrap();
     }
-    // Heads that fill the batch (3 of the 4 aggregates) come back from the statement that locked
-    // them, and are still cut to the budget.
+    // A batch of one event of each of three aggregates is still cut to the budget.
     for (budget, expected) in [(10_000_000, 2), (20_000_000, 3)] {
         let b = store
             .claim(ClaimRequest::new(3, OrderingPolicy::PerAggregate).with_max_bytes(budget))
@@ -876,10 +875,10 @@ async fn statistics_read_a_bounded_number_of_rows_and_count_the_rest_over_calls(
     );
 }
 
-/// When the locked heads fill the batch, the batch is those heads: each aggregate once, its oldest
-/// event, in seq order, whole (payload and headers), with the runs behind them left for later.
+/// Over interleaved aggregates a batch is each aggregate's oldest event, in seq order, whole
+/// (payload and headers), with the runs behind them left for later.
 #[tokio::test]
-async fn heads_that_fill_the_batch_are_the_batch() {
+async fn a_batch_over_interleaved_aggregates_is_their_oldest_events() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
     let t = table.qualified();
@@ -916,7 +915,7 @@ async fn heads_that_fill_the_batch_are_the_batch() {
         assert_eq!(e.headers.get("traceparent"), Some(&format!("tp-{g}")));
         assert_eq!(e.attempts, 0);
     }
-    // Nothing of these aggregates can be claimed while the batch holds their heads.
+    // Nothing of these aggregates can be claimed while the batch holds their partitions.
     assert!(store.claim(strict(10)).await.unwrap().events.is_empty());
     let ids = b.events.iter().map(|e| e.id).collect::<Vec<_>>();
     b.lease

@@ -128,7 +128,8 @@ async fn a_lease_lost_mid_publish_still_counts_its_outcomes() {
     lease_lost_mid_publish(OrderingPolicy::PerAggregate).await;
 }
 
-/// The same with unordered claims, whose leases lock every row rather than aggregates' heads.
+/// The same with unordered claims, whose leases lock every row rather than partitions of the
+/// aggregates.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unordered_lease_lost_mid_publish_still_counts_its_outcomes() {
     lease_lost_mid_publish(OrderingPolicy::Unordered).await;

@@ -163,8 +163,8 @@ async fn racing_writers_on_few_aggregates_keep_commit_order_without_duplicates()
     racing_writers(7).await;
 }
 
-/// The same with batches of three over the five aggregates: the locked heads fill most batches, so
-/// the claim takes the batch from the statement that locked them (without reading the runs again).
+/// The same with batches of three over the five aggregates: a claim takes the partitions of three
+/// aggregates and leaves the others to the next claims, in this relay and the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_keep_commit_order_when_the_heads_fill_the_batches() {
     racing_writers(3).await;

@@ -192,7 +192,7 @@ pub async fn claim_respects_the_byte_budget(fx: &dyn StoreFixture) {
     assert_eq!(
         beside.events.len(),
         2,
-        "the heads the budget left out of a batch are not held by its lease"
+        "what the budget left out of a batch is not held by its lease"
     );
     beside.lease.release().await.expect("release");
     settle_all(b, Action::Published).await;

@@ -27,10 +27,15 @@ use super::*;
 /// `idle_in_transaction_session_timeout` is the relay's hold time (`ClaimRequest::hold_for`), so a
 /// shorter timeout of the role or database (which the operations guide recommends against forgotten
 /// transactions) cannot end a lease in the middle of a publish.
+///
+/// It is READ COMMITTED whatever the role's or database's `default_transaction_isolation`: each
+/// statement must see what other leases settled before it, in particular the owned read, which
+/// follows the statement that took the partitions (a snapshot kept from before the locks would
+/// show events another lease has just settled as pending, and they would be published again).
 pub(super) fn claim_begin(hold_for: std::time::Duration) -> String {
     let ms = hold_for.as_millis().clamp(1_000, i32::MAX as u128);
     format!(
-        "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
+        "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL enable_seqscan = off; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
          SAVEPOINT {CLAIM_LOCKS}"
     )
 }
@@ -43,7 +48,7 @@ pub(super) const CLAIM_LOCKS: &str = "claim_locks";
 /// Claims that read more payload bytes than this give their connection's grown buffers back.
 pub(super) const SHRINK_BUFFERS_ABOVE: usize = 1024 * 1024;
 
-/// Keeps, per aggregate, the rows from its locked head on while they are ready. `rows` hold every
+/// Keeps, per aggregate, the rows from its head (found by a skip scan) on while they are ready. `rows` hold every
 /// unprocessed row of the locked aggregates (or a seq-ordered prefix of them), in seq order. Each row
 /// is dropped once decoded, so a batch's payloads are held about once, not twice.
 pub(super) fn runs_from_heads(
@@ -122,10 +127,27 @@ pub(super) fn heads_window(limit: i64) -> i64 {
     limit.saturating_mul(4).max(256)
 }
 
-/// How many ready events (in seq order) the owned read looks at most: eight batches, at least
-/// 512, so that a claim holding an eighth of the partitions still fills its batch.
-pub(super) fn owned_scan(limit: i64) -> i64 {
-    limit.saturating_mul(8).max(512)
+/// The fewest ready events (in seq order) the owned read looks at; it looks at twice the window
+/// its partitions were chosen from, so that a claim holding the partitions of a batch's worth of
+/// the window's aggregates finds them there.
+pub(super) const OWNED_SCAN_MIN: i64 = 512;
+
+/// The largest factor of the window (see `PostgresStore::window`): 8 x 4 batches. Claims choose
+/// from a wider window while other leases hold every partition of theirs and the window holds
+/// about one event per aggregate (many aggregates: a wider window holds more of them, so more
+/// claims at once find a batch's worth), and narrow it again once they meet no other lease.
+pub(super) const WINDOW_FACTOR_MAX: i64 = 8;
+
+/// What `claim_partitions` chose.
+pub(super) struct Chosen {
+    /// How many ready events its window held.
+    pub(super) window_rows: i64,
+    /// The partitions taken.
+    pub(super) parts: Vec<i32>,
+    /// The first partition with claimable events that another lease holds.
+    pub(super) busy: Option<i32>,
+    /// How many claimable aggregates the window held.
+    pub(super) aggregates: i64,
 }
 
 /// How long skip scans rest after a complete walk over the aggregates that took `walk` and found no
@@ -143,7 +165,7 @@ pub(super) fn skip_span(limit: i64) -> i64 {
 }
 
 /// Reads the optional head columns (`seq`, `aggregate_type`, `aggregate_id`) of a heads row: `None`
-/// for the one row a heads statement returns when it locked nothing.
+/// for the one row a skip scan returns when it found nothing.
 pub(super) fn head_of(row: &PgRow) -> Result<Option<Head>, Error> {
     let get = |e: sqlx::Error| map_sqlx("claim", e);
     let seq: Option<i64> = row.try_get("seq").map_err(get)?;
@@ -252,104 +274,160 @@ impl PostgresStore {
         limit: i64,
         max_bytes: i64,
     ) -> Result<Vec<Event>, Error> {
-        let get = |e: sqlx::Error| map_sqlx("claim", e);
-        let window = heads_window(limit);
-        let (mut window_rows, mut parts, busy) = self.take_partitions(tx, limit, max_bytes).await?;
-        if let (true, Some(busy)) = (parts.is_empty(), busy) {
-            // Other leases hold every partition with events: wait (a while) for the one with the
-            // oldest to end, rather than come back empty and have the relay pause.
-            if !self.wait_for_partition(tx, busy).await? {
-                return Ok(Vec::new());
+        let mut waited = false;
+        loop {
+            let window = self.window(limit);
+            let chosen = self.take_partitions(tx, limit, window, max_bytes).await?;
+            let parts = chosen.parts;
+            if let (true, Some(busy), false) = (parts.is_empty(), chosen.busy, waited) {
+                // Other leases hold every partition with claimable events. Where the window holds
+                // about as many aggregates as events, a larger one would find more of them: the
+                // next claims choose from twice the window (see `PostgresStore::window`). Then wait
+                // (a while, once) for the lease with the oldest events to end, rather than come back
+                // empty and have the relay pause, and choose again.
+                if chosen.aggregates.saturating_mul(2) > chosen.window_rows {
+                    self.widen_window();
+                }
+                waited = true;
+                if self.wait_for_partition(tx, busy).await? {
+                    continue;
+                }
+            } else if chosen.busy.is_none() && !parts.is_empty() {
+                // Nothing held by others in the way: the usual window will do.
+                self.narrow_window();
             }
-            (window_rows, parts, _) = self.take_partitions(tx, limit, max_bytes).await?;
-        }
-        let scan = owned_scan(limit);
-        let (mut events, mut seqs, mut full) = (Vec::new(), Vec::new(), window_rows >= window);
-        if !parts.is_empty() {
-            let wide = self.wide.load(Ordering::Relaxed);
-            let statement = if wide {
-                &self.sql.claim_owned_wide
+            let (mut events, seqs, scan_full) = if parts.is_empty() {
+                (Vec::new(), Vec::new(), false)
             } else {
-                &self.sql.claim_owned
+                self.read_owned(tx, &parts, limit, 2 * window, max_bytes)
+                    .await?
             };
-            let rows = sqlx::query(statement)
-                .bind(&parts)
-                .bind(limit)
-                .bind(scan)
-                .bind(max_bytes)
-                .fetch_all(&mut **tx)
-                .await
-                .map_err(get)?;
-            let mut longest = 0i64;
-            for row in &rows {
-                full = row.try_get("full").map_err(get)?;
-                longest = row.try_get("longest").map_err(get)?;
-                if let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(get)? {
-                    seqs.push(seq);
-                    events.push(decode_event(row)?);
-                }
+            // Events may lie beyond what was read: the window or the owned read's scan was full
+            // of events this claim could not take (held back, or of partitions other leases hold).
+            let beyond = chosen.window_rows >= window || scan_full;
+            let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
+            if (events.len() as i64) < limit && beyond && (events.is_empty() || bytes < max_bytes)
+            {
+                let more = self
+                    .claim_beyond(
+                        tx,
+                        limit - events.len() as i64,
+                        max_bytes - bytes,
+                        &seqs,
+                        &parts,
+                    )
+                    .await?;
+                events.extend(more);
             }
-            // The next claim's form: wide while the events looked at come in runs longer than
-            // two, narrow (cheaper) otherwise.
-            if wide {
-                if longest <= WIDE_ABOVE {
-                    self.wide.store(false, Ordering::Relaxed);
-                }
-            } else if events.len() as i64 >= limit && longest_run(&events) > WIDE_ABOVE {
-                self.wide.store(true, Ordering::Relaxed);
-            }
+            return Ok(events);
         }
-        let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
-        if (events.len() as i64) < limit
-            && full
-            && !parts.is_empty()
-            && (events.is_empty() || bytes < max_bytes)
-        {
-            let more = self
-                .claim_beyond(
-                    tx,
-                    limit - events.len() as i64,
-                    max_bytes - bytes,
-                    &seqs,
-                    &parts,
-                )
-                .await?;
-            events.extend(more);
-        }
-        Ok(events)
     }
 
-    /// Runs `claim_partitions`: how many events its window held, the partitions taken, and the
-    /// first partition of the window another lease holds.
+    /// The owned read over `parts` (its narrow or wide form, see `claim_owned_wide`): the events,
+    /// their seqs, and whether its scan reached its bound. Chooses the next claim's form.
+    async fn read_owned(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        parts: &[i32],
+        limit: i64,
+        scan: i64,
+        max_bytes: i64,
+    ) -> Result<(Vec<Event>, Vec<i64>, bool), Error> {
+        let get = |e: sqlx::Error| map_sqlx("claim", e);
+        let wide = self.wide.load(Ordering::Relaxed);
+        let statement = if wide {
+            &self.sql.claim_owned_wide
+        } else {
+            &self.sql.claim_owned
+        };
+        let rows = sqlx::query(statement)
+            .bind(parts)
+            .bind(limit)
+            .bind(scan.max(OWNED_SCAN_MIN))
+            .bind(max_bytes)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(get)?;
+        let (mut events, mut seqs, mut full, mut longest) = (Vec::new(), Vec::new(), false, 0i64);
+        for row in &rows {
+            full = row.try_get("full").map_err(get)?;
+            longest = row.try_get("longest").map_err(get)?;
+            if let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(get)? {
+                seqs.push(seq);
+                events.push(decode_event(row)?);
+            }
+        }
+        // The next claim's form: wide while the events looked at come in runs longer than two,
+        // narrow (cheaper) otherwise.
+        if wide {
+            if longest <= WIDE_ABOVE {
+                self.wide.store(false, Ordering::Relaxed);
+            }
+        } else if events.len() as i64 >= limit && longest_run(&events) > WIDE_ABOVE {
+            self.wide.store(true, Ordering::Relaxed);
+        }
+        Ok((events, seqs, full))
+    }
+
+    /// Runs `claim_partitions` over a window of `window` ready events.
     async fn take_partitions(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
+        window: i64,
         max_bytes: i64,
-    ) -> Result<(i64, Vec<i32>, Option<i32>), Error> {
+    ) -> Result<Chosen, Error> {
         let get = |e: sqlx::Error| map_sqlx("claim", e);
         let row = sqlx::query(&self.sql.claim_partitions)
             .bind(limit)
-            .bind(heads_window(limit))
+            .bind(window)
             .bind(max_bytes)
             .fetch_one(&mut **tx)
             .await
             .map_err(get)?;
-        Ok((
-            row.try_get("window_rows").map_err(get)?,
-            row.try_get("parts").map_err(get)?,
-            row.try_get("busy").map_err(get)?,
-        ))
+        Ok(Chosen {
+            window_rows: row.try_get("window_rows").map_err(get)?,
+            parts: row.try_get("parts").map_err(get)?,
+            busy: row.try_get("busy").map_err(get)?,
+            aggregates: row.try_get("aggregates").map_err(get)?,
+        })
+    }
+
+    /// How many ready events a claim chooses its partitions from: [`heads_window`] times the
+    /// store's current factor (1 to [`WINDOW_FACTOR_MAX`]).
+    fn window(&self, limit: i64) -> i64 {
+        heads_window(limit).saturating_mul(self.window_factor.load(Ordering::Relaxed).max(1))
+    }
+
+    fn widen_window(&self) {
+        let _ = self
+            .window_factor
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |f| {
+                Some((f * 2).clamp(1, WINDOW_FACTOR_MAX))
+            });
+    }
+
+    fn narrow_window(&self) {
+        let _ = self
+            .window_factor
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |f| {
+                Some((f / 2).max(1))
+            });
     }
 
     /// Waits up to [`PARTITION_WAIT`] for the lease holding partition `part` to end, and takes the
-    /// partition. False when the wait ran out (the claim's transaction is left as it was).
+    /// partition. False when the wait ran out (the claim's transaction is left as it was). The
+    /// wait is bounded by a `lock_timeout` of its own, set in a savepoint and put back after.
     async fn wait_for_partition(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         part: i32,
     ) -> Result<bool, Error> {
         let get = |e: sqlx::Error| map_sqlx("claim", e);
+        let before: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(get)?;
         let arm = format!(
             "SAVEPOINT claim_wait; SET LOCAL lock_timeout = {}",
             PARTITION_WAIT.as_millis()
@@ -363,15 +441,22 @@ impl PostgresStore {
             .await;
         match waited {
             Ok(_) => {
-                sqlx::Executor::execute(
-                    &mut **tx,
-                    "RELEASE SAVEPOINT claim_wait; SET LOCAL lock_timeout = DEFAULT",
-                )
-                .await
-                .map_err(get)?;
+                // Released, the savepoint keeps the lock (a rollback to it would release it).
+                sqlx::Executor::execute(&mut **tx, "RELEASE SAVEPOINT claim_wait")
+                    .await
+                    .map_err(get)?;
+                sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                    .bind(&before)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(get)?;
                 Ok(true)
             }
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+            // The wait ran out (`lock_timeout`), or a shorter `statement_timeout` of the role
+            // ended it first: the claim comes back empty.
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("55P03") | Some("57014")) =>
+            {
                 sqlx::Executor::execute(&mut **tx, "ROLLBACK TO SAVEPOINT claim_wait")
                     .await
                     .map_err(get)?;
@@ -574,8 +659,6 @@ mod tests {
     fn the_heads_window_and_skip_span_follow_the_batch_within_bounds() {
         assert_eq!(heads_window(500), 2000);
         assert_eq!(heads_window(1), 256);
-        assert_eq!(owned_scan(500), 4000);
-        assert_eq!(owned_scan(1), 512);
         assert_eq!(skip_span(500), 1000);
         assert_eq!(skip_span(1), 256);
         assert_eq!(skip_span(100_000), 20_000);

@@ -26,8 +26,9 @@ impl Lease for EmptyLease {
     }
 }
 
-/// A claimed batch: the claiming transaction holds the row locks until it commits or rolls back
-/// (including when the connection drops or the process dies).
+/// A claimed batch: the claiming transaction holds its locks (the partitions of an ordered batch,
+/// the rows of an unordered one) until it commits or rolls back (including when the connection
+/// drops or the process dies).
 pub(super) struct PgLease {
     pub(super) tx: Transaction<'static, Postgres>,
     pub(super) ids: Vec<Uuid>,
@@ -159,7 +160,11 @@ pub(super) async fn settle_lost_lease(
     mut args: SettleArgs,
 ) -> Result<usize, Error> {
     let map = |e| map_sqlx("settle", e);
-    let mut tx = pool.begin().await.map_err(map)?;
+    // READ COMMITTED whatever the default: the rows are read after the partitions are taken.
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .map_err(map)?;
     let ids = args.ids();
     let free = match ordering {
         OrderingPolicy::PerAggregate => {

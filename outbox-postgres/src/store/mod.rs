@@ -65,6 +65,9 @@ pub struct PostgresStore {
     /// Whether ordered claims use the wide form of the owned read: set while the backlog comes in
     /// runs (see `claim::WIDE_ABOVE`).
     wide: Arc<std::sync::atomic::AtomicBool>,
+    /// The factor of the window ordered claims choose their partitions from (see
+    /// `claim::WINDOW_FACTOR_MAX`).
+    window_factor: Arc<std::sync::atomic::AtomicI64>,
     /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
     stats_max_rows: i64,
     /// The counts in progress: pending rows, dead letters.
@@ -140,6 +143,7 @@ impl PostgresStore {
             skip_cursor: Arc::new(Mutex::new(None)),
             skip_rest_until: Arc::new(Mutex::new(None)),
             wide: Arc::default(),
+            window_factor: Arc::new(std::sync::atomic::AtomicI64::new(1)),
             stats_max_rows: DEFAULT_STATS_MAX_ROWS as i64,
             stats_passes: Arc::default(),
         }

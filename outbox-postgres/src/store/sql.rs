@@ -47,7 +47,7 @@ pub(super) const DEAD: &str = "e.dead_lettered_at IS NOT NULL AND e.processed_at
 pub(super) const CLAIM_PARTITIONS: i32 = 256;
 
 /// The partition of the aggregate of the row aliased `a`: a hash of its type and id, the same in
-/// every relay (`hashtextextended` is stable across PostgreSQL versions and platforms).
+/// every relay (computed by the server: `hashtextextended` is stable across PostgreSQL versions).
 pub(super) fn partition_of(a: &str) -> String {
     format!(
         "(hashtextextended({a}.aggregate_id, hashtextextended({a}.aggregate_type, 0)) & {})::int",
@@ -123,6 +123,7 @@ impl Sql {
                        array_agg(p.bytes ORDER BY p.first) AS bytes
                 FROM (SELECT a.part, min(a.first) AS first, count(*) AS n, sum(a.bytes) AS bytes
                       FROM (SELECT w.part, min(w.seq) AS first, min(w.size) AS bytes FROM w
+                            WHERE NOT {held_w}
                             GROUP BY w.part, w.aggregate_type, w.aggregate_id) a
                       GROUP BY a.part) p),
             walk(i, events, bytes, part, taken) AS (
@@ -135,18 +136,12 @@ impl Sql {
                 FROM walk CROSS JOIN ord
                 CROSS JOIN LATERAL (
                     SELECT pg_try_advisory_xact_lock({key}, ord.parts[walk.i + 1]) AS taken) l
-                WHERE walk.events < $1 AND walk.bytes < $3 AND walk.i < cardinality(ord.parts)),
-            taken AS MATERIALIZED (SELECT walk.part FROM walk WHERE walk.taken),
-            outside AS MATERIALIZED (
-                SELECT q.part FROM (
-                    SELECT p AS part FROM generate_series(0, {last_part}) p, ord
-                    WHERE NOT EXISTS (SELECT 1 FROM taken) AND p <> ALL(COALESCE(ord.parts, '{{}}'))
-                    OFFSET 0) q
-                WHERE pg_try_advisory_xact_lock({key}, q.part))
+                WHERE walk.events < $1 AND walk.bytes < $3 AND walk.i < cardinality(ord.parts))
             SELECT (SELECT count(*) FROM w) AS window_rows,
-                   ARRAY(SELECT part FROM taken UNION ALL SELECT part FROM outside) AS parts,
-                   (SELECT walk.part FROM walk WHERE NOT walk.taken AND walk.i > 0 ORDER BY walk.i LIMIT 1) AS busy",
-            last_part = CLAIM_PARTITIONS - 1,
+                   ARRAY(SELECT walk.part FROM walk WHERE walk.taken) AS parts,
+                   (SELECT walk.part FROM walk WHERE NOT walk.taken AND walk.i > 0 ORDER BY walk.i LIMIT 1) AS busy,
+                   (SELECT COALESCE(sum(n), 0)::bigint FROM ord, unnest(ord.ns) n) AS aggregates",
+            held_w = held_back(&t, "w"),
         );
         // The owned read: among the first $3 ready events in seq order (a bound on the rows read,
         // whatever the backlog; the scan stops as soon as the batch is full), those of the claim's
@@ -259,11 +254,11 @@ impl Sql {
         };
         let claim_skip_first = skip("");
         let claim_skip_after = skip("AND (a.aggregate_type, a.aggregate_id) > ($5, $6)");
-        // Each aggregate's run is read from its index in seq order and cut at $4 rows, so the cost
-        // of a claim follows the batch size, not the length of the backlog behind each head. The
-        // batch is cut at $3 rows by position in the run first (every locked head's first row, then
-        // every second row...), so no locked aggregate is held without being published, and a batch
-        // spreads over as many aggregates as it can (a publisher that sends an aggregate's later
+        // The runs behind the skip scans' heads. Each aggregate's run is read from its index in seq
+        // order and cut at $4 rows, so the cost of a claim follows the batch size, not the length
+        // of the backlog behind each head. The batch is cut at $3 rows by position in the run first
+        // (every head's first row, then every second row...), so every aggregate found has its turn,
+        // and a batch spreads over as many aggregates as it can (a publisher that sends an aggregate's later
         // events one call apart then sends most batches in one call). The store puts the rows back
         // in seq order.
         // The byte budget ($5) is applied before any payload is read: the rows are first chosen by
