@@ -61,6 +61,7 @@ pub(super) fn runs_from_heads(
         Stopped,
     }
     let mut state: HashMap<(String, String), Run> = HashMap::new();
+    let mut seen: HashSet<i64> = HashSet::new();
     let mut events = Vec::new();
     for row in rows {
         let get = |e: sqlx::Error| map_sqlx("claim", e);
@@ -70,6 +71,10 @@ pub(super) fn runs_from_heads(
         );
         let seq: i64 = row.try_get("seq").map_err(get)?;
         let ready: bool = row.try_get("ready").map_err(get)?;
+        // A row read twice (its aggregate listed twice) is taken once.
+        if !seen.insert(seq) {
+            continue;
+        }
         let take = match state.get(&key) {
             None => ready && head_seq.get(&key) == Some(&seq),
             Some(Run::Taking) => ready,
@@ -217,7 +222,20 @@ impl PostgresStore {
                 }
                 events
             }
-            OrderingPolicy::PerAggregate => self.claim_owned(&mut tx, limit, max_bytes).await?,
+            OrderingPolicy::PerAggregate => {
+                let mut events = self.claim_owned(&mut tx, limit, max_bytes).await?;
+                // Every event once: a batch that held one twice would publish it twice.
+                let mut ids = HashSet::with_capacity(events.len());
+                let before = events.len();
+                events.retain(|e| ids.insert(e.id));
+                if events.len() < before {
+                    tracing::warn!(
+                        dropped = before - events.len(),
+                        "a claim read some events twice; each is in the batch once"
+                    );
+                }
+                events
+            }
         };
         // The connection's read buffer grew to the largest row it read and would keep that size for
         // the life of the connection (one per pool slot): a few large events would otherwise pin
@@ -306,14 +324,19 @@ impl PostgresStore {
             // of events this claim could not take (held back, or of partitions other leases hold).
             let beyond = chosen.window_rows >= window || scan_full;
             let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
-            if (events.len() as i64) < limit && beyond && (events.is_empty() || bytes < max_bytes)
-            {
+            if (events.len() as i64) < limit && beyond && (events.is_empty() || bytes < max_bytes) {
+                // Aggregates already in the batch are not looked for again.
+                let keys: HashSet<(String, String)> = events
+                    .iter()
+                    .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
+                    .collect();
                 let more = self
                     .claim_beyond(
                         tx,
                         limit - events.len() as i64,
                         max_bytes - bytes,
                         &seqs,
+                        &keys,
                         &parts,
                     )
                     .await?;
@@ -474,9 +497,10 @@ impl PostgresStore {
         limit: i64,
         max_bytes: i64,
         taken: &[i64],
+        taken_keys: &HashSet<(String, String)>,
         parts: &[i32],
     ) -> Result<Vec<Event>, Error> {
-        let heads = self.skip_heads(tx, limit, taken, parts).await?;
+        let heads = self.skip_heads(tx, limit, taken, taken_keys, parts).await?;
         if heads.is_empty() {
             return Ok(Vec::new());
         }
@@ -514,6 +538,7 @@ impl PostgresStore {
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
         taken: &[i64],
+        taken_keys: &HashSet<(String, String)>,
         parts: &[i32],
     ) -> Result<Vec<Head>, Error> {
         let started = std::time::Instant::now();
@@ -525,6 +550,7 @@ impl PostgresStore {
             return Ok(Vec::new());
         }
         let mut heads: Vec<Head> = Vec::new();
+        let mut known: HashSet<(String, String)> = taken_keys.clone();
         let mut walked_all = false;
         let span = skip_span(limit);
         let (mut scans, mut wrapped) = (0, false);
@@ -579,7 +605,14 @@ impl PostgresStore {
                     _ => last,
                 };
             }
-            heads.extend(found);
+            // One head per aggregate: a later scan may see an aggregate again with another head
+            // (the first scan judged it in a snapshot from before another lease settled its
+            // events); the first head found stands, and the runs statement drops it if stale.
+            for head in found {
+                if known.insert(head.key.clone()) {
+                    heads.push(head);
+                }
+            }
             if reached_end {
                 if cursor.is_none() || wrapped {
                     walked_all = true;
