@@ -143,6 +143,33 @@ pub(super) const OWNED_SCAN_MIN: i64 = 512;
 /// claims at once find a batch's worth), and narrow it again once they meet no other lease.
 pub(super) const WINDOW_FACTOR_MAX: i64 = 8;
 
+/// How many sets of partitions a store keeps for later claims: one per batch in flight of the
+/// default relay, and some.
+pub(super) const KEPT_SETS: usize = 4;
+
+/// How many claims in a row one kept set serves before the partitions are chosen again from the
+/// oldest events: the partitions outside every kept set wait at most that many batches.
+pub(super) const KEPT_USES: u32 = 8;
+
+/// A set of partitions that filled a batch, kept for a later claim.
+#[derive(Debug, Clone)]
+pub(crate) struct Kept {
+    parts: Vec<i32>,
+    uses: u32,
+}
+
+/// Offers `set` to later claims once its batch's lease has ended (its partitions are free again),
+/// unless it has served [`KEPT_USES`] claims.
+pub(super) fn keep(kept: &Mutex<Vec<Kept>>, set: Kept) {
+    if set.uses >= KEPT_USES || set.parts.is_empty() {
+        return;
+    }
+    if let Ok(mut kept) = kept.lock() {
+        kept.insert(0, set);
+        kept.truncate(KEPT_SETS);
+    }
+}
+
 /// What `claim_partitions` chose.
 pub(super) struct Chosen {
     /// How many ready events its window held.
@@ -194,6 +221,7 @@ impl PostgresStore {
             .begin_with(claim_begin(request.hold_for))
             .await
             .map_err(|e| map_sqlx("claim", e))?;
+        let mut to_keep = None;
         let events = match request.ordering {
             OrderingPolicy::Unordered => {
                 let rows = sqlx::query(&self.sql.claim_unordered)
@@ -223,7 +251,8 @@ impl PostgresStore {
                 events
             }
             OrderingPolicy::PerAggregate => {
-                let mut events = self.claim_owned(&mut tx, limit, max_bytes).await?;
+                let (mut events, set) = self.claim_owned(&mut tx, limit, max_bytes).await?;
+                to_keep = set;
                 // Every event once: a batch that held one twice would publish it twice.
                 let mut ids = HashSet::with_capacity(events.len());
                 let before = events.len();
@@ -259,6 +288,7 @@ impl PostgresStore {
                 sql: self.sql.clone(),
                 pool: self.pool.clone(),
                 ordering: request.ordering,
+                keep: to_keep.map(|set| (self.kept.clone(), set)),
             }),
         })
     }
@@ -291,8 +321,33 @@ impl PostgresStore {
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
         max_bytes: i64,
-    ) -> Result<Vec<Event>, Error> {
+    ) -> Result<(Vec<Event>, Option<Kept>), Error> {
+        // A set of partitions that filled a recent batch is taken again as it is, when most of
+        // it is free and it still fills a batch: no window to read and no walk.
+        if let Some(kept) = self.take_kept() {
+            let held: Vec<i32> = sqlx::query_scalar(&self.sql.retake_partitions)
+                .bind(&kept.parts)
+                .fetch_one(&mut **tx)
+                .await
+                .map_err(|e| map_sqlx("claim", e))?;
+            if held.len() * 2 >= kept.parts.len() {
+                let scan = 2 * self.window(limit);
+                let (events, _, _) = self
+                    .read_owned(tx, &held, limit, scan, max_bytes)
+                    .await?;
+                if events.len() as i64 >= limit {
+                    let again = Kept {
+                        parts: held,
+                        uses: kept.uses + 1,
+                    };
+                    return Ok((events, Some(again)));
+                }
+            }
+            // Short of a batch: choose as usual (the partitions taken stay the claim's; the walk
+            // takes them again), and read again.
+        }
         let mut waited = false;
+        let mut wait_ran_out = false;
         loop {
             let window = self.window(limit);
             let chosen = self.take_partitions(tx, limit, window, max_bytes).await?;
@@ -310,6 +365,7 @@ impl PostgresStore {
                 if self.wait_for_partition(tx, busy).await? {
                     continue;
                 }
+                wait_ran_out = true;
             } else if chosen.busy.is_none() && !parts.is_empty() {
                 // Nothing held by others in the way: the usual window will do.
                 self.narrow_window();
@@ -320,11 +376,23 @@ impl PostgresStore {
                 self.read_owned(tx, &parts, limit, 2 * window, max_bytes)
                     .await?
             };
+            let to_keep = (events.len() as i64 >= limit).then(|| Kept {
+                parts: parts.clone(),
+                uses: 0,
+            });
             // Events may lie beyond what was read: the window or the owned read's scan was full
             // of events this claim could not take (held back, or of partitions other leases hold).
+            // Skip scans look for them, unless the claim fell short because other leases hold
+            // claimable aggregates of the window (their partitions are where the events are;
+            // walking the aggregates would find them held too), and it did not wait in vain.
             let beyond = chosen.window_rows >= window || scan_full;
+            let contended = chosen.busy.is_some() && !wait_ran_out;
             let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
-            if (events.len() as i64) < limit && beyond && (events.is_empty() || bytes < max_bytes) {
+            if (events.len() as i64) < limit
+                && beyond
+                && !contended
+                && (events.is_empty() || bytes < max_bytes)
+            {
                 // Aggregates already in the batch are not looked for again.
                 let keys: HashSet<(String, String)> = events
                     .iter()
@@ -342,7 +410,7 @@ impl PostgresStore {
                     .await?;
                 events.extend(more);
             }
-            return Ok(events);
+            return Ok((events, to_keep));
         }
     }
 
@@ -414,6 +482,11 @@ impl PostgresStore {
             busy: row.try_get("busy").map_err(get)?,
             aggregates: row.try_get("aggregates").map_err(get)?,
         })
+    }
+
+    /// A kept set of partitions (see [`KEPT_SETS`]), if any.
+    fn take_kept(&self) -> Option<Kept> {
+        self.kept.lock().ok().and_then(|mut kept| kept.pop())
     }
 
     /// How many ready events a claim chooses its partitions from: [`heads_window`] times the

@@ -36,6 +36,8 @@ pub(super) struct PgLease {
     pub(super) pool: PgPool,
     /// How the batch was claimed: what owning a row means for a lost lease's settle.
     pub(super) ordering: OrderingPolicy,
+    /// The batch's partitions, offered to later claims once the lease has ended.
+    pub(super) keep: Option<(Arc<std::sync::Mutex<Vec<super::claim::Kept>>>, super::claim::Kept)>,
 }
 
 /// The settlement statement's arguments.
@@ -145,6 +147,13 @@ impl SettleArgs {
     }
 }
 
+/// Offers a lease's partitions to later claims (see `claim::keep`).
+fn offer(keep: Option<(Arc<std::sync::Mutex<Vec<super::claim::Kept>>>, super::claim::Kept)>) {
+    if let Some((kept, set)) = keep {
+        super::claim::keep(&kept, set);
+    }
+}
+
 /// Settles a lost lease's outcomes outside it (the claiming session died: killed, timed out, or its
 /// connection dropped, so its locks are gone), in a transaction of its own, for what it can own again
 /// as a claim would: under per-aggregate ordering, its rows still unprocessed in the partitions of
@@ -206,18 +215,24 @@ impl Lease for PgLease {
             sql,
             pool,
             ordering,
+            keep,
         } = *self;
         let mine: HashSet<Uuid> = ids.into_iter().collect();
         let args = SettleArgs::new(settlements, &mine);
         if args.is_empty() {
-            return tx.rollback().await.map_err(|e| map_sqlx("settle", e));
+            tx.rollback().await.map_err(|e| map_sqlx("settle", e))?;
+            offer(keep);
+            return Ok(());
         }
         let settled = match args.apply(&sql, &mut tx).await {
             Ok(()) => tx.commit().await,
             Err(e) => Err(e),
         };
         match settled.map_err(|e| map_sqlx("settle", e)) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                offer(keep);
+                Ok(())
+            }
             Err(lost) if lost.kind() == ErrorKind::Connection => {
                 let total = args.ids().len();
                 match settle_lost_lease(&pool, &sql, ordering, args).await {
@@ -238,6 +253,9 @@ impl Lease for PgLease {
     }
 
     async fn release(self: Box<Self>) -> Result<(), Error> {
-        self.tx.rollback().await.map_err(|e| map_sqlx("release", e))
+        let PgLease { tx, keep, .. } = *self;
+        tx.rollback().await.map_err(|e| map_sqlx("release", e))?;
+        offer(keep);
+        Ok(())
     }
 }

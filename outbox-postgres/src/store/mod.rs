@@ -68,6 +68,9 @@ pub struct PostgresStore {
     /// The factor of the window ordered claims choose their partitions from (see
     /// `claim::WINDOW_FACTOR_MAX`).
     window_factor: Arc<std::sync::atomic::AtomicI64>,
+    /// Sets of partitions that filled recent batches, for later claims to take again (see
+    /// `claim::KEPT_SETS`).
+    kept: Arc<Mutex<Vec<claim::Kept>>>,
     /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
     stats_max_rows: i64,
     /// The counts in progress: pending rows, dead letters.
@@ -144,6 +147,7 @@ impl PostgresStore {
             skip_rest_until: Arc::new(Mutex::new(None)),
             wide: Arc::default(),
             window_factor: Arc::new(std::sync::atomic::AtomicI64::new(1)),
+            kept: Arc::default(),
             stats_max_rows: DEFAULT_STATS_MAX_ROWS as i64,
             stats_passes: Arc::default(),
         }

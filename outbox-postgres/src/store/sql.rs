@@ -7,6 +7,8 @@ use super::{Retention, EVENT_COLUMNS};
 pub(super) struct Sql {
     /// Takes the claim's partitions (see [`CLAIM_PARTITIONS`]).
     pub(super) claim_partitions: String,
+    /// Takes again those of a kept set of partitions that are free.
+    pub(super) retake_partitions: String,
     /// Waits for a partition (see `PostgresStore::wait_for_partition`).
     pub(super) wait_partition: String,
     /// Reads the oldest ready events of the claim's partitions.
@@ -197,6 +199,9 @@ impl Sql {
         };
         let claim_owned = owned(false);
         let wait_partition = format!("SELECT pg_advisory_xact_lock({key}, $1)");
+        let retake_partitions = format!(
+            "SELECT ARRAY(SELECT p FROM unnest($1::int[]) p WHERE pg_try_advisory_xact_lock({key}, p))"
+        );
         let claim_owned_wide = owned(true);
         // The skip scan, for when the owned read's scan is full of events it cannot take (held
         // back behind a failing event, or of partitions other leases hold): walks up to $2
@@ -368,6 +373,7 @@ impl Sql {
             claim_owned,
             claim_owned_wide,
             wait_partition,
+            retake_partitions,
             claim_skip_first,
             claim_skip_after,
             claim_runs,
