@@ -332,9 +332,7 @@ impl PostgresStore {
                 .map_err(|e| map_sqlx("claim", e))?;
             if held.len() * 2 >= kept.parts.len() {
                 let scan = 2 * self.window(limit);
-                let (events, _, _) = self
-                    .read_owned(tx, &held, limit, scan, max_bytes)
-                    .await?;
+                let (events, _, _) = self.read_owned(tx, &held, limit, scan, max_bytes).await?;
                 if events.len() as i64 >= limit {
                     let again = Kept {
                         parts: held,

@@ -37,7 +37,10 @@ pub(super) struct PgLease {
     /// How the batch was claimed: what owning a row means for a lost lease's settle.
     pub(super) ordering: OrderingPolicy,
     /// The batch's partitions, offered to later claims once the lease has ended.
-    pub(super) keep: Option<(Arc<std::sync::Mutex<Vec<super::claim::Kept>>>, super::claim::Kept)>,
+    pub(super) keep: Option<(
+        Arc<std::sync::Mutex<Vec<super::claim::Kept>>>,
+        super::claim::Kept,
+    )>,
 }
 
 /// The settlement statement's arguments.
@@ -148,7 +151,12 @@ impl SettleArgs {
 }
 
 /// Offers a lease's partitions to later claims (see `claim::keep`).
-fn offer(keep: Option<(Arc<std::sync::Mutex<Vec<super::claim::Kept>>>, super::claim::Kept)>) {
+fn offer(
+    keep: Option<(
+        Arc<std::sync::Mutex<Vec<super::claim::Kept>>>,
+        super::claim::Kept,
+    )>,
+) {
     if let Some((kept, set)) = keep {
         super::claim::keep(&kept, set);
     }
