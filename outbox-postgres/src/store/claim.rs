@@ -98,7 +98,7 @@ pub(super) fn run_cap(limit: i64, heads: usize) -> i64 {
     share.saturating_mul(2).clamp(1, limit.max(1))
 }
 
-/// A head locked by a claim: the oldest unprocessed row of its aggregate.
+/// A head found by a skip scan: the oldest unprocessed row of its aggregate.
 pub(super) struct Head {
     pub(super) seq: i64,
     pub(super) key: (String, String),
@@ -147,8 +147,9 @@ pub(super) const WINDOW_FACTOR_MAX: i64 = 8;
 /// default relay, and some.
 pub(super) const KEPT_SETS: usize = 4;
 
-/// How many claims in a row one kept set serves before the partitions are chosen again from the
-/// oldest events: the partitions outside every kept set wait at most that many batches.
+/// How many times a kept set is taken again before its partitions are chosen afresh from the oldest
+/// events (it serves that many batches after the one it was chosen for): partitions outside every
+/// kept set wait for a choice at most about that many batches of each batch in flight.
 pub(super) const KEPT_USES: u32 = 8;
 
 /// A set of partitions that filled a batch, kept for a later claim.
@@ -313,9 +314,12 @@ impl PostgresStore {
             .map_err(|e| map_sqlx("claim", e))
     }
 
-    /// An ordered claim: takes partitions (`claim_partitions`), reads the oldest ready events of
-    /// those it holds (`claim_owned`), and, when that read's scan was full of events it could not
-    /// take, looks for heads beyond it with skip scans over the aggregates.
+    /// An ordered claim: takes again a kept set of partitions when it still fills a batch; else
+    /// chooses partitions (`claim_partitions`), waiting a while for one when other leases hold
+    /// every claimable one, reads the oldest ready events of those it holds (`claim_owned`), and,
+    /// when that read or the window was full of events it could not take, looks for heads beyond
+    /// with skip scans over the aggregates. Returns the events and the set to offer to later
+    /// claims when the batch's lease ends.
     async fn claim_owned(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -324,6 +328,7 @@ impl PostgresStore {
     ) -> Result<(Vec<Event>, Option<Kept>), Error> {
         // A set of partitions that filled a recent batch is taken again as it is, when most of
         // it is free and it still fills a batch: no window to read and no walk.
+        let mut retaken: Vec<i32> = Vec::new();
         if let Some(kept) = self.take_kept() {
             let held: Vec<i32> = sqlx::query_scalar(&self.sql.retake_partitions)
                 .bind(&kept.parts)
@@ -334,6 +339,7 @@ impl PostgresStore {
                 let scan = 2 * self.window(limit);
                 let (events, _, _) = self.read_owned(tx, &held, limit, scan, max_bytes).await?;
                 if events.len() as i64 >= limit {
+                    self.narrow_window();
                     let again = Kept {
                         parts: held,
                         uses: kept.uses + 1,
@@ -341,15 +347,22 @@ impl PostgresStore {
                     return Ok((events, Some(again)));
                 }
             }
-            // Short of a batch: choose as usual (the partitions taken stay the claim's; the walk
-            // takes them again), and read again.
+            // Short of a batch: choose as usual, and read again. The partitions taken stay the
+            // claim's (a lock cannot be given back before the transaction ends), so the read
+            // covers them too rather than holding them unread.
+            retaken = held;
         }
         let mut waited = false;
         let mut wait_ran_out = false;
         loop {
             let window = self.window(limit);
             let chosen = self.take_partitions(tx, limit, window, max_bytes).await?;
-            let parts = chosen.parts;
+            let mut parts = chosen.parts;
+            for p in &retaken {
+                if !parts.contains(p) {
+                    parts.push(*p);
+                }
+            }
             if let (true, Some(busy), false) = (parts.is_empty(), chosen.busy, waited) {
                 // Other leases hold every partition with claimable events. Where the window holds
                 // about as many aggregates as events, a larger one would find more of them: the
@@ -364,9 +377,6 @@ impl PostgresStore {
                     continue;
                 }
                 wait_ran_out = true;
-            } else if chosen.busy.is_none() && !parts.is_empty() {
-                // Nothing held by others in the way: the usual window will do.
-                self.narrow_window();
             }
             let (mut events, seqs, scan_full) = if parts.is_empty() {
                 (Vec::new(), Vec::new(), false)
@@ -374,6 +384,10 @@ impl PostgresStore {
                 self.read_owned(tx, &parts, limit, 2 * window, max_bytes)
                     .await?
             };
+            // A full batch: the usual window will do for the next claims.
+            if events.len() as i64 >= limit {
+                self.narrow_window();
+            }
             let to_keep = (events.len() as i64 >= limit).then(|| Kept {
                 parts: parts.clone(),
                 uses: 0,
@@ -381,10 +395,12 @@ impl PostgresStore {
             // Events may lie beyond what was read: the window or the owned read's scan was full
             // of events this claim could not take (held back, or of partitions other leases hold).
             // Skip scans look for them, unless the claim fell short because other leases hold
-            // claimable aggregates of the window (their partitions are where the events are;
-            // walking the aggregates would find them held too), and it did not wait in vain.
+            // a batch's worth of the window's claimable aggregates (their partitions are where the
+            // events are; walking the aggregates would find them held too), and it did not wait
+            // in vain. A window with fewer claimable aggregates than that is mostly held back:
+            // what lies beyond it is the skip scans' to find.
             let beyond = chosen.window_rows >= window || scan_full;
-            let contended = chosen.busy.is_some() && !wait_ran_out;
+            let contended = chosen.busy.is_some() && chosen.aggregates >= limit && !wait_ran_out;
             let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
             if (events.len() as i64) < limit
                 && beyond
@@ -482,7 +498,8 @@ impl PostgresStore {
         })
     }
 
-    /// A kept set of partitions (see [`KEPT_SETS`]), if any.
+    /// A kept set of partitions (see [`KEPT_SETS`]), if any: the oldest of those kept (the sets
+    /// go round, each serving in turn).
     fn take_kept(&self) -> Option<Kept> {
         self.kept.lock().ok().and_then(|mut kept| kept.pop())
     }

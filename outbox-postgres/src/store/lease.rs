@@ -36,7 +36,8 @@ pub(super) struct PgLease {
     pub(super) pool: PgPool,
     /// How the batch was claimed: what owning a row means for a lost lease's settle.
     pub(super) ordering: OrderingPolicy,
-    /// The batch's partitions, offered to later claims once the lease has ended.
+    /// The batch's partitions, offered to later claims once the lease has been settled or
+    /// released (not after an error: then they are simply chosen again).
     pub(super) keep: Option<(
         Arc<std::sync::Mutex<Vec<super::claim::Kept>>>,
         super::claim::Kept,

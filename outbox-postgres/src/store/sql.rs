@@ -106,16 +106,16 @@ impl Sql {
         // lock is in no other lease, nor is any earlier event of its aggregate: the claim needs no
         // row lock and no per-event check that the event is its aggregate's oldest, only that no
         // earlier event of its aggregate is held back (`held_back`).
-        // Which partitions: those of the first $2 ready events in seq order (the window), in the
-        // order of their first event, each tried with `pg_try_advisory_xact_lock` (one taken by
-        // another lease is passed over), until those taken hold $1 aggregates of the window (a
-        // batch of one event of each: the fewest publisher calls) or about $3 bytes (counting one
-        // event per aggregate). A claim thus takes what fills a batch with the oldest events it
-        // can have, and leaves the rest to other leases (a relay's next batch, other relays).
-        // When other leases hold every partition of the window, the claim takes the free
-        // partitions that have no event there (the window may not reach their events). Returns
-        // the partitions taken, the first of the window's partitions another lease holds (the
-        // one to wait for when none could be taken), and how many events the window held.
+        // Which partitions: those of the aggregates of the first $2 ready events in seq order (the
+        // window) that are not held back, in the order of their first event, each tried with
+        // `pg_try_advisory_xact_lock` (one taken by another lease is passed over), until those
+        // taken hold $1 aggregates of the window (a batch of one event of each: the fewest
+        // publisher calls) or about $3 bytes (counting one event per aggregate). A claim thus
+        // takes what fills a batch with the oldest events it can have, and leaves the rest to
+        // other leases (a relay's next batch, other relays); held-back aggregates count for
+        // nothing. Returns how many events the window held, the partitions taken, the first
+        // partition with a claimable aggregate that another lease holds (the one to wait for
+        // when none could be taken), and how many claimable aggregates the window held.
         let claim_partitions = format!(
             "WITH RECURSIVE w AS MATERIALIZED (
                 SELECT e.seq, e.aggregate_type, e.aggregate_id, {part_e} AS part, {PAYLOAD_SIZE} AS size
