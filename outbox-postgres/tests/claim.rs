@@ -176,14 +176,7 @@ async fn skip_scans_go_on_past_blocked_aggregates_until_they_find_a_ready_head()
         BTreeSet::from(["z0000".to_string()])
     );
     // Published, then nothing is ready.
-    let settlements = batch
-        .events
-        .iter()
-        .map(|e| Settlement {
-            id: e.id,
-            action: Action::Published,
-        })
-        .collect();
+    let settlements = published(&batch.events);
     batch.lease.settle(settlements).await.unwrap();
     let empty = store.claim(strict(1)).await.unwrap();
     assert!(empty.events.is_empty(), "only backing-off heads remain");
@@ -257,6 +250,31 @@ async fn heads_beyond_the_window_are_found_again_once_the_skip_scans_rest_is_ove
     }
 }
 
+/// A settlement publishing each of `events`.
+fn published(events: &[outbox_core::Event]) -> Vec<Settlement> {
+    events
+        .iter()
+        .map(|e| Settlement {
+            id: e.id,
+            action: Action::Published,
+        })
+        .collect()
+}
+
+/// A pool of the test database whose every connection first runs `setting` (a `SET` statement).
+async fn pool_with(max_connections: u32, setting: &str) -> PgPool {
+    let setting = setting.to_string();
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max_connections)
+        .after_connect(move |conn, _| {
+            let setting = setting.clone();
+            Box::pin(async move { sqlx::query(&setting).execute(conn).await.map(|_| ()) })
+        })
+        .connect(&outbox_postgres::testing::database_url())
+        .await
+        .unwrap()
+}
+
 /// Buffers of `table` (heap and indexes) read so far, as the statistics system has them.
 async fn buffers_read(admin: &PgPool, table: &OutboxTable) -> i64 {
     let mut conn = admin.acquire().await.unwrap();
@@ -306,19 +324,7 @@ async fn plans_made_while_the_outbox_was_empty_stay_cheap_once_a_backlog_builds_
         .execute(&admin)
         .await
         .unwrap();
-    let relay_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                sqlx::query("SET plan_cache_mode = force_generic_plan")
-                    .execute(conn)
-                    .await
-                    .map(|_| ())
-            })
-        })
-        .connect(&outbox_postgres::testing::database_url())
-        .await
-        .unwrap();
+    let relay_pool = pool_with(1, "SET plan_cache_mode = force_generic_plan").await;
     let store = PostgresStore::new(relay_pool.clone(), table.clone());
     for _ in 0..3 {
         let empty = store.claim(strict(500)).await.unwrap();
@@ -467,35 +473,15 @@ async fn a_claim_waiting_for_a_partition_sees_what_its_holder_settled() {
         let admin = pool(2).await;
         let table = fresh_table(&admin).await;
         insert(&admin, &table, "a", 0..1, 3).await;
-        let relay_pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(4)
-            .after_connect(move |conn, _| {
-                Box::pin(async move {
-                    sqlx::query(&format!(
-                        "SET default_transaction_isolation = '{isolation}'"
-                    ))
-                    .execute(conn)
-                    .await
-                    .map(|_| ())
-                })
-            })
-            .connect(&outbox_postgres::testing::database_url())
-            .await
-            .unwrap();
+        let setting = format!("SET default_transaction_isolation = '{isolation}'");
+        let relay_pool = pool_with(4, &setting).await;
         let first = PostgresStore::new(relay_pool.clone(), table.clone());
         let second = PostgresStore::new(relay_pool.clone(), table.clone());
         let held = first.claim(strict(10)).await.unwrap();
         assert_eq!(held.events.len(), 3, "{isolation}");
         let waiting = tokio::spawn(async move { second.claim(strict(10)).await });
         someone_waits_for_a_partition(&admin).await;
-        let settled = held
-            .events
-            .iter()
-            .map(|e| Settlement {
-                id: e.id,
-                action: Action::Published,
-            })
-            .collect();
+        let settled = published(&held.events);
         held.lease.settle(settled).await.unwrap();
         let after = waiting.await.unwrap().unwrap();
         assert!(
