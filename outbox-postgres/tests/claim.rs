@@ -506,3 +506,55 @@ async fn a_claim_waiting_for_a_partition_sees_what_its_holder_settled() {
         held.lease.release().await.unwrap();
     }
 }
+
+/// A store takes again the partitions of a batch it settled (its kept set) while another store
+/// holds one of them: the claim reads only the partitions it could take again, so no two live
+/// leases hold events of one aggregate, and every batch takes each aggregate's oldest unpublished
+/// events, in order.
+#[tokio::test]
+async fn kept_partitions_taken_again_never_share_an_aggregate_with_another_lease() {
+    let pool = pool(6).await;
+    let table = fresh_table(&pool).await;
+    // Four aggregates: a batch of ten holds all four, and their partitions are its kept set.
+    insert(&pool, &table, "a", 0..4, 40).await;
+    let first = PostgresStore::new(pool.clone(), table.clone());
+    let second = PostgresStore::new(pool.clone(), table.clone());
+    // Next unpublished event number of each aggregate (events are `e1`, `e2`...).
+    let mut next: std::collections::BTreeMap<String, u32> = std::collections::BTreeMap::new();
+    let mut check = |events: &[outbox_core::Event]| {
+        for e in events {
+            let n: u32 = e.event_type[1..].parse().unwrap();
+            let expected = next.entry(e.aggregate_id.clone()).or_insert(1);
+            assert_eq!(
+                n, *expected,
+                "{}: not its oldest unpublished event",
+                e.aggregate_id
+            );
+            *expected += 1;
+        }
+    };
+    for round in 0..5 {
+        // The first store fills a batch and settles it: its partitions become its kept set.
+        let batch = first.claim(strict(10)).await.unwrap();
+        assert_eq!(batch.events.len(), 10, "round {round}");
+        check(&batch.events);
+        let settled = published(&batch.events);
+        batch.lease.settle(settled).await.unwrap();
+        // The second store holds one event: the partition of the aggregate with the oldest.
+        let held = second.claim(strict(1)).await.unwrap();
+        assert_eq!(held.events.len(), 1, "round {round}");
+        check(&held.events);
+        // The first store takes its kept set again, but for the partition the second holds.
+        let mine = first.claim(strict(10)).await.unwrap();
+        assert!(!mine.events.is_empty(), "round {round}");
+        check(&mine.events);
+        assert!(
+            aggregates(&mine.events).is_disjoint(&aggregates(&held.events)),
+            "round {round}: an aggregate in two live leases"
+        );
+        for b in [held, mine] {
+            let settled = published(&b.events);
+            b.lease.settle(settled).await.unwrap();
+        }
+    }
+}

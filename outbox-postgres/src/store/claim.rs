@@ -48,9 +48,10 @@ pub(super) const CLAIM_LOCKS: &str = "claim_locks";
 /// Claims that read more payload bytes than this give their connection's grown buffers back.
 pub(super) const SHRINK_BUFFERS_ABOVE: usize = 1024 * 1024;
 
-/// Keeps, per aggregate, the rows from its head (found by a skip scan) on while they are ready. `rows` hold every
-/// unprocessed row of the locked aggregates (or a seq-ordered prefix of them), in seq order. Each row
-/// is dropped once decoded, so a batch's payloads are held about once, not twice.
+/// Keeps, per aggregate, the rows from its head (found by a skip scan) on while they are ready.
+/// `rows` hold every unprocessed row of the heads' aggregates (or a seq-ordered prefix of them), in
+/// seq order. Each row is dropped once decoded, so a batch's payloads are held about once, not
+/// twice.
 pub(super) fn runs_from_heads(
     rows: Vec<PgRow>,
     head_seq: &HashMap<(String, String), i64>,
@@ -620,7 +621,9 @@ impl PostgresStore {
 
     /// Up to four skip scans, each going on from where the previous one stopped (one that started
     /// after a cursor and reached the last aggregate goes on from the first, once), for up to
-    /// `limit` ready heads not in `taken`, of partitions the claim holds (`parts`) or takes. A complete walk that found nothing rests the skip scans (see [`skip_rest`]).
+    /// `limit` ready heads of aggregates not in `taken_keys` (their seqs in `taken`), of
+    /// partitions the claim holds (`parts`) or takes. A complete walk that found nothing rests the
+    /// skip scans (see [`skip_rest`]).
     async fn skip_heads(
         &self,
         tx: &mut Transaction<'static, Postgres>,

@@ -38,11 +38,11 @@ pub(super) struct PgLease {
     pub(super) ordering: OrderingPolicy,
     /// The batch's partitions, offered to later claims once the lease has been settled or
     /// released (not after an error: then they are simply chosen again).
-    pub(super) keep: Option<(
-        Arc<std::sync::Mutex<Vec<super::claim::Kept>>>,
-        super::claim::Kept,
-    )>,
+    pub(super) keep: Option<(KeptSets, super::claim::Kept)>,
 }
+
+/// A store's kept sets of partitions (see `claim::KEPT_SETS`).
+pub(super) type KeptSets = Arc<std::sync::Mutex<Vec<super::claim::Kept>>>;
 
 /// The settlement statement's arguments.
 #[derive(Default)]
@@ -152,12 +152,7 @@ impl SettleArgs {
 }
 
 /// Offers a lease's partitions to later claims (see `claim::keep`).
-fn offer(
-    keep: Option<(
-        Arc<std::sync::Mutex<Vec<super::claim::Kept>>>,
-        super::claim::Kept,
-    )>,
-) {
+fn offer(keep: Option<(KeptSets, super::claim::Kept)>) {
     if let Some((kept, set)) = keep {
         super::claim::keep(&kept, set);
     }

@@ -70,7 +70,7 @@ pub struct PostgresStore {
     window_factor: Arc<std::sync::atomic::AtomicI64>,
     /// Sets of partitions that filled recent batches, for later claims to take again (see
     /// `claim::KEPT_SETS`).
-    kept: Arc<Mutex<Vec<claim::Kept>>>,
+    kept: lease::KeptSets,
     /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
     stats_max_rows: i64,
     /// The counts in progress: pending rows, dead letters.
