@@ -32,6 +32,13 @@ pub struct ClaimRequest {
     /// store that reads ahead of the claims (the WAL source) need not read further for such a
     /// claim: the relay is not publishing.
     pub probe: bool,
+    /// The publisher keeps an aggregate's events in order within one call
+    /// ([`Publisher::keeps_order`]), so a batch may hold several events of an aggregate at no cost
+    /// in calls. A store that shares the aggregates out between leases (PostgreSQL's ordered
+    /// claim) then fills a batch from as few aggregates as it can and leaves the others to other
+    /// leases (the relay's next batches, other relays); otherwise it takes one event of as many
+    /// aggregates as it can (the fewest calls). Ordering is kept either way.
+    pub whole_runs: bool,
 }
 
 /// A claimed batch: the events, and the lease that holds them until it is settled or released.
@@ -53,6 +60,7 @@ impl ClaimRequest {
             hold_for: Self::DEFAULT_HOLD,
             max_bytes: usize::MAX,
             probe: false,
+            whole_runs: false,
         }
     }
 

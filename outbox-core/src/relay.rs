@@ -176,15 +176,17 @@ impl RelayConfig {
             .saturating_add(Duration::from_secs(10))
     }
 
-    /// The claim request this relay sends: `batch_size`, `max_batch_bytes`, `ordering` and
-    /// [`RelayConfig::hold_for`].
-    pub fn claim_request(&self) -> ClaimRequest {
+    /// The claim request this relay sends to `publisher`: `batch_size`, `max_batch_bytes`,
+    /// `ordering`, [`RelayConfig::hold_for`], and whether the publisher keeps an aggregate's events
+    /// in order within a call ([`Publisher::keeps_order`]).
+    pub fn claim_request(&self, publisher: &dyn Publisher) -> ClaimRequest {
         ClaimRequest {
             limit: self.batch_size,
             ordering: self.ordering,
             hold_for: self.hold_for(),
             max_bytes: self.max_batch_bytes,
             probe: false,
+            whole_runs: publisher.keeps_order(),
         }
     }
 }
@@ -586,7 +588,7 @@ impl Relay {
 
     async fn run_inner(&self, shutdown: CancellationToken, until_idle: bool) -> RelaySummary {
         let cfg = &self.shared.config;
-        let request = cfg.claim_request();
+        let request = cfg.claim_request(self.shared.publisher.as_ref());
         let permits = Arc::new(Semaphore::new(cfg.max_in_flight));
         let mut tasks: JoinSet<()> = JoinSet::new();
         let mut idle_pause = cfg.min_poll_interval;
@@ -1225,7 +1227,11 @@ mod tests {
             .message()
             .contains("relay.max_batch_bytes = 100"));
         assert_eq!(
-            RelayConfig::default().claim_request().max_bytes,
+            RelayConfig::default()
+                .claim_request(&crate::publishers::JsonLinesPublisher::new(Box::new(
+                    std::io::sink()
+                )))
+                .max_bytes,
             DEFAULT_MAX_BATCH_BYTES
         );
         RelayConfig::default().validate().unwrap();

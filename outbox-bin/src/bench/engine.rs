@@ -2180,7 +2180,7 @@ async fn time_stats(admin: &PgPool, store: &PostgresStore) -> Result<(f64, f64),
 /// Times `claim_samples` claims of a batch (each released again), after a few for warm-up; returns
 /// the median and the 95th percentile in milliseconds.
 async fn time_claims(store: &PostgresStore, o: &BenchOptions) -> Result<(f64, f64), Error> {
-    let request = o.relay.claim_request();
+    let request = o.relay.claim_request(&DiscardPublisher);
     let mut ms = Vec::with_capacity(o.claim_samples);
     for i in 0..o.claim_samples + 5 {
         let started = Instant::now();

@@ -153,6 +153,16 @@ pub(super) const KEPT_SETS: usize = 4;
 /// kept set wait for a choice at most about that many batches of each batch in flight.
 pub(super) const KEPT_USES: u32 = 8;
 
+/// How many claims in a row fill their batch from as few aggregates as they can (whole runs, for a
+/// publisher that keeps an aggregate's events in order within a call) once a claim met other
+/// leases holding what it would have taken: it waited for a partition, or came back short with
+/// claimable partitions held. One event of each of many aggregates is the cheaper read (more of
+/// the oldest events are the claim's), but it leaves little for other leases: over a backlog of
+/// 1,000 aggregates two batches of 500 hold them all, and a third and fourth claim in flight (two
+/// relays) wait. Sharing the aggregates out lets them all fill a batch; the claims go back to the
+/// cheaper read after this many without meeting another lease.
+pub(super) const SHARE_CLAIMS: u32 = 64;
+
 /// A set of partitions that filled a batch, kept for a later claim.
 #[derive(Debug, Clone)]
 pub(crate) struct Kept {
@@ -182,6 +192,9 @@ pub(super) struct Chosen {
     pub(super) busy: Option<i32>,
     /// How many claimable aggregates the window held.
     pub(super) aggregates: i64,
+    /// What the window's claimable events would fill: as many events as `aggregates`, one of
+    /// each, or (for a publisher that takes whole runs) every one of them.
+    pub(super) fill: i64,
 }
 
 /// How long skip scans rest after a complete walk over the aggregates that took `walk` and found no
@@ -253,7 +266,9 @@ impl PostgresStore {
                 events
             }
             OrderingPolicy::PerAggregate => {
-                let (mut events, set) = self.claim_owned(&mut tx, limit, max_bytes).await?;
+                let (mut events, set) = self
+                    .claim_owned(&mut tx, limit, max_bytes, request.whole_runs)
+                    .await?;
                 to_keep = set;
                 // Every event once: a batch that held one twice would publish it twice.
                 let mut ids = HashSet::with_capacity(events.len());
@@ -326,6 +341,7 @@ impl PostgresStore {
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
         max_bytes: i64,
+        whole_runs: bool,
     ) -> Result<(Vec<Event>, Option<Kept>), Error> {
         // A set of partitions that filled a recent batch is taken again as it is, when most of
         // it is free and it still fills a batch: no window to read and no walk.
@@ -338,7 +354,9 @@ impl PostgresStore {
                 .map_err(|e| map_sqlx("claim", e))?;
             if held.len() * 2 >= kept.parts.len() {
                 let scan = 2 * self.window(limit);
-                let (events, _, _) = self.read_owned(tx, &held, limit, scan, max_bytes).await?;
+                let (events, _, _) = self
+                    .read_owned(tx, &held, limit, scan, max_bytes, whole_runs)
+                    .await?;
                 if events.len() as i64 >= limit {
                     self.narrow_window();
                     let again = Kept {
@@ -355,9 +373,12 @@ impl PostgresStore {
         }
         let mut waited = false;
         let mut wait_ran_out = false;
+        let share = whole_runs && self.share_claims.load(Ordering::Relaxed) > 0;
         loop {
             let window = self.window(limit);
-            let chosen = self.take_partitions(tx, limit, window, max_bytes).await?;
+            let chosen = self
+                .take_partitions(tx, limit, window, max_bytes, share)
+                .await?;
             let mut parts = chosen.parts;
             for p in &retaken {
                 if !parts.contains(p) {
@@ -382,7 +403,7 @@ impl PostgresStore {
             let (mut events, seqs, scan_full) = if parts.is_empty() {
                 (Vec::new(), Vec::new(), false)
             } else {
-                self.read_owned(tx, &parts, limit, 2 * window, max_bytes)
+                self.read_owned(tx, &parts, limit, 2 * window, max_bytes, whole_runs)
                     .await?
             };
             // A full batch: the usual window will do for the next claims.
@@ -396,12 +417,24 @@ impl PostgresStore {
             // Events may lie beyond what was read: the window or the owned read's scan was full
             // of events this claim could not take (held back, or of partitions other leases hold).
             // Skip scans look for them, unless the claim fell short because other leases hold
-            // a batch's worth of the window's claimable aggregates (their partitions are where the
+            // a batch's worth of the window's claimable events (their partitions are where the
             // events are; walking the aggregates would find them held too), and it did not wait
             // in vain. A window with fewer claimable aggregates than that is mostly held back:
             // what lies beyond it is the skip scans' to find.
+            if whole_runs {
+                let met_others = waited || ((events.len() as i64) < limit && chosen.busy.is_some());
+                let _ = self
+                    .share_claims
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                        Some(if met_others {
+                            SHARE_CLAIMS
+                        } else {
+                            n.saturating_sub(1)
+                        })
+                    });
+            }
             let beyond = chosen.window_rows >= window || scan_full;
-            let contended = chosen.busy.is_some() && chosen.aggregates >= limit && !wait_ran_out;
+            let contended = chosen.busy.is_some() && chosen.fill >= limit && !wait_ran_out;
             let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
             if (events.len() as i64) < limit
                 && beyond
@@ -430,7 +463,8 @@ impl PostgresStore {
     }
 
     /// The owned read over `parts` (its narrow or wide form, see `claim_owned_wide`): the events,
-    /// their seqs, and whether its scan reached its bound. Chooses the next claim's form.
+    /// their seqs, and whether its scan reached its bound. Chooses the next claim's form. A
+    /// publisher that takes whole runs needs no spreading: always the narrow form.
     async fn read_owned(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -438,9 +472,10 @@ impl PostgresStore {
         limit: i64,
         scan: i64,
         max_bytes: i64,
+        whole_runs: bool,
     ) -> Result<(Vec<Event>, Vec<i64>, bool), Error> {
         let get = |e: sqlx::Error| map_sqlx("claim", e);
-        let wide = self.wide.load(Ordering::Relaxed);
+        let wide = !whole_runs && self.wide.load(Ordering::Relaxed);
         let statement = if wide {
             &self.sql.claim_owned_wide
         } else {
@@ -469,25 +504,28 @@ impl PostgresStore {
             if longest <= WIDE_ABOVE {
                 self.wide.store(false, Ordering::Relaxed);
             }
-        } else if events.len() as i64 >= limit && longest_run(&events) > WIDE_ABOVE {
+        } else if !whole_runs && events.len() as i64 >= limit && longest_run(&events) > WIDE_ABOVE {
             self.wide.store(true, Ordering::Relaxed);
         }
         Ok((events, seqs, full))
     }
 
-    /// Runs `claim_partitions` over a window of `window` ready events.
+    /// Runs `claim_partitions` over a window of `window` ready events, filling `limit` with one
+    /// event per aggregate, or with whole runs.
     async fn take_partitions(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
         window: i64,
         max_bytes: i64,
+        whole_runs: bool,
     ) -> Result<Chosen, Error> {
         let get = |e: sqlx::Error| map_sqlx("claim", e);
         let row = sqlx::query(&self.sql.claim_partitions)
             .bind(limit)
             .bind(window)
             .bind(max_bytes)
+            .bind(whole_runs)
             .fetch_one(&mut **tx)
             .await
             .map_err(get)?;
@@ -496,6 +534,7 @@ impl PostgresStore {
             parts: row.try_get("parts").map_err(get)?,
             busy: row.try_get("busy").map_err(get)?,
             aggregates: row.try_get("aggregates").map_err(get)?,
+            fill: row.try_get("fill").map_err(get)?,
         })
     }
 

@@ -71,6 +71,8 @@ pub struct PostgresStore {
     /// Sets of partitions that filled recent batches, for later claims to take again (see
     /// `claim::KEPT_SETS`).
     kept: lease::KeptSets,
+    /// How many more ordered claims fill their batch with whole runs (see `claim::SHARE_CLAIMS`).
+    share_claims: Arc<std::sync::atomic::AtomicU32>,
     /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
     stats_max_rows: i64,
     /// The counts in progress: pending rows, dead letters.
@@ -148,6 +150,7 @@ impl PostgresStore {
             wide: Arc::default(),
             window_factor: Arc::new(std::sync::atomic::AtomicI64::new(1)),
             kept: Arc::default(),
+            share_claims: Arc::default(),
             stats_max_rows: DEFAULT_STATS_MAX_ROWS as i64,
             stats_passes: Arc::default(),
         }

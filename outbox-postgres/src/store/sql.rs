@@ -110,29 +110,35 @@ impl Sql {
         // window) that are not held back, in the order of their first event, each tried with
         // `pg_try_advisory_xact_lock` (one taken by another lease is passed over), until those
         // taken hold $1 aggregates of the window (a batch of one event of each: the fewest
-        // publisher calls) or about $3 bytes (counting one event per aggregate). A claim thus
+        // publisher calls) or about $3 bytes (counting one event per aggregate); with $4 (the
+        // publisher takes an aggregate's run in one call), $1 events of the window and their
+        // bytes instead: a batch from as few aggregates as fill it. A claim thus
         // takes what fills a batch with the oldest events it can have, and leaves the rest to
         // other leases (a relay's next batch, other relays); held-back aggregates count for
         // nothing. Returns how many events the window held, the partitions taken, the first
         // partition with a claimable aggregate that another lease holds (the one to wait for
-        // when none could be taken), and how many claimable aggregates the window held.
+        // when none could be taken), how many claimable aggregates the window held, and what they
+        // would fill (the same, or with $4 their events).
         let claim_partitions = format!(
             "WITH RECURSIVE w AS MATERIALIZED (
                 SELECT e.seq, e.aggregate_type, e.aggregate_id, {part_e} AS part, {PAYLOAD_SIZE} AS size
                 FROM {t} e WHERE {READY_AT_START} ORDER BY e.seq LIMIT $2),
             ord AS MATERIALIZED (
                 SELECT array_agg(p.part ORDER BY p.first) AS parts, array_agg(p.n ORDER BY p.first) AS ns,
-                       array_agg(p.bytes ORDER BY p.first) AS bytes
-                FROM (SELECT a.part, min(a.first) AS first, count(*) AS n, sum(a.bytes) AS bytes
-                      FROM (SELECT w.part, min(w.seq) AS first, min(w.size) AS bytes FROM w
-                            WHERE NOT {held_w}
+                       array_agg(p.fill ORDER BY p.first) AS fills, array_agg(p.bytes ORDER BY p.first) AS bytes
+                FROM (SELECT a.part, min(a.first) AS first, count(*) AS n,
+                             CASE WHEN $4 THEN sum(a.rows)::bigint ELSE count(*) END AS fill,
+                             sum(CASE WHEN $4 THEN a.all_bytes ELSE a.bytes END) AS bytes
+                      FROM (SELECT w.part, min(w.seq) AS first, count(*) AS rows, min(w.size) AS bytes,
+                                   sum(w.size) AS all_bytes
+                            FROM w WHERE NOT {held_w}
                             GROUP BY w.part, w.aggregate_type, w.aggregate_id) a
                       GROUP BY a.part) p),
             walk(i, events, bytes, part, taken) AS (
                 SELECT 0, 0::bigint, 0::numeric, NULL::int, false
                 UNION ALL
                 SELECT walk.i + 1,
-                       walk.events + CASE WHEN l.taken THEN ord.ns[walk.i + 1] ELSE 0 END,
+                       walk.events + CASE WHEN l.taken THEN ord.fills[walk.i + 1] ELSE 0 END,
                        walk.bytes + CASE WHEN l.taken THEN ord.bytes[walk.i + 1] ELSE 0 END,
                        ord.parts[walk.i + 1], l.taken
                 FROM walk CROSS JOIN ord
@@ -142,7 +148,8 @@ impl Sql {
             SELECT (SELECT count(*) FROM w) AS window_rows,
                    ARRAY(SELECT walk.part FROM walk WHERE walk.taken) AS parts,
                    (SELECT walk.part FROM walk WHERE NOT walk.taken AND walk.i > 0 ORDER BY walk.i LIMIT 1) AS busy,
-                   (SELECT COALESCE(sum(n), 0)::bigint FROM ord, unnest(ord.ns) n) AS aggregates",
+                   (SELECT COALESCE(sum(n), 0)::bigint FROM ord, unnest(ord.ns) n) AS aggregates,
+                   (SELECT COALESCE(sum(f), 0)::bigint FROM ord, unnest(ord.fills) f) AS fill",
             held_w = held_back(&t, "w"),
         );
         // The owned read: among the first $3 ready events in seq order (a bound on the rows read,
