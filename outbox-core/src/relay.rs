@@ -1198,6 +1198,7 @@ mod tests {
 
     #[test]
     fn config_validation_names_keys() {
+        let lines = crate::publishers::JsonLinesPublisher::new(Box::new(std::io::sink()));
         let c = RelayConfig {
             batch_size: 0,
             ..RelayConfig::default()
@@ -1227,13 +1228,15 @@ mod tests {
             .message()
             .contains("relay.max_batch_bytes = 100"));
         assert_eq!(
-            RelayConfig::default()
-                .claim_request(&crate::publishers::JsonLinesPublisher::new(Box::new(
-                    std::io::sink()
-                )))
-                .max_bytes,
+            RelayConfig::default().claim_request(&lines).max_bytes,
             DEFAULT_MAX_BATCH_BYTES
         );
+        // A publisher that keeps a run in order within a call gets whole runs; one that does not,
+        // one event of each aggregate per call.
+        assert!(RelayConfig::default().claim_request(&lines).whole_runs);
+        let unfenced = crate::testkit::ScriptedPublisher::default();
+        unfenced.set_fencing(false);
+        assert!(!RelayConfig::default().claim_request(&unfenced).whole_runs);
         RelayConfig::default().validate().unwrap();
     }
 }

@@ -558,3 +558,116 @@ async fn kept_partitions_taken_again_never_share_an_aggregate_with_another_lease
         }
     }
 }
+
+/// A claim for a publisher that takes an aggregate's run in one call.
+fn whole_runs(limit: usize) -> ClaimRequest {
+    ClaimRequest {
+        whole_runs: true,
+        ..strict(limit)
+    }
+}
+
+/// Each aggregate's events in `events` are its first ones, in order (`e1`, `e2`, ...: see
+/// [`insert`]).
+fn assert_prefixes(events: &[outbox_core::Event]) {
+    let mut next: std::collections::BTreeMap<&str, i32> = std::collections::BTreeMap::new();
+    for e in events {
+        let n = next.entry(e.aggregate_id.as_str()).or_insert(1);
+        assert_eq!(
+            e.event_type,
+            format!("e{n}"),
+            "{} out of turn",
+            e.aggregate_id
+        );
+        *n += 1;
+    }
+}
+
+#[tokio::test]
+async fn claims_that_meet_other_leases_share_the_aggregates_out() {
+    let pool = pool(8).await;
+    let table = fresh_table(&pool).await;
+    // Eight aggregates with 20 events each, interleaved.
+    insert(&pool, &table, "a", 0..8, 20).await;
+    let first = PostgresStore::new(pool.clone(), table.clone());
+    let second = PostgresStore::new(pool.clone(), table.clone());
+    // The first relay's claim takes one event of as many aggregates as it can: all eight.
+    let a = first.claim(whole_runs(40)).await.unwrap();
+    assert_eq!(aggregates(&a.events).len(), 8);
+    assert_eq!(a.events.len(), 40);
+    // The second relay's claim finds every partition held, waits in vain, and comes back empty.
+    let b = second.claim(whole_runs(40)).await.unwrap();
+    assert!(b.events.is_empty(), "{} events", b.events.len());
+    a.lease.release().await.unwrap();
+    b.lease.release().await.unwrap();
+    // Having met another lease, the second relay's claims share the aggregates out: two batches in
+    // flight at once each fill from aggregates of their own, whole runs in order.
+    let c = second.claim(whole_runs(40)).await.unwrap();
+    let d = second.claim(whole_runs(40)).await.unwrap();
+    assert_eq!(c.events.len(), 40, "{:?}", aggregates(&c.events));
+    assert_eq!(d.events.len(), 40, "{:?}", aggregates(&d.events));
+    assert!(aggregates(&c.events).is_disjoint(&aggregates(&d.events)));
+    assert!(aggregates(&c.events).len() < 8);
+    assert_prefixes(&c.events);
+    assert_prefixes(&d.events);
+    c.lease.release().await.unwrap();
+    d.lease.release().await.unwrap();
+    // A relay whose publisher cannot keep a run in order within a call never gets that: one event
+    // of each aggregate, the fewest calls.
+    let third = PostgresStore::new(pool.clone(), table.clone());
+    let e = third.claim(strict(40)).await.unwrap();
+    assert_eq!(aggregates(&e.events).len(), 8);
+    e.lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() {
+    let pool = pool(12).await;
+    let table = fresh_table(&pool).await;
+    let (aggs, per) = (16, 50);
+    insert(&pool, &table, "a", 0..aggs, per).await;
+    let total = (aggs * per) as usize;
+    // (aggregate, event number) in the order the claims took them: an aggregate's next events are
+    // claimable only once the lease of its earlier ones is settled, so each aggregate's entries
+    // must come in order, each once.
+    let taken = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, i32)>::new()));
+    let stores = [
+        PostgresStore::new(pool.clone(), table.clone()),
+        PostgresStore::new(pool.clone(), table.clone()),
+    ];
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..4 {
+        let store = stores[i % 2].clone();
+        let taken = taken.clone();
+        tasks.spawn(async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+            while taken.lock().unwrap().len() < total {
+                assert!(std::time::Instant::now() < deadline, "the drain stalled");
+                let batch = store.claim(whole_runs(50)).await.unwrap();
+                if batch.events.is_empty() {
+                    batch.lease.release().await.unwrap();
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                taken.lock().unwrap().extend(batch.events.iter().map(|e| {
+                    let n: i32 = e.event_type.trim_start_matches('e').parse().unwrap();
+                    (e.aggregate_id.clone(), n)
+                }));
+                let settlements = published(&batch.events);
+                batch.lease.settle(settlements).await.unwrap();
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    let taken = taken.lock().unwrap();
+    assert_eq!(taken.len(), total, "an event taken twice");
+    let mut next: std::collections::BTreeMap<&str, i32> = std::collections::BTreeMap::new();
+    for (agg, n) in taken.iter() {
+        let want = next.entry(agg.as_str()).or_insert(1);
+        assert_eq!(*n, *want, "{agg}: event {n} taken when {want} was its next");
+        *want += 1;
+    }
+    assert!(next.values().all(|n| *n == per + 1), "{next:?}");
+}

@@ -422,16 +422,9 @@ impl PostgresStore {
             // in vain. A window with fewer claimable aggregates than that is mostly held back:
             // what lies beyond it is the skip scans' to find.
             if whole_runs {
-                let met_others = waited || ((events.len() as i64) < limit && chosen.busy.is_some());
-                let _ = self
-                    .share_claims
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                        Some(if met_others {
-                            SHARE_CLAIMS
-                        } else {
-                            n.saturating_sub(1)
-                        })
-                    });
+                self.note_sharing(
+                    waited || ((events.len() as i64) < limit && chosen.busy.is_some()),
+                );
             }
             let beyond = chosen.window_rows >= window || scan_full;
             let contended = chosen.busy.is_some() && chosen.fill >= limit && !wait_ran_out;
@@ -508,6 +501,27 @@ impl PostgresStore {
             self.wide.store(true, Ordering::Relaxed);
         }
         Ok((events, seqs, full))
+    }
+
+    /// Counts down the claims left in the sharing mode (see [`SHARE_CLAIMS`]), or starts it again
+    /// when this claim met other leases. Entering it drops the kept sets: they were chosen to hold
+    /// as many aggregates as a batch has events, which is what sharing gives up.
+    fn note_sharing(&self, met_others: bool) {
+        let before = self
+            .share_claims
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(if met_others {
+                    SHARE_CLAIMS
+                } else {
+                    n.saturating_sub(1)
+                })
+            })
+            .unwrap_or(0);
+        if met_others && before == 0 {
+            if let Ok(mut kept) = self.kept.lock() {
+                kept.clear();
+            }
+        }
     }
 
     /// Runs `claim_partitions` over a window of `window` ready events, filling `limit` with one
