@@ -34,10 +34,11 @@ pub struct ClaimRequest {
     pub probe: bool,
     /// The publisher keeps an aggregate's events in order within one call
     /// ([`Publisher::keeps_order`]), so a batch may hold several events of an aggregate at no cost
-    /// in calls. A store that shares the aggregates out between leases (PostgreSQL's ordered
-    /// claim) then fills a batch from as few aggregates as it can and leaves the others to other
-    /// leases (the relay's next batches, other relays); otherwise it takes one event of as many
-    /// aggregates as it can (the fewest calls). Ordering is kept either way.
+    /// in calls. A store that shares the aggregates out between leases may then fill a batch from
+    /// fewer aggregates and leave the others to other leases (PostgreSQL's ordered claim does so
+    /// for a while after a claim found other leases holding every aggregate it could take: the
+    /// relay's other batches in flight, other relays); without it, a batch holds one event of as
+    /// many aggregates as it can (the fewest calls). Ordering is kept either way.
     pub whole_runs: bool,
 }
 

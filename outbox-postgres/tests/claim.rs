@@ -629,8 +629,10 @@ async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() 
     let total = (aggs * per) as usize;
     // (aggregate, event number) in the order the claims took them: an aggregate's next events are
     // claimable only once the lease of its earlier ones is settled, so each aggregate's entries
-    // must come in order, each once.
+    // must come in order, each once. And no aggregate is in two live leases at once: each lease
+    // marks its aggregates from its claim until just before its settle.
     let taken = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, i32)>::new()));
+    let live = std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::<String>::new()));
     let stores = [
         PostgresStore::new(pool.clone(), table.clone()),
         PostgresStore::new(pool.clone(), table.clone()),
@@ -639,6 +641,7 @@ async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() 
     for i in 0..4 {
         let store = stores[i % 2].clone();
         let taken = taken.clone();
+        let live = live.clone();
         tasks.spawn(async move {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
             while taken.lock().unwrap().len() < total {
@@ -649,10 +652,17 @@ async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() 
                     tokio::task::yield_now().await;
                     continue;
                 }
+                let mine = aggregates(&batch.events);
+                {
+                    let mut live = live.lock().unwrap();
+                    assert!(live.is_disjoint(&mine), "an aggregate in two live leases");
+                    live.extend(mine.iter().cloned());
+                }
                 taken.lock().unwrap().extend(batch.events.iter().map(|e| {
                     let n: i32 = e.event_type.trim_start_matches('e').parse().unwrap();
                     (e.aggregate_id.clone(), n)
                 }));
+                live.lock().unwrap().retain(|a| !mine.contains(a));
                 let settlements = published(&batch.events);
                 batch.lease.settle(settlements).await.unwrap();
             }

@@ -155,12 +155,11 @@ pub(super) const KEPT_USES: u32 = 8;
 
 /// How many claims in a row fill their batch from as few aggregates as they can (whole runs, for a
 /// publisher that keeps an aggregate's events in order within a call) once a claim met other
-/// leases holding what it would have taken: it waited for a partition, or came back short with
-/// claimable partitions held. One event of each of many aggregates is the cheaper read (more of
-/// the oldest events are the claim's), but it leaves little for other leases: over a backlog of
-/// 1,000 aggregates two batches of 500 hold them all, and a third and fourth claim in flight (two
-/// relays) wait. Sharing the aggregates out lets them all fill a batch; the claims go back to the
-/// cheaper read after this many without meeting another lease.
+/// leases holding every partition it could have taken (it waited for one). One event of each of
+/// many aggregates is the cheaper read (more of the oldest events are the claim's), but it leaves
+/// little for other leases: over a backlog of 1,000 aggregates two batches of 500 hold them all,
+/// and a third and fourth claim in flight (two relays) wait. Sharing the aggregates out lets them
+/// all fill a batch; the claims go back to the cheaper read after this many without waiting.
 pub(super) const SHARE_CLAIMS: u32 = 64;
 
 /// A set of partitions that filled a batch, kept for a later claim.
@@ -168,6 +167,9 @@ pub(super) const SHARE_CLAIMS: u32 = 64;
 pub(crate) struct Kept {
     parts: Vec<i32>,
     uses: u32,
+    /// Chosen by a sharing claim (see [`SHARE_CLAIMS`]): taken again only by sharing claims, and a
+    /// set chosen for one event per aggregate only by claims that are not.
+    shared: bool,
 }
 
 /// Offers `set` to later claims once its batch's lease has ended (its partitions are free again),
@@ -192,9 +194,6 @@ pub(super) struct Chosen {
     pub(super) busy: Option<i32>,
     /// How many claimable aggregates the window held.
     pub(super) aggregates: i64,
-    /// What the window's claimable events would fill: as many events as `aggregates`, one of
-    /// each, or (for a publisher that takes whole runs) every one of them.
-    pub(super) fill: i64,
 }
 
 /// How long skip scans rest after a complete walk over the aggregates that took `walk` and found no
@@ -343,10 +342,11 @@ impl PostgresStore {
         max_bytes: i64,
         whole_runs: bool,
     ) -> Result<(Vec<Event>, Option<Kept>), Error> {
+        let share = whole_runs && self.share_claims.load(Ordering::Relaxed) > 0;
         // A set of partitions that filled a recent batch is taken again as it is, when most of
         // it is free and it still fills a batch: no window to read and no walk.
         let mut retaken: Vec<i32> = Vec::new();
-        if let Some(kept) = self.take_kept() {
+        if let Some(kept) = self.take_kept(share) {
             let held: Vec<i32> = sqlx::query_scalar(&self.sql.retake_partitions)
                 .bind(&kept.parts)
                 .fetch_one(&mut **tx)
@@ -362,6 +362,7 @@ impl PostgresStore {
                     let again = Kept {
                         parts: held,
                         uses: kept.uses + 1,
+                        shared: kept.shared,
                     };
                     return Ok((events, Some(again)));
                 }
@@ -373,7 +374,6 @@ impl PostgresStore {
         }
         let mut waited = false;
         let mut wait_ran_out = false;
-        let share = whole_runs && self.share_claims.load(Ordering::Relaxed) > 0;
         loop {
             let window = self.window(limit);
             let chosen = self
@@ -413,21 +413,20 @@ impl PostgresStore {
             let to_keep = (events.len() as i64 >= limit).then(|| Kept {
                 parts: parts.clone(),
                 uses: 0,
+                shared: share,
             });
             // Events may lie beyond what was read: the window or the owned read's scan was full
             // of events this claim could not take (held back, or of partitions other leases hold).
             // Skip scans look for them, unless the claim fell short because other leases hold
-            // a batch's worth of the window's claimable events (their partitions are where the
+            // a batch's worth of the window's claimable aggregates (their partitions are where the
             // events are; walking the aggregates would find them held too), and it did not wait
             // in vain. A window with fewer claimable aggregates than that is mostly held back:
             // what lies beyond it is the skip scans' to find.
             if whole_runs {
-                self.note_sharing(
-                    waited || ((events.len() as i64) < limit && chosen.busy.is_some()),
-                );
+                self.note_sharing(waited);
             }
             let beyond = chosen.window_rows >= window || scan_full;
-            let contended = chosen.busy.is_some() && chosen.fill >= limit && !wait_ran_out;
+            let contended = chosen.busy.is_some() && chosen.aggregates >= limit && !wait_ran_out;
             let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
             if (events.len() as i64) < limit
                 && beyond
@@ -505,7 +504,8 @@ impl PostgresStore {
 
     /// Counts down the claims left in the sharing mode (see [`SHARE_CLAIMS`]), or starts it again
     /// when this claim met other leases. Entering it drops the kept sets: they were chosen to hold
-    /// as many aggregates as a batch has events, which is what sharing gives up.
+    /// as many aggregates as a batch has events, which is what sharing gives up (those offered
+    /// later by leases that began before are passed over: see `take_kept`).
     fn note_sharing(&self, met_others: bool) {
         let before = self
             .share_claims
@@ -525,21 +525,21 @@ impl PostgresStore {
     }
 
     /// Runs `claim_partitions` over a window of `window` ready events, filling `limit` with one
-    /// event per aggregate, or with whole runs.
+    /// event per aggregate, or (`share`: see [`SHARE_CLAIMS`]) with every event of the window.
     async fn take_partitions(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
         window: i64,
         max_bytes: i64,
-        whole_runs: bool,
+        share: bool,
     ) -> Result<Chosen, Error> {
         let get = |e: sqlx::Error| map_sqlx("claim", e);
         let row = sqlx::query(&self.sql.claim_partitions)
             .bind(limit)
             .bind(window)
             .bind(max_bytes)
-            .bind(whole_runs)
+            .bind(share)
             .fetch_one(&mut **tx)
             .await
             .map_err(get)?;
@@ -548,14 +548,20 @@ impl PostgresStore {
             parts: row.try_get("parts").map_err(get)?,
             busy: row.try_get("busy").map_err(get)?,
             aggregates: row.try_get("aggregates").map_err(get)?,
-            fill: row.try_get("fill").map_err(get)?,
         })
     }
 
-    /// A kept set of partitions (see [`KEPT_SETS`]), if any: the oldest of those kept (the sets
-    /// go round, each serving in turn).
-    fn take_kept(&self) -> Option<Kept> {
-        self.kept.lock().ok().and_then(|mut kept| kept.pop())
+    /// A kept set of partitions (see [`KEPT_SETS`]) chosen the way this claim chooses (sharing
+    /// or not), if any: the oldest of those kept (the sets go round, each serving in turn). Sets
+    /// of the other way, offered by leases that began before the mode changed, are dropped.
+    fn take_kept(&self, share: bool) -> Option<Kept> {
+        let mut kept = self.kept.lock().ok()?;
+        while let Some(set) = kept.pop() {
+            if set.shared == share {
+                return Some(set);
+            }
+        }
+        None
     }
 
     /// How many ready events a claim chooses its partitions from: [`heads_window`] times the

@@ -110,15 +110,14 @@ impl Sql {
         // window) that are not held back, in the order of their first event, each tried with
         // `pg_try_advisory_xact_lock` (one taken by another lease is passed over), until those
         // taken hold $1 aggregates of the window (a batch of one event of each: the fewest
-        // publisher calls) or about $3 bytes (counting one event per aggregate); with $4 (the
-        // publisher takes an aggregate's run in one call), $1 events of the window and their
-        // bytes instead: a batch from as few aggregates as fill it. A claim thus
+        // publisher calls) or about $3 bytes (counting one event per aggregate); with $4 (a
+        // sharing claim, for a publisher that takes an aggregate's run in one call), $1 events of
+        // the window and their bytes instead: a batch from as few aggregates as fill it. A claim thus
         // takes what fills a batch with the oldest events it can have, and leaves the rest to
         // other leases (a relay's next batch, other relays); held-back aggregates count for
         // nothing. Returns how many events the window held, the partitions taken, the first
         // partition with a claimable aggregate that another lease holds (the one to wait for
-        // when none could be taken), how many claimable aggregates the window held, and what they
-        // would fill (the same, or with $4 their events).
+        // when none could be taken), and how many claimable aggregates the window held.
         let claim_partitions = format!(
             "WITH RECURSIVE w AS MATERIALIZED (
                 SELECT e.seq, e.aggregate_type, e.aggregate_id, {part_e} AS part, {PAYLOAD_SIZE} AS size
@@ -148,8 +147,7 @@ impl Sql {
             SELECT (SELECT count(*) FROM w) AS window_rows,
                    ARRAY(SELECT walk.part FROM walk WHERE walk.taken) AS parts,
                    (SELECT walk.part FROM walk WHERE NOT walk.taken AND walk.i > 0 ORDER BY walk.i LIMIT 1) AS busy,
-                   (SELECT COALESCE(sum(n), 0)::bigint FROM ord, unnest(ord.ns) n) AS aggregates,
-                   (SELECT COALESCE(sum(f), 0)::bigint FROM ord, unnest(ord.fills) f) AS fill",
+                   (SELECT COALESCE(sum(n), 0)::bigint FROM ord, unnest(ord.ns) n) AS aggregates",
             held_w = held_back(&t, "w"),
         );
         // The owned read: among the first $3 ready events in seq order (a bound on the rows read,
