@@ -308,18 +308,24 @@ async fn relays_remove_expired_kept_rows_themselves_one_at_a_time() {
     let table = unmigrated_table();
     let out = run(outbox(&table, &["migrate"]));
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    // Counted from a thread of its own with a runtime and a connection of its own each time (the
+    // waits below block this runtime's thread; a pooled connection would outlive the runtime that
+    // opened it, and fail in the next one).
     let count = |filter: &str| {
         let sql = format!("SELECT count(*) FROM {} WHERE {filter}", table.qualified());
-        let pg = pg.clone();
         move || {
             let sql = sql.clone();
-            let pg = pg.clone();
             std::thread::spawn(move || {
                 tokio::runtime::Runtime::new().unwrap().block_on(async {
-                    sqlx::query_scalar::<_, i64>(&sql)
-                        .fetch_one(&pg)
+                    use sqlx::Connection;
+                    let url = outbox_postgres::testing::database_url();
+                    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+                    let n = sqlx::query_scalar::<_, i64>(&sql)
+                        .fetch_one(&mut conn)
                         .await
-                        .unwrap()
+                        .unwrap();
+                    conn.close().await.unwrap();
+                    n
                 })
             })
             .join()
