@@ -141,8 +141,13 @@ pub(super) const OWNED_SCAN_MIN: i64 = 512;
 /// The largest factor of the window (see `PostgresStore::window`): 8 x 4 batches. Claims choose
 /// from a wider window while other leases hold every partition of theirs and the window holds
 /// about one event per aggregate (many aggregates: a wider window holds more of them, so more
-/// claims at once find a batch's worth), and narrow it again once they meet no other lease.
+/// claims at once find a batch's worth), and narrow it again once they meet no other lease, or
+/// step by step while they no longer wait (see [`CALM_CLAIMS`]).
 pub(super) const WINDOW_FACTOR_MAX: i64 = 8;
+
+/// How many full batches in a row, none of whose claims waited for a partition, narrow a widened
+/// window one step (a full batch whose choice met no other lease narrows it at once).
+pub(super) const CALM_CLAIMS: u32 = 64;
 
 /// How many sets of partitions a store keeps for later claims: one per batch in flight of the
 /// default relay, and some.
@@ -358,7 +363,7 @@ impl PostgresStore {
                     .read_owned(tx, &held, limit, scan, max_bytes, whole_runs)
                     .await?;
                 if events.len() as i64 >= limit {
-                    self.narrow_window();
+                    self.calm_claim();
                     let again = Kept {
                         parts: held,
                         uses: kept.uses + 1,
@@ -395,6 +400,7 @@ impl PostgresStore {
                     self.widen_window();
                 }
                 waited = true;
+                self.calm_claims.store(0, Ordering::Relaxed);
                 if self.wait_for_partition(tx, busy).await? {
                     continue;
                 }
@@ -406,9 +412,16 @@ impl PostgresStore {
                 self.read_owned(tx, &parts, limit, 2 * window, max_bytes, whole_runs)
                     .await?
             };
-            // A full batch: the usual window will do for the next claims.
+            // A full batch chosen without passing over partitions other leases hold: the usual
+            // window will do for the next claims. Where other leases held some, the window
+            // stays as wide as it has had to become (narrowing it at once makes the next claims
+            // find every partition held again, and wait) until claims stop waiting.
             if events.len() as i64 >= limit {
-                self.narrow_window();
+                if chosen.busy.is_none() {
+                    self.narrow_window();
+                } else {
+                    self.calm_claim();
+                }
             }
             let to_keep = (events.len() as i64 >= limit).then(|| Kept {
                 parts: parts.clone(),
@@ -576,6 +589,16 @@ impl PostgresStore {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |f| {
                 Some((f * 2).clamp(1, WINDOW_FACTOR_MAX))
             });
+    }
+
+    /// Counts a full batch; after [`CALM_CLAIMS`] of them with no claim waiting for a partition,
+    /// the window narrows one step.
+    fn calm_claim(&self) {
+        let calm = self.calm_claims.fetch_add(1, Ordering::Relaxed) + 1;
+        if calm >= CALM_CLAIMS {
+            self.calm_claims.store(0, Ordering::Relaxed);
+            self.narrow_window();
+        }
     }
 
     fn narrow_window(&self) {
@@ -785,6 +808,33 @@ impl PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_widened_window_narrows_a_step_after_calm_claims_full_batches() {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://127.0.0.1:1/never")
+            .unwrap();
+        let store = PostgresStore::new(pool, OutboxTable::new("s", "events").unwrap());
+        let base = heads_window(500);
+        for _ in 0..3 {
+            store.widen_window();
+        }
+        assert_eq!(store.window(500), base * WINDOW_FACTOR_MAX);
+        for _ in 1..CALM_CLAIMS {
+            store.calm_claim();
+        }
+        assert_eq!(store.window(500), base * WINDOW_FACTOR_MAX);
+        store.calm_claim();
+        assert_eq!(store.window(500), base * WINDOW_FACTOR_MAX / 2);
+        for _ in 0..3 * CALM_CLAIMS {
+            store.calm_claim();
+        }
+        assert_eq!(
+            store.window(500),
+            base,
+            "never narrower than the usual window"
+        );
+    }
 
     #[test]
     fn claim_sql_takes_partitions_and_honours_the_table() {

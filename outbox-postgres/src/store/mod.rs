@@ -68,6 +68,8 @@ pub struct PostgresStore {
     /// The factor of the window ordered claims choose their partitions from (see
     /// `claim::WINDOW_FACTOR_MAX`).
     window_factor: Arc<std::sync::atomic::AtomicI64>,
+    /// Full batches since a claim last waited for a partition (see `claim::CALM_CLAIMS`).
+    calm_claims: Arc<std::sync::atomic::AtomicU32>,
     /// Sets of partitions that filled recent batches, for later claims to take again (see
     /// `claim::KEPT_SETS`).
     kept: lease::KeptSets,
@@ -149,6 +151,7 @@ impl PostgresStore {
             skip_rest_until: Arc::new(Mutex::new(None)),
             wide: Arc::default(),
             window_factor: Arc::new(std::sync::atomic::AtomicI64::new(1)),
+            calm_claims: Arc::default(),
             kept: Arc::default(),
             share_claims: Arc::default(),
             stats_max_rows: DEFAULT_STATS_MAX_ROWS as i64,
