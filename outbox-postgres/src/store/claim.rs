@@ -141,12 +141,16 @@ pub(super) const OWNED_SCAN_MIN: i64 = 512;
 /// The largest factor of the window (see `PostgresStore::window`): 8 x 4 batches. Claims choose
 /// from a wider window while other leases hold every partition of theirs and the window holds
 /// about one event per aggregate (many aggregates: a wider window holds more of them, so more
-/// claims at once find a batch's worth), and narrow it again once they meet no other lease, or
-/// step by step while they no longer wait (see [`CALM_CLAIMS`]).
+/// claims at once find a batch's worth), and narrow it again after a full batch chosen without
+/// meeting another lease, or a step after [`CALM_CLAIMS`] full batches without widening.
 pub(super) const WINDOW_FACTOR_MAX: i64 = 8;
 
-/// How many full batches in a row, none of whose claims waited for a partition, narrow a widened
-/// window one step (a full batch whose choice met no other lease narrows it at once).
+/// How many full batches since the window last widened narrow it one step (a full batch whose
+/// choice met no other lease narrows it at once; one taken from a kept set only counts). While
+/// claims keep meeting other leases, the window stays as wide as it had to become for that many
+/// batches: narrowing it after every one made the next claims find a narrow window's partitions
+/// held again and wait. A burst shorter than that leaves the window wide for the next (at most
+/// [`WINDOW_FACTOR_MAX`] times the rows per choice; a kept set's claim does not choose).
 pub(super) const CALM_CLAIMS: u32 = 64;
 
 /// How many sets of partitions a store keeps for later claims: one per batch in flight of the
@@ -398,9 +402,9 @@ impl PostgresStore {
                 // empty and have the relay pause, and choose again.
                 if chosen.aggregates.saturating_mul(2) > chosen.window_rows {
                     self.widen_window();
+                    self.calm_claims.store(0, Ordering::Relaxed);
                 }
                 waited = true;
-                self.calm_claims.store(0, Ordering::Relaxed);
                 if self.wait_for_partition(tx, busy).await? {
                     continue;
                 }
@@ -594,9 +598,13 @@ impl PostgresStore {
     /// Counts a full batch; after [`CALM_CLAIMS`] of them with no claim waiting for a partition,
     /// the window narrows one step.
     fn calm_claim(&self) {
-        let calm = self.calm_claims.fetch_add(1, Ordering::Relaxed) + 1;
-        if calm >= CALM_CLAIMS {
-            self.calm_claims.store(0, Ordering::Relaxed);
+        let before = self
+            .calm_claims
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some((n + 1) % CALM_CLAIMS)
+            })
+            .unwrap_or(0);
+        if before + 1 >= CALM_CLAIMS {
             self.narrow_window();
         }
     }
@@ -816,7 +824,7 @@ mod tests {
             .unwrap();
         let store = PostgresStore::new(pool, OutboxTable::new("s", "events").unwrap());
         let base = heads_window(500);
-        for _ in 0..3 {
+        for _ in 0..8 {
             store.widen_window();
         }
         assert_eq!(store.window(500), base * WINDOW_FACTOR_MAX);

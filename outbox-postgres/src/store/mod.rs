@@ -68,7 +68,7 @@ pub struct PostgresStore {
     /// The factor of the window ordered claims choose their partitions from (see
     /// `claim::WINDOW_FACTOR_MAX`).
     window_factor: Arc<std::sync::atomic::AtomicI64>,
-    /// Full batches since a claim last waited for a partition (see `claim::CALM_CLAIMS`).
+    /// Full batches since the window last widened, modulo `claim::CALM_CLAIMS`.
     calm_claims: Arc<std::sync::atomic::AtomicU32>,
     /// Sets of partitions that filled recent batches, for later claims to take again (see
     /// `claim::KEPT_SETS`).
