@@ -52,6 +52,26 @@ async fn back_off_heads(pool: &PgPool, table: &OutboxTable, prefix: &str) {
     .unwrap();
 }
 
+/// Each aggregate's next unpublished event number (events are `e1`, `e2`...: see [`insert`]).
+#[derive(Default, Debug)]
+struct NextEvents(std::collections::BTreeMap<String, u32>);
+
+impl NextEvents {
+    /// Checks that `events` are, per aggregate, its next ones in order, and moves past them.
+    fn take(&mut self, events: &[outbox_core::Event]) {
+        for e in events {
+            let n: u32 = e.event_type[1..].parse().unwrap();
+            let expected = self.0.entry(e.aggregate_id.clone()).or_insert(1);
+            assert_eq!(
+                n, *expected,
+                "{}: not its oldest unpublished event",
+                e.aggregate_id
+            );
+            *expected += 1;
+        }
+    }
+}
+
 fn aggregates(events: &[outbox_core::Event]) -> BTreeSet<String> {
     events.iter().map(|e| e.aggregate_id.clone()).collect()
 }
@@ -519,35 +539,22 @@ async fn kept_partitions_taken_again_never_share_an_aggregate_with_another_lease
     insert(&pool, &table, "a", 0..4, 40).await;
     let first = PostgresStore::new(pool.clone(), table.clone());
     let second = PostgresStore::new(pool.clone(), table.clone());
-    // Next unpublished event number of each aggregate (events are `e1`, `e2`...).
-    let mut next: std::collections::BTreeMap<String, u32> = std::collections::BTreeMap::new();
-    let mut check = |events: &[outbox_core::Event]| {
-        for e in events {
-            let n: u32 = e.event_type[1..].parse().unwrap();
-            let expected = next.entry(e.aggregate_id.clone()).or_insert(1);
-            assert_eq!(
-                n, *expected,
-                "{}: not its oldest unpublished event",
-                e.aggregate_id
-            );
-            *expected += 1;
-        }
-    };
+    let mut next = NextEvents::default();
     for round in 0..5 {
         // The first store fills a batch and settles it: its partitions become its kept set.
         let batch = first.claim(strict(10)).await.unwrap();
         assert_eq!(batch.events.len(), 10, "round {round}");
-        check(&batch.events);
+        next.take(&batch.events);
         let settled = published(&batch.events);
         batch.lease.settle(settled).await.unwrap();
         // The second store holds one event: the partition of the aggregate with the oldest.
         let held = second.claim(strict(1)).await.unwrap();
         assert_eq!(held.events.len(), 1, "round {round}");
-        check(&held.events);
+        next.take(&held.events);
         // The first store takes its kept set again, but for the partition the second holds.
         let mine = first.claim(strict(10)).await.unwrap();
         assert!(!mine.events.is_empty(), "round {round}");
-        check(&mine.events);
+        next.take(&mine.events);
         assert!(
             aggregates(&mine.events).is_disjoint(&aggregates(&held.events)),
             "round {round}: an aggregate in two live leases"
@@ -564,22 +571,6 @@ fn whole_runs(limit: usize) -> ClaimRequest {
     ClaimRequest {
         whole_runs: true,
         ..strict(limit)
-    }
-}
-
-/// Each aggregate's events in `events` are its first ones, in order (`e1`, `e2`, ...: see
-/// [`insert`]).
-fn assert_prefixes(events: &[outbox_core::Event]) {
-    let mut next: std::collections::BTreeMap<&str, i32> = std::collections::BTreeMap::new();
-    for e in events {
-        let n = next.entry(e.aggregate_id.as_str()).or_insert(1);
-        assert_eq!(
-            e.event_type,
-            format!("e{n}"),
-            "{} out of turn",
-            e.aggregate_id
-        );
-        *n += 1;
     }
 }
 
@@ -608,8 +599,8 @@ async fn claims_that_meet_other_leases_share_the_aggregates_out() {
     assert_eq!(d.events.len(), 40, "{:?}", aggregates(&d.events));
     assert!(aggregates(&c.events).is_disjoint(&aggregates(&d.events)));
     assert!(aggregates(&c.events).len() < 8);
-    assert_prefixes(&c.events);
-    assert_prefixes(&d.events);
+    NextEvents::default().take(&c.events);
+    NextEvents::default().take(&d.events);
     c.lease.release().await.unwrap();
     d.lease.release().await.unwrap();
     // A relay whose publisher cannot keep a run in order within a call never gets that: one event
@@ -627,12 +618,16 @@ async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() 
     let (aggs, per) = (16, 50);
     insert(&pool, &table, "a", 0..aggs, per).await;
     let total = (aggs * per) as usize;
-    // (aggregate, event number) in the order the claims took them: an aggregate's next events are
-    // claimable only once the lease of its earlier ones is settled, so each aggregate's entries
-    // must come in order, each once. And no aggregate is in two live leases at once: each lease
-    // marks its aggregates from its claim until just before its settle.
-    let taken = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, i32)>::new()));
+    // The events published, in the order their batches were settled: an aggregate's next events
+    // are claimable only once the lease of its earlier ones has ended, so each aggregate's events
+    // must come in order, each once. Every third batch fails its first aggregate's first event
+    // (retried at once) and gives back the rest of that aggregate's events, as the relay does: the
+    // next claims must start that aggregate again from the failed event. And no aggregate is in
+    // two live leases at once: each lease marks its aggregates from its claim until just before
+    // its settle.
+    let published_events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let live = std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::<String>::new()));
+    let batches = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let stores = [
         PostgresStore::new(pool.clone(), table.clone()),
         PostgresStore::new(pool.clone(), table.clone()),
@@ -640,11 +635,12 @@ async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() 
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..4 {
         let store = stores[i % 2].clone();
-        let taken = taken.clone();
+        let published_events = published_events.clone();
         let live = live.clone();
+        let batches = batches.clone();
         tasks.spawn(async move {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-            while taken.lock().unwrap().len() < total {
+            while published_events.lock().unwrap().len() < total {
                 assert!(std::time::Instant::now() < deadline, "the drain stalled");
                 let batch = store.claim(whole_runs(50)).await.unwrap();
                 if batch.events.is_empty() {
@@ -658,12 +654,29 @@ async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() 
                     assert!(live.is_disjoint(&mine), "an aggregate in two live leases");
                     live.extend(mine.iter().cloned());
                 }
-                taken.lock().unwrap().extend(batch.events.iter().map(|e| {
-                    let n: i32 = e.event_type.trim_start_matches('e').parse().unwrap();
-                    (e.aggregate_id.clone(), n)
-                }));
+                let failing = batches
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    .is_multiple_of(3)
+                    .then(|| batch.events[0].aggregate_id.clone());
+                let mut settlements = Vec::with_capacity(batch.events.len());
+                let mut sent = Vec::new();
+                for e in &batch.events {
+                    let action = if failing.as_deref() != Some(e.aggregate_id.as_str()) {
+                        sent.push(e.clone());
+                        Action::Published
+                    } else if e.id == batch.events[0].id {
+                        Action::Retry {
+                            attempts: e.attempts + 1,
+                            delay: std::time::Duration::ZERO,
+                            error: "refused".into(),
+                        }
+                    } else {
+                        Action::Release
+                    };
+                    settlements.push(Settlement { id: e.id, action });
+                }
+                published_events.lock().unwrap().extend(sent);
                 live.lock().unwrap().retain(|a| !mine.contains(a));
-                let settlements = published(&batch.events);
                 batch.lease.settle(settlements).await.unwrap();
             }
         });
@@ -671,13 +684,10 @@ async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() 
     while let Some(done) = tasks.join_next().await {
         done.unwrap();
     }
-    let taken = taken.lock().unwrap();
-    assert_eq!(taken.len(), total, "an event taken twice");
-    let mut next: std::collections::BTreeMap<&str, i32> = std::collections::BTreeMap::new();
-    for (agg, n) in taken.iter() {
-        let want = next.entry(agg.as_str()).or_insert(1);
-        assert_eq!(*n, *want, "{agg}: event {n} taken when {want} was its next");
-        *want += 1;
-    }
-    assert!(next.values().all(|n| *n == per + 1), "{next:?}");
+    let published_events = published_events.lock().unwrap();
+    assert_eq!(published_events.len(), total, "an event published twice");
+    let mut next = NextEvents::default();
+    next.take(&published_events);
+    assert!(next.0.values().all(|n| *n == per as u32 + 1), "{next:?}");
+    assert_eq!(next.0.len(), aggs as usize);
 }

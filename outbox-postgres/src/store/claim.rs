@@ -520,7 +520,7 @@ impl PostgresStore {
     }
 
     /// Counts down the claims left in the sharing mode (see [`SHARE_CLAIMS`]), or starts it again
-    /// when this claim met other leases. Entering it drops the kept sets: they were chosen to hold
+    /// when this claim had to wait for a partition (`met_others`). Entering it drops the kept sets: they were chosen to hold
     /// as many aggregates as a batch has events, which is what sharing gives up (those offered
     /// later by leases that began before are passed over: see `take_kept`).
     fn note_sharing(&self, met_others: bool) {
@@ -595,8 +595,8 @@ impl PostgresStore {
             });
     }
 
-    /// Counts a full batch; after [`CALM_CLAIMS`] of them with no claim waiting for a partition,
-    /// the window narrows one step.
+    /// Counts a full batch; every [`CALM_CLAIMS`] of them since the window last widened, it
+    /// narrows one step.
     fn calm_claim(&self) {
         let before = self
             .calm_claims
