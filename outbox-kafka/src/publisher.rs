@@ -198,8 +198,9 @@ impl KafkaPublisher {
 
     /// Replaces the producer when it cannot make progress: librdkafka declared it failed for good, or
     /// the broker refused its idempotence session (fenced, unknown producer id, out-of-order sequence), or
-    /// two batches in a row timed out entirely while the brokers answer metadata requests (an
-    /// idempotent producer whose broker lost its producer state waits forever). Unacknowledged events
+    /// two calls in a row timed out entirely (an idempotent producer whose broker lost its producer
+    /// state waits forever, and a connection wedged by an outage can fail even metadata requests
+    /// long after the brokers are back). Unacknowledged events
     /// were reported as failures, so nothing is lost; a new producer starts a new idempotence session.
     async fn recover(&self, producer: &FutureProducer, all_timed_out: bool, session_lost: bool) {
         if let Some((code, reason)) = producer.client().fatal_error() {
@@ -219,13 +220,21 @@ impl KafkaPublisher {
         if self.stalled_batches.fetch_add(1, Ordering::Relaxed) + 1 < 2 {
             return;
         }
-        if self.check().await.is_ok() {
-            warn!(
+        // Replaced whether or not the brokers answer its metadata request: a producer whose
+        // connection stays wedged after an outage fails that request too, and would otherwise be
+        // kept (and every later call time out) until librdkafka gave the connection up. A new
+        // producer costs a connection; while the brokers are really down, one per two calls.
+        match self.check().await {
+            Ok(()) => warn!(
                 "the Kafka producer makes no progress while the brokers answer; creating a new one"
-            );
-            self.stalled_batches.store(0, Ordering::Relaxed);
-            self.replace_producer(producer);
+            ),
+            Err(e) => warn!(
+                error = %e,
+                "two Kafka publish calls in a row timed out entirely; creating a new producer (fresh connections, a new idempotence session)"
+            ),
         }
+        self.stalled_batches.store(0, Ordering::Relaxed);
+        self.replace_producer(producer);
     }
 
     /// Replaces `used` (the producer a call found failing) with a new one, unless another call
@@ -413,6 +422,44 @@ impl Publisher for KafkaPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Brokers that take connections and never answer (a listener nobody accepts from: the kernel
+    /// completes the handshakes and buffers the requests), as a connection wedged by an outage does.
+    /// Two calls in a row that time out entirely replace the producer although its metadata check
+    /// fails too; a producer kept there would time out every later call.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_producer_whose_calls_time_out_twice_is_replaced_even_when_the_brokers_do_not_answer()
+    {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let config = KafkaConfig {
+            brokers: silent.local_addr().unwrap().to_string(),
+            topic: "silent".into(),
+            delivery_timeout: Duration::from_millis(500),
+            ..KafkaConfig::default()
+        };
+        let publisher = KafkaPublisher::new(config).unwrap();
+        let first = publisher.producer();
+        let event = outbox_core::testkit::publisher_suite::event("o-1", 1);
+        let timed_out = |outcomes: Vec<PublishOutcome>| matches!(outcomes.as_slice(), [Err(e)] if e.kind() == ErrorKind::Timeout);
+        assert!(timed_out(
+            publisher.publish(std::slice::from_ref(&event)).await
+        ));
+        assert!(publisher.check().await.is_err(), "the brokers answered");
+        assert_eq!(
+            publisher.producer().client().native_ptr(),
+            first.client().native_ptr(),
+            "replaced after one call"
+        );
+        assert!(timed_out(
+            publisher.publish(std::slice::from_ref(&event)).await
+        ));
+        assert_ne!(
+            publisher.producer().client().native_ptr(),
+            first.client().native_ptr(),
+            "the producer was kept after two calls in a row timed out"
+        );
+        drop(silent);
+    }
 
     #[test]
     fn topic_names_are_checked() {

@@ -6,10 +6,11 @@
 
 use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use outbox_core::{
-    CancellationToken, Error, Event, FailureDecision, Relay, RelayConfig, RelayObserver,
+    BatchReport, CancellationToken, Error, Event, FailureDecision, Relay, RelayConfig,
+    RelayObserver,
 };
 use outbox_kafka::KafkaPublisher;
 use outbox_postgres::testing::{fresh_table, pool};
@@ -17,12 +18,41 @@ use outbox_postgres::{DeadLetterFilter, PostgresStore};
 use outbox_tests::harness::own_tansu;
 use outbox_tests::{check, write_rounds};
 
-#[derive(Default)]
-struct Failures(Mutex<Vec<(String, FailureDecision)>>);
+/// The failed attempts, each with the time since the relay started.
+struct Failures {
+    started: Instant,
+    seen: Mutex<Vec<(String, FailureDecision)>>,
+}
 
 impl RelayObserver for Failures {
-    fn event_failed(&self, _event: &Event, error: &Error, decision: FailureDecision) {
-        self.0.lock().unwrap().push((error.to_string(), decision));
+    fn event_failed(&self, event: &Event, error: &Error, decision: FailureDecision) {
+        tracing::info!(
+            at_ms = self.started.elapsed().as_millis() as u64,
+            event = %event.id,
+            aggregate = %event.aggregate_id,
+            ?decision,
+            "test observer: {error}"
+        );
+        self.seen
+            .lock()
+            .unwrap()
+            .push((error.to_string(), decision));
+    }
+
+    fn batch_settled(&self, report: &BatchReport) {
+        tracing::info!(
+            at_ms = self.started.elapsed().as_millis() as u64,
+            ?report,
+            "test observer: batch settled"
+        );
+    }
+
+    fn broker_checked(&self, reachable: bool) {
+        tracing::info!(
+            at_ms = self.started.elapsed().as_millis() as u64,
+            reachable,
+            "test observer: broker checked"
+        );
     }
 }
 
@@ -37,6 +67,11 @@ fn signal(pid: u32, signal: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_letters() {
+    // The relay's log (and librdkafka's, through it) goes to the test's output, shown when it fails.
+    tracing_subscriber::fmt()
+        .with_env_filter("info,outbox_core=debug,outbox_kafka=debug,outbox_postgres=debug")
+        .with_test_writer()
+        .init();
     let (tansu, brokers) = own_tansu(None);
     let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "stall", 1).await;
     let pg = pool(4).await;
@@ -45,7 +80,10 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
     // Default settings everywhere but the addresses.
     let publisher = Arc::new(KafkaPublisher::new(fx.config()).unwrap());
     let store = PostgresStore::new(pool(4).await, table.clone());
-    let failures = Arc::new(Failures::default());
+    let failures = Arc::new(Failures {
+        started: Instant::now(),
+        seen: Mutex::default(),
+    });
     let relay = Relay::new(Arc::new(store.clone()), publisher, RelayConfig::default())
         .unwrap()
         .with_observer(failures.clone());
@@ -58,9 +96,11 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
 
     // The broker stalls (its connections stay open, nothing is answered) for longer than the
     // delivery timeout, while the service keeps writing.
+    tracing::info!("test: the broker stops");
     signal(tansu.id(), "-STOP");
     committed.extend(write_rounds(&table, 5, 2).await);
     tokio::time::sleep(Duration::from_secs(40)).await;
+    tracing::info!("test: the broker resumes");
     signal(tansu.id(), "-CONT");
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
@@ -80,7 +120,7 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
     task.await.unwrap();
     drop(tansu);
 
-    let failures = failures.0.lock().unwrap().clone();
+    let failures = failures.seen.lock().unwrap().clone();
     println!("{verdict}; {} failed attempts", failures.len());
     assert!(
         !failures.is_empty(),
