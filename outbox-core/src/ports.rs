@@ -266,6 +266,21 @@ pub trait Publisher: Send + Sync {
         false
     }
 
+    /// Whether `later`, a later event of `earlier`'s aggregate, may travel in the same call as
+    /// `earlier`: asked only when [`Publisher::keeps_order`] is true, for each two events of an
+    /// aggregate next to each other in a batch.
+    ///
+    /// # Behavior
+    /// - `true` (the default) when the broker keeps the two in order within a call.
+    /// - `false` when it keeps order only within something the two do not share: Kafka keeps an
+    ///   aggregate's records in order within one partition of one topic, so two events routed to
+    ///   different topics go in separate calls. The relay then sends `later` in a later call, once
+    ///   `earlier` is acknowledged (as for a publisher that does not keep order).
+    fn same_call(&self, earlier: &Event, later: &Event) -> bool {
+        let _ = (earlier, later);
+        true
+    }
+
     /// The longest one call can take by the publisher's own limits, with the settings that set it,
     /// after which the publisher reports its failures (and recovers its connection) itself.
     ///

@@ -860,22 +860,29 @@ fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome]) -> bool {
     false
 }
 
-/// The call each event travels in: its position in its aggregate's run (0 for the first) when the
-/// publisher cannot keep an aggregate's events in order within a call, else 0. Under
-/// [`OrderingPolicy::Unordered`] every event is in call 0.
+/// The call each event travels in. Under [`OrderingPolicy::Unordered`] every event is in call 0.
+/// Otherwise an aggregate's first event of the batch is in call 0, and each later one in the call of
+/// the one before it when the publisher keeps the two in order within a call
+/// ([`Publisher::keeps_order`], [`Publisher::same_call`]), else in the next call: for a publisher that
+/// does not keep order, its position in its aggregate's run.
 fn calls_of(publisher: &dyn Publisher, events: &[Event], ordering: OrderingPolicy) -> Vec<usize> {
-    if ordering == OrderingPolicy::Unordered || publisher.keeps_order() {
+    if ordering == OrderingPolicy::Unordered {
         return vec![0; events.len()];
     }
-    let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
+    let keeps = publisher.keeps_order();
+    // Per aggregate: the call of its last event so far, and that event.
+    let mut last: HashMap<(&str, &str), (usize, &Event)> = HashMap::new();
     events
         .iter()
         .map(|event| {
-            let n = seen
-                .entry((event.aggregate_type.as_str(), event.aggregate_id.as_str()))
-                .or_insert(0);
-            *n += 1;
-            *n - 1
+            let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+            let call = match last.get(&key) {
+                None => 0,
+                Some(&(call, before)) if keeps && publisher.same_call(before, event) => call,
+                Some(&(call, _)) => call + 1,
+            };
+            last.insert(key, (call, event));
+            call
         })
         .collect()
 }

@@ -577,6 +577,115 @@ async fn a_publisher_that_keeps_order_gets_whole_runs_in_one_call() {
     assert_eq!(publisher.calls(), 1);
 }
 
+/// A publisher that keeps an aggregate's order only among events of one destination (as Kafka does
+/// within a topic): each call's events are recorded; the events in `fail` fail once, and a failure
+/// stops the later events of its aggregate in the same call.
+#[derive(Default)]
+struct PerDestination {
+    calls: std::sync::Mutex<Vec<Vec<Uuid>>>,
+    fail: std::sync::Mutex<std::collections::HashSet<Uuid>>,
+}
+
+#[async_trait]
+impl Publisher for PerDestination {
+    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(events.iter().map(|e| e.id).collect());
+        let mut fence = crate::publishers::Fence::new();
+        events
+            .iter()
+            .map(|e| {
+                if fence.holds(e) {
+                    Err(crate::publishers::Fence::not_sent("test"))
+                } else if self.fail.lock().unwrap().remove(&e.id) {
+                    fence.close(e);
+                    Err(Error::new(ErrorKind::Connection, "refused once"))
+                } else {
+                    Ok(())
+                }
+            })
+            .collect()
+    }
+    async fn check(&self) -> Result<(), Error> {
+        Ok(())
+    }
+    fn name(&self) -> &str {
+        "per-destination"
+    }
+    fn keeps_order(&self) -> bool {
+        true
+    }
+    fn same_call(&self, earlier: &Event, later: &Event) -> bool {
+        earlier.destination == later.destination
+    }
+}
+
+/// An aggregate's run goes in one call while its events share a destination, and on in the next
+/// call from the first event routed elsewhere; a failure there holds the rest of the run back
+/// until it is published, in order.
+#[tokio::test(start_paused = true)]
+async fn a_run_is_split_into_calls_where_its_destination_changes() {
+    let store = MemoryStore::new();
+    let dests = ["a", "a", "b", "b", "a"];
+    let mut events: Vec<_> = dests
+        .iter()
+        .enumerate()
+        .map(|(n, d)| sample_event("x", n).with_destination(*d))
+        .collect();
+    events.extend((0..3).map(|n| sample_event("y", n)));
+    let written = store.push(events).unwrap();
+    let publisher = Arc::new(PerDestination::default());
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap();
+    let summary = relay.drain().await;
+    assert_eq!(summary.published, 8);
+    let calls = publisher.calls.lock().unwrap().clone();
+    let w = &written;
+    assert_eq!(
+        calls,
+        vec![
+            vec![w[0], w[1], w[5], w[6], w[7]],
+            vec![w[2], w[3]],
+            vec![w[4]]
+        ]
+    );
+
+    // The same, the first event for "b" failing once: neither it nor anything after it goes
+    // before it is published.
+    let store = MemoryStore::new();
+    let mut events: Vec<_> = dests
+        .iter()
+        .enumerate()
+        .map(|(n, d)| sample_event("x", n).with_destination(*d))
+        .collect();
+    events.truncate(5);
+    let written = store.push(events).unwrap();
+    let publisher = Arc::new(PerDestination::default());
+    publisher.fail.lock().unwrap().insert(written[2]);
+    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap();
+    let (task, shutdown) = spawn(relay);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while store.get(written[4]).map(|s| s.status) != Some(EventStatus::Processed)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap();
+    let calls = publisher.calls.lock().unwrap().clone();
+    let w = &written;
+    assert_eq!(
+        calls,
+        vec![
+            vec![w[0], w[1]],
+            vec![w[2], w[3]],
+            vec![w[2], w[3]],
+            vec![w[4]]
+        ]
+    );
+}
+
 /// Once `publish_timeout` has passed since a batch's first call, no further call starts: what is
 /// left comes back as back-pressure, with no attempt counted, and is published later in order.
 #[tokio::test(start_paused = true)]

@@ -14,9 +14,10 @@ use crate::config::KafkaConfig;
 use crate::error::map_kafka;
 
 /// Producer-only properties librdkafka rejects or warns about on an admin client.
-const PRODUCER_ONLY: [&str; 6] = [
+const PRODUCER_ONLY: [&str; 7] = [
     "acks",
     "enable.idempotence",
+    "enable.gapless.guarantee",
     "max.in.flight.requests.per.connection",
     "compression.type",
     "linger.ms",

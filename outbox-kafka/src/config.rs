@@ -24,7 +24,10 @@ pub struct KafkaConfig {
     pub topic: String,
     /// `acks`: `all` (default), `1` or `0`. Idempotence requires `all`.
     pub acks: String,
-    /// Idempotent producer: no duplicates or reordering from producer retries. Default true.
+    /// Idempotent producer: no duplicates or reordering from producer retries, and no gap in what
+    /// is written (`enable.gapless.guarantee`), so that an aggregate's run of events goes to the
+    /// broker in one call ([`outbox_core::Publisher::keeps_order`]). Default true; without it, an
+    /// aggregate's next event is sent only once the one before is acknowledged.
     pub idempotence: bool,
     /// `max.in.flight.requests.per.connection`: at most 5 with idempotence (order kept). Default 5.
     pub max_in_flight: u32,
@@ -34,8 +37,12 @@ pub struct KafkaConfig {
     pub linger_ms: u32,
     /// `message.max.bytes`: larger messages fail permanently, without being sent. Default 1000000.
     pub message_max_bytes: usize,
-    /// `message.timeout.ms`: time a message may take to be acknowledged, retries included; then it
-    /// fails (retryably). Default 30 s.
+    /// Time an event may take to be acknowledged, retries included; then the publish call reports
+    /// it failed (retryably). Default 30 s. With the idempotent producer the call itself bounds the
+    /// wait and librdkafka's `message.timeout.ms` is infinite: a record reported failed may still be
+    /// written once the broker answers (a duplicate, never out of order); a producer whose calls
+    /// time out twice in a row is replaced, dropping what it still holds. Without it, this is
+    /// `message.timeout.ms`.
     #[serde(with = "duration::serde_str")]
     pub delivery_timeout: Duration,
     /// How long one publish call waits, in all, for room in the producer's local queue before reporting back-pressure
@@ -120,6 +127,7 @@ const OWNED: &[(&str, &str)] = &[
     ("message.max.bytes", "kafka.message_max_bytes"),
     ("message.timeout.ms", "kafka.delivery_timeout"),
     ("delivery.timeout.ms", "kafka.delivery_timeout"),
+    ("enable.gapless.guarantee", "kafka.idempotence"),
 ];
 
 impl KafkaConfig {
@@ -207,10 +215,21 @@ impl KafkaConfig {
             "message.max.bytes".into(),
             self.message_max_bytes.to_string(),
         );
-        p.insert(
-            "message.timeout.ms".into(),
-            self.delivery_timeout.as_millis().to_string(),
-        );
+        if self.idempotence {
+            // An aggregate's events go to the broker in one call, and its records must never be
+            // written with a gap: librdkafka raises a fatal error (the publisher then starts a new
+            // producer) rather than go on past a record the broker refused, and no message times
+            // out in the producer's queue, which would let a later one be written without it (the
+            // gapless guarantee does not cover that). The publish call bounds the wait itself
+            // (`delivery_timeout`); what it reported failed may still be written later, in order.
+            p.insert("enable.gapless.guarantee".into(), "true".into());
+            p.insert("message.timeout.ms".into(), "0".into());
+        } else {
+            p.insert(
+                "message.timeout.ms".into(),
+                self.delivery_timeout.as_millis().to_string(),
+            );
+        }
         p
     }
 }
@@ -277,7 +296,17 @@ mod tests {
         let p = c.producer_properties();
         assert_eq!(p["enable.idempotence"], "true");
         assert_eq!(p["compression.type"], "zstd");
-        assert_eq!(p["message.timeout.ms"], "30000");
         assert_eq!(p["security.protocol"], "SASL_SSL");
+        // The idempotent producer: no gap in what is written, and no timeout in its queue.
+        assert_eq!(p["enable.gapless.guarantee"], "true");
+        assert_eq!(p["message.timeout.ms"], "0");
+        let plain = KafkaConfig {
+            idempotence: false,
+            acks: "1".into(),
+            ..KafkaConfig::default()
+        }
+        .producer_properties();
+        assert_eq!(plain["message.timeout.ms"], "30000");
+        assert!(!plain.contains_key("enable.gapless.guarantee"));
     }
 }

@@ -29,10 +29,15 @@ const MAX_TOPIC_LEN: usize = 249;
 
 /// Publishes events to Kafka.
 ///
-/// Events of one aggregate go to one partition, but the relay still sends a later event of an
-/// aggregate only once the earlier one is acknowledged ([`Publisher::keeps_order`] is false): even
-/// the idempotent producer's gapless guarantee does not cover a message that times out in the
-/// producer's queue (`message.timeout.ms`) while a later one goes out once the broker is back.
+/// Events of one aggregate go to one partition of their topic, and with the idempotent producer (the
+/// default) an aggregate's run goes in one call ([`Publisher::keeps_order`]): librdkafka writes
+/// the records of a partition in the order sent, and never past one the broker refused
+/// (`enable.gapless.guarantee`: it fails the producer instead, and the publisher starts a new one).
+/// No message times out in the producer's queue (`message.timeout.ms` is infinite: a timed-out
+/// message would let a later one be written without it); the call stops waiting after
+/// `delivery_timeout` and reports what is unacknowledged as failed. Events of an aggregate routed
+/// to different topics go in separate calls ([`Publisher::same_call`]). Without idempotence, the
+/// relay sends an aggregate's next event only once the one before is acknowledged.
 ///
 /// - Key = aggregate id, so one aggregate stays on one partition, in order; value = payload (the
 ///   JSON event in CloudEvents structured mode, [`KafkaPublisher::with_format`]).
@@ -353,8 +358,14 @@ impl Publisher for KafkaPublisher {
         }
         let indexes: Vec<usize> = pending.iter().map(|(i, _)| *i).collect();
         let reports = join_all(pending.into_iter().map(|(_, d)| d));
-        // librdkafka bounds every message by message.timeout.ms; the margin covers the report's trip.
-        let limit = self.config.delivery_timeout + REPORT_MARGIN;
+        // The idempotent producer has no message timeout of its own (see `KafkaConfig::idempotence`):
+        // the call bounds the wait. Otherwise librdkafka bounds every message by message.timeout.ms,
+        // and the margin covers the report's trip.
+        let limit = if self.config.idempotence {
+            self.config.delivery_timeout
+        } else {
+            self.config.delivery_timeout + REPORT_MARGIN
+        };
         let mut session_lost = false;
         match tokio::time::timeout(limit, reports).await {
             Ok(results) => {
@@ -417,6 +428,19 @@ impl Publisher for KafkaPublisher {
     fn name(&self) -> &str {
         "kafka"
     }
+
+    /// With the idempotent producer: its records are written in the order sent, per partition, with
+    /// no gap (see [`KafkaConfig::idempotence`]), and an aggregate's records of one topic share a
+    /// partition (the key).
+    fn keeps_order(&self) -> bool {
+        self.config.idempotence
+    }
+
+    /// Two events of an aggregate routed to different topics are on different partitions, whose
+    /// order Kafka does not relate: they go in separate calls.
+    fn same_call(&self, earlier: &Event, later: &Event) -> bool {
+        self.topic.destination(earlier) == self.topic.destination(later)
+    }
 }
 
 #[cfg(test)]
@@ -459,6 +483,31 @@ mod tests {
             "the producer was kept after two calls in a row timed out"
         );
         drop(silent);
+    }
+
+    /// The idempotent producer takes an aggregate's run in one call, up to an event routed to
+    /// another topic; without idempotence, one event of an aggregate per call.
+    #[test]
+    fn runs_go_in_one_call_per_topic_with_the_idempotent_producer() {
+        let publisher = KafkaPublisher::new(KafkaConfig {
+            allowed_destinations: vec!["audit".into()],
+            ..KafkaConfig::default()
+        })
+        .unwrap();
+        assert!(publisher.keeps_order());
+        let first = outbox_core::testkit::publisher_suite::event("o-1", 1);
+        let second = outbox_core::testkit::publisher_suite::event("o-1", 2);
+        let mut elsewhere = outbox_core::testkit::publisher_suite::event("o-1", 3);
+        elsewhere.destination = Some("audit".into());
+        assert!(publisher.same_call(&first, &second));
+        assert!(!publisher.same_call(&second, &elsewhere));
+        let plain = KafkaPublisher::new(KafkaConfig {
+            idempotence: false,
+            acks: "1".into(),
+            ..KafkaConfig::default()
+        })
+        .unwrap();
+        assert!(!plain.keeps_order());
     }
 
     #[test]

@@ -8,15 +8,18 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use outbox_core::testkit::publisher_suite::event;
+use outbox_core::Publisher;
 use outbox_core::{
     BatchReport, CancellationToken, Error, Event, FailureDecision, Relay, RelayConfig,
     RelayObserver,
 };
-use outbox_kafka::KafkaPublisher;
+use outbox_kafka::{KafkaConfig, KafkaPublisher};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::{DeadLetterFilter, PostgresStore};
 use outbox_tests::harness::own_tansu;
 use outbox_tests::{check, write_rounds};
+use std::collections::{HashMap, HashSet};
 
 /// The failed attempts, each with the time since the relay started.
 struct Failures {
@@ -71,7 +74,8 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
     tracing_subscriber::fmt()
         .with_env_filter("info,outbox_core=debug,outbox_kafka=debug,outbox_postgres=debug")
         .with_test_writer()
-        .init();
+        .try_init()
+        .ok();
     let (tansu, brokers) = own_tansu(None);
     let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "stall", 1).await;
     let pg = pool(4).await;
@@ -152,4 +156,121 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
         (0, 0, 0),
         "{verdict}"
     );
+}
+
+/// Whole runs under a stall: one call holds 40 events of each of 50 aggregates, and the broker stops
+/// (SIGSTOP) at some moment of the call (five rounds, from its start to a few milliseconds in), for
+/// longer than the delivery timeout. What the call
+/// acknowledged is a prefix of each aggregate's run; and once the broker is back and each
+/// aggregate's run is sent again from its first unacknowledged event (as the relay does), the topic
+/// holds every event, each aggregate's first copies in order: no record was written past a gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_stall_in_the_middle_of_whole_runs_leaves_no_gap_in_any_aggregate() {
+    let (tansu, brokers) = own_tansu(None);
+    let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "runs", 3).await;
+    let publisher = KafkaPublisher::new(KafkaConfig {
+        delivery_timeout: Duration::from_secs(3),
+        ..fx.config()
+    })
+    .unwrap();
+    assert!(publisher.keeps_order(), "whole runs in one call");
+    // The producer knows the topic and has its idempotence session before the stall.
+    let warm = [event("warm", 0)];
+    assert!(publisher.publish(&warm).await.iter().all(Result::is_ok));
+    fx.wait_for(1, Duration::from_secs(60)).await;
+
+    // Five rounds, the broker stopped at a different moment of each call.
+    let mut all: Vec<Event> = Vec::new();
+    for round in 0..5u64 {
+        let runs: Vec<Event> = (0..40)
+            .flat_map(|n| (0..50).map(move |a| event(&format!("agg-{round}-{a}"), n)))
+            .collect();
+        // The signal is sent from a thread of its own (starting `kill` takes a few milliseconds).
+        let pid = tansu.id();
+        let pause = Duration::from_micros(4_000 * round + fastrand::u64(0..4_000));
+        let stopper = std::thread::spawn(move || {
+            std::thread::sleep(pause);
+            signal(pid, "-STOP");
+        });
+        let outcomes = publisher.publish(&runs).await;
+        stopper.join().unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        signal(tansu.id(), "-CONT");
+
+        // What the call acknowledged: a prefix of each aggregate's run.
+        let mut failed: HashSet<&str> = HashSet::new();
+        let mut left: Vec<Event> = Vec::new();
+        for (e, o) in runs.iter().zip(&outcomes) {
+            if o.is_ok() {
+                assert!(
+                    !failed.contains(e.aggregate_id.as_str()),
+                    "{}: acknowledged after an earlier event of its run failed",
+                    e.aggregate_id
+                );
+            } else {
+                failed.insert(e.aggregate_id.as_str());
+            }
+            if failed.contains(e.aggregate_id.as_str()) {
+                left.push(e.clone());
+            }
+        }
+        println!(
+            "round {round}: acknowledged in the stalled call: {} of {}",
+            runs.len() - left.len(),
+            runs.len()
+        );
+        // The rest, again, until acknowledged (a new producer may be needed after the stall).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        while !left.is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} events still unacknowledged 120 s after the broker resumed",
+                left.len()
+            );
+            let outcomes = publisher.publish(&left).await;
+            let mut failed: HashSet<String> = HashSet::new();
+            let mut next = Vec::new();
+            for (e, o) in left.iter().zip(outcomes) {
+                if o.is_err() || failed.contains(&e.aggregate_id) {
+                    failed.insert(e.aggregate_id.clone());
+                    next.push(e.clone());
+                }
+            }
+            left = next;
+            if !left.is_empty() {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+        all.extend(runs);
+    }
+
+    // Every event in the topic, each aggregate's first copies in the order of its run.
+    fx.wait_until_read_all(Duration::from_secs(60)).await;
+    let received = fx.got.lock().unwrap().clone();
+    drop(tansu);
+    let position: HashMap<uuid::Uuid, (&str, usize)> = all
+        .iter()
+        .enumerate()
+        .map(|(n, e)| (e.id, (e.aggregate_id.as_str(), n)))
+        .collect();
+    let mut seen: HashSet<uuid::Uuid> = HashSet::new();
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    let mut duplicates = 0;
+    for id in received.iter().filter_map(|d| d.received.event_id) {
+        let Some(&(aggregate, n)) = position.get(&id) else {
+            continue;
+        };
+        if !seen.insert(id) {
+            duplicates += 1;
+            continue;
+        }
+        if let Some(before) = last.insert(aggregate, n) {
+            assert!(
+                before < n,
+                "{aggregate}: event #{n} written before #{before}: a gap"
+            );
+        }
+    }
+    println!("{} received, {duplicates} duplicates", seen.len());
+    assert_eq!(seen.len(), all.len(), "events missing from the topic");
 }

@@ -1762,6 +1762,10 @@ impl Publisher for Wrapped {
         self.inner.keeps_order()
     }
 
+    fn same_call(&self, earlier: &Event, later: &Event) -> bool {
+        self.inner.same_call(earlier, later)
+    }
+
     fn call_limit(&self) -> Option<outbox_core::CallLimit> {
         self.inner.call_limit()
     }
