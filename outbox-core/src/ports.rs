@@ -255,13 +255,14 @@ pub trait Publisher: Send + Sync {
     ///
     /// # Behavior
     /// - `true` only when that holds for every event: a publisher that succeeds or fails a whole call
-    ///   at once (standard output, a discarding sink). The relay may then hand one call a whole run.
+    ///   at once (standard output, a discarding sink), or a broker that writes an aggregate's events
+    ///   in the order sent and never one past an event it refused (Kafka's idempotent producer with
+    ///   its gapless guarantee, within one topic: see [`Publisher::same_call`]). The relay may then
+    ///   hand one call a whole run.
     /// - `false` (the default) when events can fail one by one, a later one acknowledged after an
     ///   earlier one was refused: a RabbitMQ queue in `reject-publish` overflow nacks one message and
-    ///   acks the next; an SQS batch fails per entry; Kafka refuses a record of one topic while another
-    ///   takes the next event, and its gapless guarantee does not cover messages timing out in the
-    ///   producer's queue. The relay then sends a later event of an aggregate only in a later call,
-    ///   once the earlier one is acknowledged.
+    ///   acks the next; an SQS batch fails per entry. The relay then sends a later event of an
+    ///   aggregate only in a later call, once the earlier one is acknowledged.
     fn keeps_order(&self) -> bool {
         false
     }

@@ -111,6 +111,11 @@ impl Template {
         self.parts.iter().all(|p| matches!(p, Part::Text(_)))
     }
 
+    /// True when the template renders the same for every event of an aggregate (no `{event_type}`).
+    pub fn is_per_aggregate(&self) -> bool {
+        !self.parts.iter().any(|p| matches!(p, Part::EventType))
+    }
+
     /// The destination of `event`.
     pub fn render(&self, event: &Event) -> String {
         self.render_with(event, std::borrow::Cow::Borrowed)
@@ -296,6 +301,10 @@ mod tests {
     #[test]
     fn renders_placeholders() {
         let t = Template::parse("kafka.topic", "outbox.event.{aggregate_type}").unwrap();
+        assert!(t.is_per_aggregate());
+        assert!(!Template::parse("k", "events.{event_type}")
+            .unwrap()
+            .is_per_aggregate());
         assert_eq!(t.render(&ev()), "outbox.event.order");
         assert!(!t.is_fixed());
         let t = Template::parse("k", "{event_type}/{aggregate_id}{{x}}").unwrap();

@@ -128,6 +128,9 @@ const OWNED: &[(&str, &str)] = &[
     ("message.timeout.ms", "kafka.delivery_timeout"),
     ("delivery.timeout.ms", "kafka.delivery_timeout"),
     ("enable.gapless.guarantee", "kafka.idempotence"),
+    // A record that runs out of retries is not covered by the gapless guarantee.
+    ("retries", "kafka.idempotence"),
+    ("message.send.max.retries", "kafka.idempotence"),
 ];
 
 impl KafkaConfig {

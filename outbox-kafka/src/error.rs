@@ -13,7 +13,12 @@ pub fn classify_code(code: Code) -> (ErrorKind, bool) {
         return (ErrorKind::Connection, true);
     }
     match code {
-        Code::QueueFull => (ErrorKind::Backpressure, true),
+        // The record was not refused: the producer dropped it from its queue because it failed
+        // (a fatal error caused by another record, whose own report names it) or was replaced.
+        // Sent again without counting an attempt.
+        Code::QueueFull | Code::PurgeQueue | Code::PurgeInflight | Code::Fatal => {
+            (ErrorKind::Backpressure, true)
+        }
         Code::BrokerTransportFailure
         | Code::AllBrokersDown
         | Code::Resolve
@@ -31,9 +36,7 @@ pub fn classify_code(code: Code) -> (ErrorKind, bool) {
         | Code::UnknownTopic
         | Code::UnknownPartition
         | Code::ISRInsufficient
-        | Code::Retry
-        | Code::PurgeQueue
-        | Code::PurgeInflight => (ErrorKind::Rejected, true),
+        | Code::Retry => (ErrorKind::Rejected, true),
         Code::MessageSizeTooLarge | Code::MessageBatchTooLarge => {
             (ErrorKind::PayloadTooLarge, false)
         }
@@ -95,6 +98,9 @@ mod tests {
     fn code_table() {
         let cases = [
             (Code::QueueFull, ErrorKind::Backpressure, true),
+            (Code::PurgeQueue, ErrorKind::Backpressure, true),
+            (Code::PurgeInflight, ErrorKind::Backpressure, true),
+            (Code::Fatal, ErrorKind::Backpressure, true),
             (Code::ProducerFenced, ErrorKind::Connection, true),
             (Code::OutOfOrderSequenceNumber, ErrorKind::Connection, true),
             (Code::UnknownProducerId, ErrorKind::Connection, true),
@@ -118,7 +124,6 @@ mod tests {
                 false,
             ),
             (Code::PolicyViolation, ErrorKind::InvalidInput, false),
-            (Code::Fatal, ErrorKind::Unexpected, true),
         ];
         for (code, kind, retry) in cases {
             assert_eq!(classify_code(code), (kind, retry), "{code:?}");

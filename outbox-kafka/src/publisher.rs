@@ -24,6 +24,12 @@ use crate::error::{ends_session, map_kafka};
 /// Time a delivery report gets past `message.timeout.ms` to reach the publisher.
 const REPORT_MARGIN: Duration = Duration::from_secs(5);
 
+/// Messages a producer may still hold after a call in which some timed out (copies the broker has
+/// not taken, sent again meanwhile by later calls) before it is replaced: with no message timeout
+/// in its queue (see `KafkaConfig::idempotence`), a partition that stays unwritable would otherwise
+/// collect copies up to librdkafka's queue limits.
+const STALE_MESSAGES: i32 = 20_000;
+
 /// Longest legal Kafka topic name.
 const MAX_TOPIC_LEN: usize = 249;
 
@@ -207,7 +213,13 @@ impl KafkaPublisher {
     /// state waits forever, and a connection wedged by an outage can fail even metadata requests
     /// long after the brokers are back). Unacknowledged events
     /// were reported as failures, so nothing is lost; a new producer starts a new idempotence session.
-    async fn recover(&self, producer: &FutureProducer, all_timed_out: bool, session_lost: bool) {
+    async fn recover(
+        &self,
+        producer: &FutureProducer,
+        all_timed_out: bool,
+        some_timed_out: bool,
+        session_lost: bool,
+    ) {
         if let Some((code, reason)) = producer.client().fatal_error() {
             error!(code = ?code, reason = %reason, "the Kafka producer failed fatally; creating a new one");
             self.replace_producer(producer);
@@ -215,6 +227,14 @@ impl KafkaPublisher {
         }
         if session_lost {
             warn!("the Kafka broker refused the producer's idempotence session (fenced, unknown producer id or sequence); creating a new producer");
+            self.replace_producer(producer);
+            return;
+        }
+        if some_timed_out && producer.in_flight_count() >= STALE_MESSAGES {
+            warn!(
+                held = producer.in_flight_count(),
+                "the Kafka producer holds many messages the brokers have not taken; creating a new one"
+            );
             self.replace_producer(producer);
             return;
         }
@@ -240,6 +260,15 @@ impl KafkaPublisher {
         }
         self.stalled_batches.store(0, Ordering::Relaxed);
         self.replace_producer(producer);
+    }
+
+    /// Whether `producer` is the one new calls use.
+    fn is_current(&self, producer: &FutureProducer) -> bool {
+        let current = match self.producer.lock() {
+            Ok(p) => p,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        current.client().native_ptr() == producer.client().native_ptr()
     }
 
     /// Replaces `used` (the producer a call found failing) with a new one, unless another call
@@ -356,53 +385,60 @@ impl Publisher for KafkaPublisher {
                 }
             }
         }
-        let indexes: Vec<usize> = pending.iter().map(|(i, _)| *i).collect();
-        let reports = join_all(pending.into_iter().map(|(_, d)| d));
         // The idempotent producer has no message timeout of its own (see `KafkaConfig::idempotence`):
         // the call bounds the wait. Otherwise librdkafka bounds every message by message.timeout.ms,
-        // and the margin covers the report's trip.
+        // and the margin covers the report's trip. Each report has the deadline on its own: one
+        // record left unacknowledged does not undo the acknowledgements of the others.
         let limit = if self.config.idempotence {
             self.config.delivery_timeout
         } else {
             self.config.delivery_timeout + REPORT_MARGIN
         };
+        let deadline = Instant::now() + limit;
+        let reports = join_all(
+            pending
+                .into_iter()
+                .map(|(i, d)| async move { (i, tokio::time::timeout_at(deadline, d).await) }),
+        )
+        .await;
         let mut session_lost = false;
-        match tokio::time::timeout(limit, reports).await {
-            Ok(results) => {
-                for (i, r) in indexes.into_iter().zip(results) {
-                    outcomes[i] = Some(match r {
-                        Ok(Ok(_delivery)) => Ok(()),
-                        Ok(Err((e, _message))) => {
-                            session_lost |= e.rdkafka_error_code().is_some_and(ends_session);
-                            Err(self
-                                .name_the_limit(map_kafka("delivery", e), &events[i])
-                                .with_context("event_id", events[i].id))
-                        }
-                        Err(_canceled) => Err(Error::new(
-                            ErrorKind::Connection,
-                            "the producer dropped the delivery report",
-                        )
-                        .with_context("adapter", "kafka")
-                        .with_context("event_id", events[i].id)),
-                    });
+        for (i, report) in reports {
+            outcomes[i] = Some(match report {
+                Ok(Ok(Ok(_delivery))) => Ok(()),
+                Ok(Ok(Err((e, _message)))) => {
+                    session_lost |= e.rdkafka_error_code().is_some_and(ends_session);
+                    Err(self
+                        .name_the_limit(map_kafka("delivery", e), &events[i])
+                        .with_context("event_id", events[i].id))
                 }
-            }
-            Err(_) => {
-                let e = Error::new(
+                Ok(Err(_canceled)) => Err(Error::new(
+                    ErrorKind::Connection,
+                    "the producer dropped the delivery report",
+                )
+                .with_context("adapter", "kafka")
+                .with_context("event_id", events[i].id)),
+                Err(_) => Err(Error::new(
                     ErrorKind::Timeout,
                     "no delivery report within kafka.delivery_timeout",
                 )
-                .with_context("adapter", "kafka");
-                for i in indexes {
-                    outcomes[i] = Some(Err(e.clone()));
-                }
-            }
+                .with_context("adapter", "kafka")
+                .with_context("event_id", events[i].id)),
+            });
         }
         let all_timed_out = !outcomes.is_empty()
             && outcomes
                 .iter()
                 .all(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout));
-        self.recover(&producer, all_timed_out, session_lost).await;
+        let some_timed_out = outcomes
+            .iter()
+            .any(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout));
+        self.recover(&producer, all_timed_out, some_timed_out, session_lost)
+            .await;
+        // A replaced producer is destroyed with its last handle, which waits for librdkafka's
+        // threads: off the async workers.
+        if !self.is_current(&producer) {
+            drop(tokio::task::spawn_blocking(move || drop(producer)));
+        }
         finish(outcomes)
     }
 
@@ -431,9 +467,11 @@ impl Publisher for KafkaPublisher {
 
     /// With the idempotent producer: its records are written in the order sent, per partition, with
     /// no gap (see [`KafkaConfig::idempotence`]), and an aggregate's records of one topic share a
-    /// partition (the key).
+    /// partition (the key). Not with a topic template that varies within an aggregate
+    /// (`{event_type}`): its runs would be split into a call per topic anyway, and the relay
+    /// spreads its batches over more aggregates instead.
     fn keeps_order(&self) -> bool {
-        self.config.idempotence
+        self.config.idempotence && self.topic.is_per_aggregate()
     }
 
     /// Two events of an aggregate routed to different topics are on different partitions, whose
@@ -485,6 +523,35 @@ mod tests {
         drop(silent);
     }
 
+    /// A call whose events time out while the producer holds many messages the brokers have not
+    /// taken (no message expires in its queue) replaces the producer at once, dropping them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_producer_left_holding_many_unsent_messages_is_replaced() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let publisher = KafkaPublisher::new(KafkaConfig {
+            brokers: silent.local_addr().unwrap().to_string(),
+            topic: "silent".into(),
+            delivery_timeout: Duration::from_millis(500),
+            ..KafkaConfig::default()
+        })
+        .unwrap();
+        // One call (a single call that timed out entirely does not replace the producer).
+        let first = publisher.producer();
+        let many: Vec<Event> = (0..STALE_MESSAGES as usize)
+            .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
+            .collect();
+        let outcomes = publisher.publish(&many).await;
+        assert!(outcomes
+            .iter()
+            .all(|o| matches!(o, Err(e) if e.kind() == ErrorKind::Timeout)));
+        assert!(
+            !publisher.is_current(&first),
+            "the producer kept {} unsent messages",
+            first.in_flight_count()
+        );
+        drop(silent);
+    }
+
     /// The idempotent producer takes an aggregate's run in one call, up to an event routed to
     /// another topic; without idempotence, one event of an aggregate per call.
     #[test]
@@ -501,6 +568,12 @@ mod tests {
         elsewhere.destination = Some("audit".into());
         assert!(publisher.same_call(&first, &second));
         assert!(!publisher.same_call(&second, &elsewhere));
+        let by_type = KafkaPublisher::new(KafkaConfig {
+            topic: "events.{event_type}".into(),
+            ..KafkaConfig::default()
+        })
+        .unwrap();
+        assert!(!by_type.keeps_order());
         let plain = KafkaPublisher::new(KafkaConfig {
             idempotence: false,
             acks: "1".into(),

@@ -903,6 +903,20 @@ impl Publisher for FaultInjector {
     fn name(&self) -> &str {
         "fault-injector"
     }
+
+    // The broker's own ordering and limits, so that the relay drives it as it drives the broker
+    // alone (whole runs in one call where the broker keeps them in order).
+    fn keeps_order(&self) -> bool {
+        self.inner.keeps_order()
+    }
+
+    fn same_call(&self, earlier: &outbox_core::Event, later: &outbox_core::Event) -> bool {
+        self.inner.same_call(earlier, later)
+    }
+
+    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+        self.inner.call_limit()
+    }
 }
 
 /// `GET http://<addr><path>`: the status code, or `None` when nothing answered within 5 s.
