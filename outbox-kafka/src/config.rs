@@ -40,9 +40,12 @@ pub struct KafkaConfig {
     /// Time an event may take to be acknowledged, retries included; then the publish call reports
     /// it failed (retryably). Default 30 s. With the idempotent producer the call itself bounds the
     /// wait and librdkafka's `message.timeout.ms` is infinite: a record reported failed may still be
-    /// written once the broker answers (a duplicate, never out of order); a producer whose calls
-    /// time out twice in a row is replaced, dropping what it still holds. Without it, this is
-    /// `message.timeout.ms`.
+    /// written once the broker answers (a duplicate; the aggregate's next event is sent only once
+    /// this one is acknowledged or dead-lettered, so only a dead-lettered event's copy can land after
+    /// it). The producer is replaced, dropping what it still holds, when two calls in a row time out
+    /// entirely, when it holds 20,000 records (or twice a call's) after a call with timeouts, or
+    /// when its queue takes none of a call's records within `enqueue_timeout`. Without
+    /// idempotence, this is `message.timeout.ms`.
     #[serde(with = "duration::serde_str")]
     pub delivery_timeout: Duration,
     /// How long one publish call waits, in all, for room in the producer's local queue before reporting back-pressure
@@ -127,10 +130,14 @@ const OWNED: &[(&str, &str)] = &[
     ("message.max.bytes", "kafka.message_max_bytes"),
     ("message.timeout.ms", "kafka.delivery_timeout"),
     ("delivery.timeout.ms", "kafka.delivery_timeout"),
-    ("enable.gapless.guarantee", "kafka.idempotence"),
-    // A record that runs out of retries is not covered by the gapless guarantee.
-    ("retries", "kafka.idempotence"),
-    ("message.send.max.retries", "kafka.idempotence"),
+];
+
+/// Properties the idempotent producer's ordering depends on (see [`KafkaConfig::idempotence`]): the
+/// gapless guarantee, and the retries (a record that runs out of them is not covered by it).
+const IDEMPOTENCE_OWNED: &[&str] = &[
+    "enable.gapless.guarantee",
+    "retries",
+    "message.send.max.retries",
 ];
 
 impl KafkaConfig {
@@ -195,6 +202,18 @@ impl KafkaConfig {
             if self.properties.contains_key(*key) {
                 return Err(Error::config(format!(
                     "kafka.properties.\"{key}\" is set by {owner}: set it there instead"
+                )));
+            }
+        }
+        if self.idempotence {
+            if let Some(key) = IDEMPOTENCE_OWNED
+                .iter()
+                .find(|k| self.properties.contains_key(**k))
+            {
+                return Err(Error::config(format!(
+                    "kafka.properties.\"{key}\" is set with kafka.idempotence = true (an aggregate's \
+                     events are written in order, without gaps, only as the idempotent producer sets it): \
+                     remove it, or set kafka.idempotence = false"
                 )));
             }
         }
@@ -279,6 +298,13 @@ mod tests {
         let mut c = KafkaConfig::default();
         c.properties.insert("linger.ms".into(), "1".into());
         assert!(bad(c).contains("kafka.linger_ms"));
+        // The retries belong to the idempotent producer, not to a plain one.
+        let mut c = KafkaConfig::default();
+        c.properties.insert("retries".into(), "3".into());
+        assert!(bad(c.clone()).contains("kafka.idempotence"));
+        c.idempotence = false;
+        c.acks = "1".into();
+        assert!(c.validate().is_ok());
         assert!(KafkaConfig {
             acks: "1".into(),
             idempotence: false,

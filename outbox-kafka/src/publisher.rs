@@ -25,10 +25,26 @@ use crate::error::{ends_session, map_kafka};
 const REPORT_MARGIN: Duration = Duration::from_secs(5);
 
 /// Messages a producer may still hold after a call in which some timed out (copies the broker has
-/// not taken, sent again meanwhile by later calls) before it is replaced: with no message timeout
+/// not taken, sent again meanwhile by later calls) before it is replaced (or twice the call's
+/// events, when more): with no message timeout
 /// in its queue (see `KafkaConfig::idempotence`), a partition that stays unwritable would otherwise
 /// collect copies up to librdkafka's queue limits.
 const STALE_MESSAGES: i32 = 20_000;
+
+/// How a call ended, for [`KafkaPublisher::recover`].
+struct CallEnd {
+    /// Every event timed out.
+    all_timed_out: bool,
+    /// Some event timed out.
+    some_timed_out: bool,
+    /// Every event came back as back-pressure: the producer's queue took none within
+    /// `enqueue_timeout` (or the producer dropped them).
+    all_queue_full: bool,
+    /// The broker refused the producer's idempotence session.
+    session_lost: bool,
+    /// Events in the call.
+    events: usize,
+}
 
 /// Longest legal Kafka topic name.
 const MAX_TOPIC_LEN: usize = 249;
@@ -95,6 +111,17 @@ pub fn check_topic(topic: &str) -> Result<(), Error> {
         )
         .with_context("adapter", "kafka"))
     }
+}
+
+/// Whether `error`, from a delivery report, is a broker's refusal of the record's content (invalid
+/// record, policy, size), which a broker gives for a partition's whole record batch when one record
+/// in it is bad.
+fn refused_by_the_broker(error: &Error) -> bool {
+    !error.is_retryable()
+        && matches!(
+            error.kind(),
+            ErrorKind::InvalidInput | ErrorKind::PayloadTooLarge
+        )
 }
 
 /// The record's headers: `outbox-*`, `content-type` (the format's), the format's own (CloudEvents
@@ -200,6 +227,126 @@ impl KafkaPublisher {
         self
     }
 
+    /// Hands `event` to `producer` (waiting out a full local queue until `enqueue_deadline`); the
+    /// error, when it cannot be sent, names the event.
+    async fn enqueue(
+        &self,
+        producer: &FutureProducer,
+        event: &Event,
+        enqueue_deadline: Instant,
+    ) -> Result<rdkafka::producer::DeliveryFuture, Error> {
+        let topic = self.topic.destination(event);
+        self.allowed.check(&topic).map_err(|e| {
+            e.with_context("adapter", "kafka")
+                .with_context("event_id", event.id)
+        })?;
+        check_topic(&topic).map_err(|e| e.with_context("event_id", event.id))?;
+        let body = self.format.body(event);
+        let mut record = FutureRecord::to(&topic)
+            .key(event.aggregate_id.as_bytes())
+            .payload(body.as_ref())
+            .headers(headers(event, &self.format))
+            .timestamp(event.created_at.timestamp_millis());
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => return Ok(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                    if Instant::now() < enqueue_deadline =>
+                {
+                    // Back-pressure: librdkafka's background thread drains the queue.
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, _)) => {
+                    return Err(self
+                        .name_the_limit(map_kafka("produce", e), event)
+                        .with_context("event_id", event.id))
+                }
+            }
+        }
+    }
+
+    /// The outcome of `event` from its delivery report (or the call's deadline); notes a refused
+    /// idempotence session in `session_lost`.
+    fn outcome(
+        &self,
+        report: Result<
+            Result<
+                rdkafka::producer::future_producer::OwnedDeliveryResult,
+                futures::channel::oneshot::Canceled,
+            >,
+            tokio::time::error::Elapsed,
+        >,
+        event: &Event,
+        session_lost: &mut bool,
+    ) -> PublishOutcome {
+        match report {
+            Ok(Ok(Ok(_delivery))) => Ok(()),
+            Ok(Ok(Err((e, _message)))) => {
+                *session_lost |= e.rdkafka_error_code().is_some_and(ends_session);
+                Err(self
+                    .name_the_limit(map_kafka("delivery", e), event)
+                    .with_context("event_id", event.id))
+            }
+            Ok(Err(_canceled)) => Err(Error::new(
+                ErrorKind::Connection,
+                "the producer dropped the delivery report",
+            )
+            .with_context("adapter", "kafka")
+            .with_context("event_id", event.id)),
+            Err(_) => Err(Error::new(
+                ErrorKind::Timeout,
+                "no delivery report within kafka.delivery_timeout",
+            )
+            .with_context("adapter", "kafka")
+            .with_context("event_id", event.id)),
+        }
+    }
+
+    /// Sends each of the events `refused` (indexes into `events`, in order) again, alone, awaiting
+    /// its report before the next, and replaces their outcomes: acknowledged alone, an event was
+    /// refused only for sharing a record batch with a bad one. An event refused alone keeps its
+    /// error, and the later events of its aggregate are not sent (after a refusal the gapless
+    /// producer fails, and a new one is made for the next).
+    async fn resend_alone(
+        &self,
+        events: &[Event],
+        refused: &[usize],
+        outcomes: &mut [Option<PublishOutcome>],
+    ) {
+        let mut fence = Fence::new();
+        for &i in refused {
+            let event = &events[i];
+            if fence.holds(event) {
+                outcomes[i] = Some(Err(Fence::not_sent("kafka")));
+                continue;
+            }
+            let producer = self.producer();
+            let deadline = Instant::now() + self.config.delivery_timeout;
+            let outcome = match self
+                .enqueue(
+                    &producer,
+                    event,
+                    Instant::now() + self.config.enqueue_timeout,
+                )
+                .await
+            {
+                Ok(delivery) => {
+                    let report = tokio::time::timeout_at(deadline, delivery).await;
+                    self.outcome(report, event, &mut false)
+                }
+                Err(e) => Err(e),
+            };
+            if outcome.is_err() {
+                fence.close(event);
+                if producer.client().fatal_error().is_some() {
+                    self.replace_producer(&producer);
+                }
+            }
+            outcomes[i] = Some(outcome);
+        }
+    }
+
     fn producer(&self) -> FutureProducer {
         match self.producer.lock() {
             Ok(p) => p.clone(),
@@ -213,13 +360,14 @@ impl KafkaPublisher {
     /// state waits forever, and a connection wedged by an outage can fail even metadata requests
     /// long after the brokers are back). Unacknowledged events
     /// were reported as failures, so nothing is lost; a new producer starts a new idempotence session.
-    async fn recover(
-        &self,
-        producer: &FutureProducer,
-        all_timed_out: bool,
-        some_timed_out: bool,
-        session_lost: bool,
-    ) {
+    async fn recover(&self, producer: &FutureProducer, call: CallEnd) {
+        let CallEnd {
+            all_timed_out,
+            some_timed_out,
+            all_queue_full,
+            session_lost,
+            events,
+        } = call;
         if let Some((code, reason)) = producer.client().fatal_error() {
             error!(code = ?code, reason = %reason, "the Kafka producer failed fatally; creating a new one");
             self.replace_producer(producer);
@@ -230,7 +378,17 @@ impl KafkaPublisher {
             self.replace_producer(producer);
             return;
         }
-        if some_timed_out && producer.in_flight_count() >= STALE_MESSAGES {
+        if all_queue_full {
+            warn!(
+                held = producer.in_flight_count(),
+                "the Kafka producer's queue took no record of a call within kafka.enqueue_timeout; creating a new producer"
+            );
+            self.replace_producer(producer);
+            return;
+        }
+        let stale_limit =
+            STALE_MESSAGES.max(i32::try_from(events.saturating_mul(2)).unwrap_or(i32::MAX));
+        if some_timed_out && producer.in_flight_count() >= stale_limit {
             warn!(
                 held = producer.in_flight_count(),
                 "the Kafka producer holds many messages the brokers have not taken; creating a new one"
@@ -343,45 +501,11 @@ impl Publisher for KafkaPublisher {
                 outcomes[i] = Some(Err(Fence::not_sent("kafka")));
                 continue;
             }
-            let topic = self.topic.destination(event);
-            if let Err(e) = self.allowed.check(&topic) {
-                outcomes[i] = Some(Err(e
-                    .with_context("adapter", "kafka")
-                    .with_context("event_id", event.id)));
-                fence.close(event);
-                continue;
-            }
-            if let Err(e) = check_topic(&topic) {
-                outcomes[i] = Some(Err(e.with_context("event_id", event.id)));
-                fence.close(event);
-                continue;
-            }
-            let body = self.format.body(event);
-            let mut record = FutureRecord::to(&topic)
-                .key(event.aggregate_id.as_bytes())
-                .payload(body.as_ref())
-                .headers(headers(event, &self.format))
-                .timestamp(event.created_at.timestamp_millis());
-            loop {
-                match producer.send_result(record) {
-                    Ok(delivery) => {
-                        pending.push((i, delivery));
-                        break;
-                    }
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
-                        if Instant::now() < enqueue_deadline =>
-                    {
-                        // Back-pressure: librdkafka's background thread drains the queue.
-                        record = back;
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                    Err((e, _)) => {
-                        outcomes[i] = Some(Err(self
-                            .name_the_limit(map_kafka("produce", e), event)
-                            .with_context("event_id", event.id)));
-                        fence.close(event);
-                        break;
-                    }
+            match self.enqueue(&producer, event, enqueue_deadline).await {
+                Ok(delivery) => pending.push((i, delivery)),
+                Err(e) => {
+                    outcomes[i] = Some(Err(e));
+                    fence.close(event);
                 }
             }
         }
@@ -402,38 +526,36 @@ impl Publisher for KafkaPublisher {
         )
         .await;
         let mut session_lost = false;
+        let mut refused = Vec::new();
         for (i, report) in reports {
-            outcomes[i] = Some(match report {
-                Ok(Ok(Ok(_delivery))) => Ok(()),
-                Ok(Ok(Err((e, _message)))) => {
-                    session_lost |= e.rdkafka_error_code().is_some_and(ends_session);
-                    Err(self
-                        .name_the_limit(map_kafka("delivery", e), &events[i])
-                        .with_context("event_id", events[i].id))
-                }
-                Ok(Err(_canceled)) => Err(Error::new(
-                    ErrorKind::Connection,
-                    "the producer dropped the delivery report",
-                )
-                .with_context("adapter", "kafka")
-                .with_context("event_id", events[i].id)),
-                Err(_) => Err(Error::new(
-                    ErrorKind::Timeout,
-                    "no delivery report within kafka.delivery_timeout",
-                )
-                .with_context("adapter", "kafka")
-                .with_context("event_id", events[i].id)),
-            });
+            let outcome = self.outcome(report, &events[i], &mut session_lost);
+            if matches!(&outcome, Err(e) if refused_by_the_broker(e)) {
+                refused.push(i);
+            }
+            outcomes[i] = Some(outcome);
         }
         let all_timed_out = !outcomes.is_empty()
             && outcomes
                 .iter()
                 .all(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout));
-        let some_timed_out = outcomes
-            .iter()
-            .any(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout));
-        self.recover(&producer, all_timed_out, some_timed_out, session_lost)
-            .await;
+        let call = CallEnd {
+            all_timed_out,
+            some_timed_out: outcomes
+                .iter()
+                .any(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout)),
+            all_queue_full: !outcomes.is_empty()
+                && outcomes
+                    .iter()
+                    .all(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Backpressure)),
+            session_lost,
+            events: events.len(),
+        };
+        self.recover(&producer, call).await;
+        // A broker refuses a partition's whole record batch for one bad record: when several were
+        // refused, each goes again alone to tell the bad ones from the others.
+        if refused.len() > 1 {
+            self.resend_alone(events, &refused, &mut outcomes).await;
+        }
         // A replaced producer is destroyed with its last handle, which waits for librdkafka's
         // threads: off the async workers.
         if !self.is_current(&producer) {
@@ -523,6 +645,40 @@ mod tests {
         drop(silent);
     }
 
+    /// A producer whose queue is full of records the brokers have not taken (a call left them there)
+    /// and takes none of the next call's within `enqueue_timeout` is replaced.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_producer_whose_full_queue_takes_no_record_of_a_call_is_replaced() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let publisher = KafkaPublisher::new(KafkaConfig {
+            brokers: silent.local_addr().unwrap().to_string(),
+            topic: "silent".into(),
+            delivery_timeout: Duration::from_millis(500),
+            enqueue_timeout: Duration::from_millis(100),
+            properties: [("queue.buffering.max.messages".to_string(), "10".to_string())].into(),
+            ..KafkaConfig::default()
+        })
+        .unwrap();
+        let first = publisher.producer();
+        let events: Vec<Event> = (0..20)
+            .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
+            .collect();
+        let outcomes = publisher.publish(&events).await;
+        assert!(outcomes
+            .iter()
+            .any(|o| matches!(o, Err(e) if e.kind() == ErrorKind::Timeout)));
+        assert!(
+            publisher.is_current(&first),
+            "replaced after the first call"
+        );
+        let outcomes = publisher.publish(&events[..5]).await;
+        assert!(outcomes
+            .iter()
+            .all(|o| matches!(o, Err(e) if e.kind() == ErrorKind::Backpressure)));
+        assert!(!publisher.is_current(&first), "the full producer was kept");
+        drop(silent);
+    }
+
     /// A call whose events time out while the producer holds many messages the brokers have not
     /// taken (no message expires in its queue) replaces the producer at once, dropping them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -535,7 +691,8 @@ mod tests {
             ..KafkaConfig::default()
         })
         .unwrap();
-        // One call (a single call that timed out entirely does not replace the producer).
+        // A call of many events: they stay in the producer's queue (a call does not count the
+        // messages it has just enqueued as stale, up to twice its own).
         let first = publisher.producer();
         let many: Vec<Event> = (0..STALE_MESSAGES as usize)
             .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
@@ -544,6 +701,18 @@ mod tests {
         assert!(outcomes
             .iter()
             .all(|o| matches!(o, Err(e) if e.kind() == ErrorKind::Timeout)));
+        assert!(publisher.is_current(&first), "replaced after one call");
+        // The next call times out too, but not entirely (one event is refused at once): the copies
+        // the producer still holds replace it, not two calls in a row timed out.
+        let mut refused = outbox_core::testkit::publisher_suite::event("o-x", 0);
+        refused.destination = Some("not-allowed".into());
+        let next = [
+            refused,
+            outbox_core::testkit::publisher_suite::event("o-y", 0),
+        ];
+        let outcomes = publisher.publish(&next).await;
+        assert!(matches!(&outcomes[0], Err(e) if e.kind() != ErrorKind::Timeout));
+        assert!(matches!(&outcomes[1], Err(e) if e.kind() == ErrorKind::Timeout));
         assert!(
             !publisher.is_current(&first),
             "the producer kept {} unsent messages",

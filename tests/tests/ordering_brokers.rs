@@ -190,3 +190,30 @@ async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate(
     held_back_behind_a_refused_event(&sink, bad, "validate").await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The same on one topic: the broker refuses the first event of an aggregate, and with it the whole
+/// record batch it is in, which holds the aggregate's next event (Kafka takes whole runs in one
+/// call) and another aggregate's event. The refused events go again one by one: the bad one is
+/// dead-lettered, the other aggregate's event is published, and the next event of the bad one's
+/// aggregate is held back (the producer's gapless guarantee keeps it from being written past the
+/// refused one) until the dead letter is discarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_record_batch_the_broker_refuses_for_one_record_holds_back_only_its_aggregate() {
+    let dir = std::env::temp_dir().join(format!("outbox-schemas-{}", Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("strict.json"),
+        r#"{"type": "object", "properties": {"value": {"type": "object", "required": ["n"]}}}"#,
+    )
+    .unwrap();
+    let (_tansu, brokers) = own_tansu(Some(&dir));
+    let sink = Sink::Kafka(outbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await);
+    let bad = NewEvent::new(
+        "order",
+        "x",
+        "order.created",
+        serde_json::json!({"nope": 1}),
+    );
+    held_back_behind_a_refused_event(&sink, bad, "validate").await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
