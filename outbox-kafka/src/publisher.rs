@@ -37,8 +37,7 @@ struct CallEnd {
     all_timed_out: bool,
     /// Some event timed out.
     some_timed_out: bool,
-    /// Every event came back as back-pressure: the producer's queue took none within
-    /// `enqueue_timeout` (or the producer dropped them).
+    /// The producer's queue took none of the call's records, full for `enqueue_timeout`.
     all_queue_full: bool,
     /// The broker refused the producer's idempotence session.
     session_lost: bool,
@@ -306,44 +305,64 @@ impl KafkaPublisher {
     /// Sends each of the events `refused` (indexes into `events`, in order) again, alone, awaiting
     /// its report before the next, and replaces their outcomes: acknowledged alone, an event was
     /// refused only for sharing a record batch with a bad one. An event refused alone keeps its
-    /// error, and the later events of its aggregate are not sent (after a refusal the gapless
-    /// producer fails, and a new one is made for the next).
+    /// error, and the later events of its aggregate are not sent; neither is an event of an
+    /// aggregate whose earlier event in the call failed otherwise (after a refusal the gapless
+    /// producer fails, and a new one is made for the next). All of it within `budget`: what is left
+    /// when it runs out, or once a resend finds the broker not answering, goes back as
+    /// back-pressure (sent again shortly, no attempt counted).
     async fn resend_alone(
         &self,
         events: &[Event],
         refused: &[usize],
         outcomes: &mut [Option<PublishOutcome>],
+        budget: Duration,
     ) {
+        let until = Instant::now() + budget;
         let mut fence = Fence::new();
-        for &i in refused {
-            let event = &events[i];
+        let mut stopped = false;
+        for (i, event) in events.iter().enumerate() {
+            if !refused.contains(&i) {
+                if matches!(outcomes[i], Some(Err(_))) {
+                    fence.close(event);
+                }
+                continue;
+            }
             if fence.holds(event) {
                 outcomes[i] = Some(Err(Fence::not_sent("kafka")));
                 continue;
             }
-            let producer = self.producer();
-            let deadline = Instant::now() + self.config.delivery_timeout;
-            let outcome = match self
-                .enqueue(
-                    &producer,
-                    event,
-                    Instant::now() + self.config.enqueue_timeout,
+            if stopped || Instant::now() >= until {
+                stopped = true;
+                outcomes[i] = Some(Err(Error::new(
+                    ErrorKind::Backpressure,
+                    "refused with its record batch; not sent again alone within the call's time",
                 )
-                .await
-            {
+                .with_context("adapter", "kafka")
+                .with_context("event_id", event.id)));
+                fence.close(event);
+                continue;
+            }
+            let producer = self.producer();
+            let mut session_lost = false;
+            let outcome = match self.enqueue(&producer, event, until).await {
                 Ok(delivery) => {
+                    let deadline = until.min(Instant::now() + self.config.delivery_timeout);
                     let report = tokio::time::timeout_at(deadline, delivery).await;
-                    self.outcome(report, event, &mut false)
+                    self.outcome(report, event, &mut session_lost)
                 }
                 Err(e) => Err(e),
             };
-            if outcome.is_err() {
+            if let Err(e) = &outcome {
                 fence.close(event);
-                if producer.client().fatal_error().is_some() {
+                stopped = !refused_by_the_broker(e);
+                if session_lost || producer.client().fatal_error().is_some() {
                     self.replace_producer(&producer);
                 }
             }
             outcomes[i] = Some(outcome);
+            if !self.is_current(&producer) {
+                drop(tokio::task::spawn_blocking(move || drop(producer)));
+            }
         }
     }
 
@@ -452,6 +471,18 @@ impl KafkaPublisher {
         self.config.delivery_timeout.min(Duration::from_secs(10))
     }
 
+    /// The time a call has to send refused records again alone (see `resend_alone`): the part of
+    /// its limit (`call_limit`) a call that had records refused does not use otherwise (the stalled
+    /// producer's check, which only follows a call that timed out entirely, and with the
+    /// idempotent producer, whose call waits `delivery_timeout` exactly, the report margin).
+    fn resend_budget(&self) -> Duration {
+        if self.config.idempotence {
+            REPORT_MARGIN + self.check_timeout()
+        } else {
+            self.check_timeout()
+        }
+    }
+
     /// The settings in force.
     pub fn config(&self) -> &KafkaConfig {
         &self.config
@@ -496,6 +527,7 @@ impl Publisher for KafkaPublisher {
         // One enqueue deadline for the whole call (not per event), so that a call lasts at most
         // `call_limit`: a full local queue is waited out that long, in all.
         let enqueue_deadline = Instant::now() + self.config.enqueue_timeout;
+        let mut queue_full = false;
         for (i, event) in events.iter().enumerate() {
             if fence.holds(event) {
                 outcomes[i] = Some(Err(Fence::not_sent("kafka")));
@@ -504,11 +536,13 @@ impl Publisher for KafkaPublisher {
             match self.enqueue(&producer, event, enqueue_deadline).await {
                 Ok(delivery) => pending.push((i, delivery)),
                 Err(e) => {
+                    queue_full |= e.kind() == ErrorKind::Backpressure;
                     outcomes[i] = Some(Err(e));
                     fence.close(event);
                 }
             }
         }
+        let nothing_taken = pending.is_empty();
         // The idempotent producer has no message timeout of its own (see `KafkaConfig::idempotence`):
         // the call bounds the wait. Otherwise librdkafka bounds every message by message.timeout.ms,
         // and the margin covers the report's trip. Each report has the deadline on its own: one
@@ -543,18 +577,17 @@ impl Publisher for KafkaPublisher {
             some_timed_out: outcomes
                 .iter()
                 .any(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Timeout)),
-            all_queue_full: !outcomes.is_empty()
-                && outcomes
-                    .iter()
-                    .all(|o| matches!(o, Some(Err(e)) if e.kind() == ErrorKind::Backpressure)),
+            all_queue_full: queue_full && nothing_taken,
             session_lost,
             events: events.len(),
         };
         self.recover(&producer, call).await;
-        // A broker refuses a partition's whole record batch for one bad record: when several were
-        // refused, each goes again alone to tell the bad ones from the others.
-        if refused.len() > 1 {
-            self.resend_alone(events, &refused, &mut outcomes).await;
+        // A broker refuses a partition's whole record batch for one bad record (and librdkafka
+        // merges the records of concurrent calls into one batch): each refused record goes again
+        // alone, to tell the bad ones from the others, within what is left of the call's limit.
+        if !refused.is_empty() {
+            self.resend_alone(events, &refused, &mut outcomes, self.resend_budget())
+                .await;
         }
         // A replaced producer is destroyed with its last handle, which waits for librdkafka's
         // threads: off the async workers.
@@ -641,6 +674,53 @@ mod tests {
             publisher.producer().client().native_ptr(),
             first.client().native_ptr(),
             "the producer was kept after two calls in a row timed out"
+        );
+        drop(silent);
+    }
+
+    /// Sending refused records again alone: not an event whose aggregate had an earlier event fail
+    /// otherwise in the call, and once a resend finds the broker not answering, no more (the rest
+    /// come back as back-pressure).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refused_records_go_again_alone_in_order_and_within_the_budget() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let publisher = KafkaPublisher::new(KafkaConfig {
+            brokers: silent.local_addr().unwrap().to_string(),
+            topic: "silent".into(),
+            delivery_timeout: Duration::from_millis(300),
+            ..KafkaConfig::default()
+        })
+        .unwrap();
+        let event = outbox_core::testkit::publisher_suite::event;
+        let events = [event("a", 0), event("a", 1), event("b", 0), event("c", 0)];
+        let refusal = || {
+            Some(Err(Error::new(
+                ErrorKind::InvalidInput,
+                "refused with its batch",
+            )
+            .permanent()))
+        };
+        let mut outcomes = vec![
+            Some(Err(Error::new(ErrorKind::Connection, "failed otherwise"))),
+            refusal(),
+            refusal(),
+            refusal(),
+        ];
+        publisher
+            .resend_alone(&events, &[1, 2, 3], &mut outcomes, Duration::from_secs(5))
+            .await;
+        let kinds: Vec<ErrorKind> = outcomes
+            .iter()
+            .map(|o| o.as_ref().unwrap().as_ref().unwrap_err().kind())
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ErrorKind::Connection,   // as it was
+                ErrorKind::Rejected,     // not sent: its aggregate's earlier event failed
+                ErrorKind::Timeout,      // sent alone; the brokers do not answer
+                ErrorKind::Backpressure, // not sent once they did not
+            ]
         );
         drop(silent);
     }

@@ -114,8 +114,9 @@ async fn held_back_behind_a_refused_event(sink: &Sink, bad: NewEvent, error_name
             .await
             .unwrap();
         let got = sink.received(1, Duration::from_millis(100)).await;
-        if dead.iter().any(|d| d.id == x1) && got.contains(&y1) {
-            let error = dead[0].last_error.clone().unwrap_or_default();
+        if let (Some(x1_dead), true) = (dead.iter().find(|d| d.id == x1), got.contains(&y1)) {
+            assert_eq!(dead.len(), 1, "only x1 is dead-lettered: {dead:?}");
+            let error = x1_dead.last_error.clone().unwrap_or_default();
             assert!(error.contains(error_names), "{error}");
             break;
         }
