@@ -640,21 +640,28 @@ impl Publisher for KafkaPublisher {
 mod tests {
     use super::*;
 
-    /// Brokers that take connections and never answer (a listener nobody accepts from: the kernel
-    /// completes the handshakes and buffers the requests), as a connection wedged by an outage does.
+    /// A publisher with `config`, but brokers that take connections and never answer (a listener
+    /// nobody accepts from: the kernel completes the handshakes and buffers the requests, as a
+    /// connection wedged by an outage does) and a delivery timeout of 300 ms. Keep the listener.
+    fn silent_publisher(config: KafkaConfig) -> (std::net::TcpListener, KafkaPublisher) {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let publisher = KafkaPublisher::new(KafkaConfig {
+            brokers: silent.local_addr().unwrap().to_string(),
+            topic: "silent".into(),
+            delivery_timeout: Duration::from_millis(300),
+            ..config
+        })
+        .unwrap();
+        (silent, publisher)
+    }
+
+    /// Brokers that never answer (`silent_publisher`), as a connection wedged by an outage.
     /// Two calls in a row that time out entirely replace the producer although its metadata check
     /// fails too; a producer kept there would time out every later call.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_producer_whose_calls_time_out_twice_is_replaced_even_when_the_brokers_do_not_answer()
     {
-        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let config = KafkaConfig {
-            brokers: silent.local_addr().unwrap().to_string(),
-            topic: "silent".into(),
-            delivery_timeout: Duration::from_millis(500),
-            ..KafkaConfig::default()
-        };
-        let publisher = KafkaPublisher::new(config).unwrap();
+        let (silent, publisher) = silent_publisher(KafkaConfig::default());
         let first = publisher.producer();
         let event = outbox_core::testkit::publisher_suite::event("o-1", 1);
         let timed_out = |outcomes: Vec<PublishOutcome>| matches!(outcomes.as_slice(), [Err(e)] if e.kind() == ErrorKind::Timeout);
@@ -683,14 +690,7 @@ mod tests {
     /// come back as back-pressure).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn refused_records_go_again_alone_in_order_and_within_the_budget() {
-        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let publisher = KafkaPublisher::new(KafkaConfig {
-            brokers: silent.local_addr().unwrap().to_string(),
-            topic: "silent".into(),
-            delivery_timeout: Duration::from_millis(300),
-            ..KafkaConfig::default()
-        })
-        .unwrap();
+        let (silent, publisher) = silent_publisher(KafkaConfig::default());
         let event = outbox_core::testkit::publisher_suite::event;
         let events = [event("a", 0), event("a", 1), event("b", 0), event("c", 0)];
         let refusal = || {
@@ -729,16 +729,11 @@ mod tests {
     /// and takes none of the next call's within `enqueue_timeout` is replaced.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_producer_whose_full_queue_takes_no_record_of_a_call_is_replaced() {
-        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let publisher = KafkaPublisher::new(KafkaConfig {
-            brokers: silent.local_addr().unwrap().to_string(),
-            topic: "silent".into(),
-            delivery_timeout: Duration::from_millis(500),
+        let (silent, publisher) = silent_publisher(KafkaConfig {
             enqueue_timeout: Duration::from_millis(100),
             properties: [("queue.buffering.max.messages".to_string(), "10".to_string())].into(),
             ..KafkaConfig::default()
-        })
-        .unwrap();
+        });
         let first = publisher.producer();
         let events: Vec<Event> = (0..20)
             .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
@@ -763,14 +758,7 @@ mod tests {
     /// taken (no message expires in its queue) replaces the producer at once, dropping them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_producer_left_holding_many_unsent_messages_is_replaced() {
-        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let publisher = KafkaPublisher::new(KafkaConfig {
-            brokers: silent.local_addr().unwrap().to_string(),
-            topic: "silent".into(),
-            delivery_timeout: Duration::from_millis(500),
-            ..KafkaConfig::default()
-        })
-        .unwrap();
+        let (silent, publisher) = silent_publisher(KafkaConfig::default());
         // A call of many events: they stay in the producer's queue (a call does not count the
         // messages it has just enqueued as stale, up to twice its own).
         let first = publisher.producer();

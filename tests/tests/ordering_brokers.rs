@@ -166,11 +166,13 @@ async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() 
     held_back_behind_a_refused_event(&sink, bad, "DelaySeconds").await;
 }
 
-/// A Kafka broker (a Tansu of the test's own, validating topic `strict` against a JSON schema) refuses
-/// the first event of an aggregate, bound for `strict`, as `InvalidRecord`, while the aggregate's next
-/// event is bound for another topic the broker accepts.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate() {
+/// A Tansu of the test's own that validates topic `strict` against a JSON schema (a record value
+/// without `n` is refused as `InvalidRecord`), with the directory of its schemas.
+fn strict_tansu() -> (
+    std::path::PathBuf,
+    outbox_tests::harness::OwnedProcess,
+    String,
+) {
     let dir = std::env::temp_dir().join(format!("outbox-schemas-{}", Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(
@@ -178,16 +180,29 @@ async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate(
         r#"{"type": "object", "properties": {"value": {"type": "object", "required": ["n"]}}}"#,
     )
     .unwrap();
-    let (_tansu, brokers) = own_tansu(Some(&dir));
-    let _strict = outbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await;
-    let sink = Sink::Kafka(outbox_kafka::testing::Fixture::create_at(&brokers, "plain", 1).await);
-    let bad = NewEvent::new(
+    let (tansu, brokers) = own_tansu(Some(&dir));
+    (dir, tansu, brokers)
+}
+
+/// An event of aggregate `x` that `strict_tansu` refuses.
+fn invalid_for_strict() -> NewEvent {
+    NewEvent::new(
         "order",
         "x",
         "order.created",
         serde_json::json!({"nope": 1}),
     )
-    .with_destination("strict");
+}
+
+/// A Kafka broker (a Tansu of the test's own, validating topic `strict` against a JSON schema) refuses
+/// the first event of an aggregate, bound for `strict`, as `InvalidRecord`, while the aggregate's next
+/// event is bound for another topic the broker accepts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate() {
+    let (dir, _tansu, brokers) = strict_tansu();
+    let _strict = outbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await;
+    let sink = Sink::Kafka(outbox_kafka::testing::Fixture::create_at(&brokers, "plain", 1).await);
+    let bad = invalid_for_strict().with_destination("strict");
     held_back_behind_a_refused_event(&sink, bad, "validate").await;
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -200,21 +215,9 @@ async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate(
 /// refused one) until the dead letter is discarded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_record_batch_the_broker_refuses_for_one_record_holds_back_only_its_aggregate() {
-    let dir = std::env::temp_dir().join(format!("outbox-schemas-{}", Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("strict.json"),
-        r#"{"type": "object", "properties": {"value": {"type": "object", "required": ["n"]}}}"#,
-    )
-    .unwrap();
-    let (_tansu, brokers) = own_tansu(Some(&dir));
+    let (dir, _tansu, brokers) = strict_tansu();
     let sink = Sink::Kafka(outbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await);
-    let bad = NewEvent::new(
-        "order",
-        "x",
-        "order.created",
-        serde_json::json!({"nope": 1}),
-    );
+    let bad = invalid_for_strict();
     held_back_behind_a_refused_event(&sink, bad, "validate").await;
     let _ = std::fs::remove_dir_all(&dir);
 }
