@@ -560,13 +560,31 @@ impl Publisher for KafkaPublisher {
         )
         .await;
         let mut session_lost = false;
-        let mut refused = Vec::new();
+        let (mut refused, mut dropped) = (Vec::new(), Vec::new());
         for (i, report) in reports {
             let outcome = self.outcome(report, &events[i], &mut session_lost);
-            if matches!(&outcome, Err(e) if refused_by_the_broker(e)) {
-                refused.push(i);
+            match &outcome {
+                Err(e) if refused_by_the_broker(e) => refused.push(i),
+                // From a delivery report, back-pressure is a record the producer dropped (purged).
+                Err(e) if e.kind() == ErrorKind::Backpressure => dropped.push(i),
+                _ => {}
             }
             outcomes[i] = Some(outcome);
+        }
+        // Records dropped by a producer that failed although no record of the call was refused: a
+        // failure of the producer itself (its idempotence session refused for good, say), not of a
+        // bad record. They count an attempt, and the relay treats the broker as unreachable
+        // (pausing, checking, probing) rather than sending them again at once, again and again.
+        if refused.is_empty() {
+            for &i in &dropped {
+                outcomes[i] = Some(Err(Error::new(
+                    ErrorKind::Connection,
+                    "the Kafka producer failed and dropped this record, and no record of the call was \
+                     refused: a failure of the producer itself (its reason is logged as a fatal error)",
+                )
+                .with_context("adapter", "kafka")
+                .with_context("event_id", events[i].id)));
+            }
         }
         let all_timed_out = !outcomes.is_empty()
             && outcomes
@@ -721,6 +739,33 @@ mod tests {
                 ErrorKind::Timeout,      // sent alone; the brokers do not answer
                 ErrorKind::Backpressure, // not sent once they did not
             ]
+        );
+        drop(silent);
+    }
+
+    /// Records the producer drops (purged: it failed, or was replaced) while no record of the call
+    /// was refused come back as connection errors (an attempt, and the relay's outage handling),
+    /// not as back-pressure sent again at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn records_a_failing_producer_drops_with_no_record_refused_are_connection_errors() {
+        let (silent, publisher) = silent_publisher(KafkaConfig {
+            delivery_timeout: Duration::from_secs(10),
+            ..KafkaConfig::default()
+        });
+        let producer = publisher.producer();
+        let events: Vec<Event> = (0..3)
+            .map(|n| outbox_core::testkit::publisher_suite::event("o-1", n))
+            .collect();
+        let purge = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+        };
+        let (outcomes, ()) = tokio::join!(publisher.publish(&events), purge);
+        assert!(
+            outcomes.iter().all(
+                |o| matches!(o, Err(e) if e.kind() == ErrorKind::Connection && e.is_retryable())
+            ),
+            "{outcomes:?}"
         );
         drop(silent);
     }
