@@ -26,9 +26,8 @@ const REPORT_MARGIN: Duration = Duration::from_secs(5);
 
 /// Messages a producer may still hold after a call in which some timed out (copies the broker has
 /// not taken, sent again meanwhile by later calls) before it is replaced (or twice the call's
-/// events, when more): with no message timeout
-/// in its queue (see `KafkaConfig::idempotence`), a partition that stays unwritable would otherwise
-/// collect copies up to librdkafka's queue limits.
+/// events, when more): with no message timeout in its queue (see `KafkaConfig::idempotence`), a
+/// partition that stays unwritable would otherwise collect copies up to librdkafka's queue limits.
 const STALE_MESSAGES: i32 = 20_000;
 
 /// How a call ended, for [`KafkaPublisher::recover`].
@@ -318,10 +317,14 @@ impl KafkaPublisher {
         budget: Duration,
     ) {
         let until = Instant::now() + budget;
+        let mut is_refused = vec![false; events.len()];
+        for &i in refused {
+            is_refused[i] = true;
+        }
         let mut fence = Fence::new();
         let mut stopped = false;
         for (i, event) in events.iter().enumerate() {
-            if !refused.contains(&i) {
+            if !is_refused[i] {
                 if matches!(outcomes[i], Some(Err(_))) {
                     fence.close(event);
                 }
@@ -650,7 +653,11 @@ impl Publisher for KafkaPublisher {
     /// Two events of an aggregate routed to different topics are on different partitions, whose
     /// order Kafka does not relate: they go in separate calls.
     fn same_call(&self, earlier: &Event, later: &Event) -> bool {
-        self.topic.destination(earlier) == self.topic.destination(later)
+        match (&earlier.destination, &later.destination) {
+            // The template alone routes both: one topic for an aggregate, unless it varies by event.
+            (None, None) if self.topic.is_per_aggregate() => true,
+            _ => self.topic.destination(earlier) == self.topic.destination(later),
+        }
     }
 }
 
@@ -673,6 +680,13 @@ mod tests {
         (silent, publisher)
     }
 
+    /// One event of each of `n` aggregates.
+    fn one_each(n: usize) -> Vec<Event> {
+        (0..n)
+            .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
+            .collect()
+    }
+
     /// Brokers that never answer (`silent_publisher`), as a connection wedged by an outage.
     /// Two calls in a row that time out entirely replace the producer although its metadata check
     /// fails too; a producer kept there would time out every later call.
@@ -687,17 +701,12 @@ mod tests {
             publisher.publish(std::slice::from_ref(&event)).await
         ));
         assert!(publisher.check().await.is_err(), "the brokers answered");
-        assert_eq!(
-            publisher.producer().client().native_ptr(),
-            first.client().native_ptr(),
-            "replaced after one call"
-        );
+        assert!(publisher.is_current(&first), "replaced after one call");
         assert!(timed_out(
             publisher.publish(std::slice::from_ref(&event)).await
         ));
-        assert_ne!(
-            publisher.producer().client().native_ptr(),
-            first.client().native_ptr(),
+        assert!(
+            !publisher.is_current(&first),
             "the producer was kept after two calls in a row timed out"
         );
         drop(silent);
@@ -780,9 +789,7 @@ mod tests {
             ..KafkaConfig::default()
         });
         let first = publisher.producer();
-        let events: Vec<Event> = (0..20)
-            .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
-            .collect();
+        let events: Vec<Event> = one_each(20);
         let outcomes = publisher.publish(&events).await;
         assert!(outcomes
             .iter()
@@ -807,9 +814,7 @@ mod tests {
         // A call of many events: they stay in the producer's queue (a call does not count the
         // messages it has just enqueued as stale, up to twice its own).
         let first = publisher.producer();
-        let many: Vec<Event> = (0..STALE_MESSAGES as usize)
-            .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
-            .collect();
+        let many: Vec<Event> = one_each(STALE_MESSAGES as usize);
         let outcomes = publisher.publish(&many).await;
         assert!(outcomes
             .iter()
@@ -856,6 +861,9 @@ mod tests {
         })
         .unwrap();
         assert!(!by_type.keeps_order());
+        let mut shipped = second.clone();
+        shipped.event_type = "order.shipped".into();
+        assert!(!by_type.same_call(&second, &shipped));
         let plain = KafkaPublisher::new(KafkaConfig {
             idempotence: false,
             acks: "1".into(),
