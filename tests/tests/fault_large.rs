@@ -238,3 +238,199 @@ async fn large_events(wal: bool) {
         baseline / MIB as u64
     );
 }
+
+/// The largest record the Kafka publisher sends on its defaults (`kafka.message_max_bytes`).
+const KAFKA_LIMIT: usize = 1_000_000;
+
+/// Large events to Kafka, which takes an aggregate's whole run in one call: a backlog of records of
+/// 100-800 KiB in runs over a dozen aggregates, and three of 1.5 MiB (over the producer's
+/// `message.max.bytes`) in the middle of three aggregates' runs, for a relay on its defaults. The
+/// oversized ones are dead-lettered with an error naming the limit; the rest of their aggregates
+/// stays in the outbox (never written to the topic past them); every other event is published in
+/// order, once; discarding the dead letters releases the held-back events, in order; the relay's
+/// memory stays within its byte budget's bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_refused_ones() {
+    let _serial = one_at_a_time().await;
+    let pg = pool(4).await;
+    let table = fresh_table(&pg).await;
+    let sink = Sink::new(Broker::Kafka).await;
+    let mut relay = RelayProcess::start(&table, &sink, &[("OUTBOX_RELAY__BATCH_SIZE", "500")]);
+    let tag = relay.tag.clone();
+    wait_until(Duration::from_secs(60), "the relay connects", || {
+        let pg = pg.clone();
+        let tag = tag.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            )
+            .bind(tag)
+            .fetch_one(&pg)
+            .await
+            .unwrap()
+                > 0
+        }
+    })
+    .await;
+    let baseline = relay.peak_rss();
+    relay.pause();
+
+    // 160 events of 100-800 KiB over 12 aggregates (runs of several events of an aggregate form in
+    // the backlog), and three of 1.5 MiB, each in the middle of another aggregate's run.
+    let mut r = rng("large kafka records");
+    let mut sizes: Vec<(String, usize)> = (0..160)
+        .map(|_| {
+            (
+                format!("doc-{}", r.usize(..12)),
+                r.usize(100 * 1024..=800 * 1024),
+            )
+        })
+        .collect();
+    for i in 0..3 {
+        let at = r.usize(20..sizes.len() - 20);
+        sizes.insert(at, (format!("doc-{}", i * 4), 3 * MIB / 2));
+    }
+    let insert = format!(
+        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type)
+         VALUES ($1, 'doc', $2, 'doc.stored', 'null', decode(repeat(md5($3), $4), 'hex'), 'application/octet-stream')",
+        table.qualified()
+    );
+    // Commit order is the order of `sizes`: an aggregate's events after its refused one are held back.
+    let (mut deliverable, mut held, mut refused) = (Vec::new(), Vec::new(), Vec::new());
+    let mut blocked = std::collections::HashSet::new();
+    let mut total = 0usize;
+    for chunk in sizes.chunks(10) {
+        let mut tx = pg.begin().await.unwrap();
+        for (aggregate, size) in chunk {
+            let id = Uuid::now_v7();
+            sqlx::query(&insert)
+                .bind(id)
+                .bind(aggregate)
+                .bind(format!("{}", r.u64(..)))
+                .bind((size / 16) as i32)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            total += size / 16 * 16;
+            if *size > KAFKA_LIMIT {
+                refused.push(id);
+                blocked.insert(aggregate.clone());
+            } else if blocked.contains(aggregate) {
+                held.push((aggregate.clone(), id));
+            } else {
+                deliverable.push((aggregate.clone(), id));
+            }
+        }
+        tx.commit().await.unwrap();
+    }
+    // Each aggregate's deliverable events come before its held-back ones: in commit order per aggregate.
+    let all_in_order: Vec<(String, Uuid)> = deliverable.iter().chain(&held).cloned().collect();
+    relay.resume();
+
+    let store = outbox_postgres::PostgresStore::new(pg.clone(), table.clone());
+    let expect_held = held.len() as i64;
+    wait_until(
+        Duration::from_secs(300),
+        "every event is published, dead-lettered or held back behind a dead letter",
+        || {
+            let pg = pg.clone();
+            let table = table.clone();
+            async move {
+                let dead: i64 = sqlx::query_scalar(&format!(
+                    "SELECT count(*) FROM {} WHERE dead_lettered_at IS NOT NULL",
+                    table.qualified()
+                ))
+                .fetch_one(&pg)
+                .await
+                .unwrap();
+                dead == 3 && pending(&pg, &table).await == expect_held
+            }
+        },
+    )
+    .await;
+    let dead: Vec<(Uuid, String)> = sqlx::query_as(&format!(
+        "SELECT id, last_error FROM {} WHERE dead_lettered_at IS NOT NULL ORDER BY seq",
+        table.qualified()
+    ))
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    let dead_ids: Vec<Uuid> = dead.iter().map(|(id, _)| *id).collect();
+    assert_eq!(
+        dead_ids, refused,
+        "exactly the oversized events are dead-lettered"
+    );
+    for (id, error) in &dead {
+        assert!(
+            error.contains(&format!("kafka.message_max_bytes is {KAFKA_LIMIT}")),
+            "{id}: {error}"
+        );
+    }
+    // Everything written to the topic so far, read to its end: no held-back event among it.
+    sink.drained(Duration::from_secs(120)).await;
+    let so_far = sink.received(usize::MAX, Duration::ZERO).await;
+    let early: Vec<&(String, Uuid)> = held.iter().filter(|(_, id)| so_far.contains(id)).collect();
+    assert!(
+        early.is_empty(),
+        "{} events reached Kafka past their aggregate's refused event: {early:?}",
+        early.len()
+    );
+
+    // Discarding the dead letters releases the rest of their aggregates.
+    store
+        .discard_dead_letters(&outbox_postgres::DeadLetterFilter::All)
+        .await
+        .unwrap();
+    wait_until(
+        Duration::from_secs(300),
+        "the held-back events are published",
+        || {
+            let pg = pg.clone();
+            let table = table.clone();
+            async move { pending(&pg, &table).await == 0 }
+        },
+    )
+    .await;
+    assert!(
+        relay.alive(),
+        "the relay must not crash (see {})",
+        relay_log_dir(&table).display()
+    );
+    let peak = relay.peak_rss();
+    assert_eq!(
+        relay.terminate(Duration::from_secs(60)),
+        Some(0),
+        "a clean exit on SIGTERM"
+    );
+    let v = sink.judge(&all_in_order).await;
+    let largest = sizes
+        .iter()
+        .map(|(_, s)| *s)
+        .max()
+        .unwrap()
+        .max(DEFAULT_MAX_BATCH_BYTES) as u64;
+    let bound = baseline + 3 * 2 * largest + 32 * MIB as u64;
+    report_with(
+        "large_records_kafka",
+        Broker::Kafka,
+        &v,
+        &format!(
+            " events={} total_mb={} dead_lettered={} held_back={} start_rss_mb={} peak_rss_mb={} rss_bound_mb={}",
+            sizes.len(),
+            total / MIB,
+            dead.len(),
+            held.len(),
+            baseline / MIB as u64,
+            peak / MIB as u64,
+            bound / MIB as u64
+        ),
+    );
+    assert_clean_verdict(&v);
+    assert!(
+        peak <= bound,
+        "peak RSS {} MiB exceeds the byte budget's bound {} MiB (start {} MiB)",
+        peak / MIB as u64,
+        bound / MIB as u64,
+        baseline / MIB as u64
+    );
+}
