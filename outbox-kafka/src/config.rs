@@ -205,6 +205,18 @@ impl KafkaConfig {
                 )));
             }
         }
+        // Every record is keyed by its aggregate id; a partitioner that ignores keys spreads an
+        // aggregate's events over partitions, where no consumer sees them in order.
+        if let Some(value) = self.properties.get("partitioner") {
+            if value.trim() == "random" {
+                return Err(Error::config(
+                    "kafka.properties.\"partitioner\" = \"random\" sends an aggregate's events to any \
+                     partition, where Kafka cannot keep them in order: remove it (librdkafka's default, \
+                     consistent_random, hashes the key) or choose a keyed partitioner (murmur2_random: \
+                     the Java client's; consistent, murmur2, fnv1a and their _random forms)",
+                ));
+            }
+        }
         if self.idempotence {
             if let Some(key) = IDEMPOTENCE_OWNED
                 .iter()
@@ -298,6 +310,21 @@ mod tests {
         let mut c = KafkaConfig::default();
         c.properties.insert("linger.ms".into(), "1".into());
         assert!(bad(c).contains("kafka.linger_ms"));
+        // A partitioner that ignores the key breaks every aggregate's order; keyed ones are fine.
+        let mut c = KafkaConfig::default();
+        c.properties.insert("partitioner".into(), "random".into());
+        let e = bad(c.clone());
+        assert!(
+            e.contains("kafka.properties.\"partitioner\"") && e.contains("murmur2_random"),
+            "{e}"
+        );
+        c.idempotence = false;
+        c.acks = "1".into();
+        assert!(bad(c).contains("partitioner"), "whatever the idempotence");
+        let mut c = KafkaConfig::default();
+        c.properties
+            .insert("partitioner".into(), "murmur2_random".into());
+        assert!(c.validate().is_ok());
         // The retries belong to the idempotent producer, not to a plain one.
         let mut c = KafkaConfig::default();
         c.properties.insert("retries".into(), "3".into());
