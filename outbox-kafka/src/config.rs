@@ -117,7 +117,9 @@ impl std::fmt::Debug for KafkaConfig {
 /// Properties the dedicated keys own: setting them in `properties` is ambiguous.
 const OWNED: &[(&str, &str)] = &[
     ("bootstrap.servers", "kafka.brokers"),
+    ("metadata.broker.list", "kafka.brokers"),
     ("acks", "kafka.acks"),
+    ("request.required.acks", "kafka.acks"),
     ("enable.idempotence", "kafka.idempotence"),
     (
         "max.in.flight.requests.per.connection",
@@ -127,6 +129,7 @@ const OWNED: &[(&str, &str)] = &[
     ("compression.type", "kafka.compression"),
     ("compression.codec", "kafka.compression"),
     ("linger.ms", "kafka.linger_ms"),
+    ("queue.buffering.max.ms", "kafka.linger_ms"),
     ("message.max.bytes", "kafka.message_max_bytes"),
     ("message.timeout.ms", "kafka.delivery_timeout"),
     ("delivery.timeout.ms", "kafka.delivery_timeout"),
@@ -139,6 +142,12 @@ const IDEMPOTENCE_OWNED: &[&str] = &[
     "retries",
     "message.send.max.retries",
 ];
+
+/// The name librdkafka resolves a property key to, as far as the checks below need it: a topic-level
+/// property may be set on the producer with a `topic.` prefix, which librdkafka strips.
+fn property_name(key: &str) -> &str {
+    key.trim().strip_prefix("topic.").unwrap_or(key.trim())
+}
 
 impl KafkaConfig {
     /// The destinations this publisher may send to: the configured topic and `allowed_destinations`.
@@ -198,8 +207,13 @@ impl KafkaConfig {
                 "kafka.delivery_timeout and kafka.enqueue_timeout must be positive durations (delivery_timeout at least 100ms)",
             ));
         }
-        for (key, owner) in OWNED {
-            if self.properties.contains_key(*key) {
+        let set = |name: &str| {
+            self.properties
+                .iter()
+                .find(|(key, _)| property_name(key) == name)
+        };
+        for (name, owner) in OWNED {
+            if let Some((key, _)) = set(name) {
                 return Err(Error::config(format!(
                     "kafka.properties.\"{key}\" is set by {owner}: set it there instead"
                 )));
@@ -207,21 +221,18 @@ impl KafkaConfig {
         }
         // Every record is keyed by its aggregate id; a partitioner that ignores keys spreads an
         // aggregate's events over partitions, where no consumer sees them in order.
-        if let Some(value) = self.properties.get("partitioner") {
+        if let Some((key, value)) = set("partitioner") {
             if value.trim() == "random" {
-                return Err(Error::config(
-                    "kafka.properties.\"partitioner\" = \"random\" sends an aggregate's events to any \
+                return Err(Error::config(format!(
+                    "kafka.properties.\"{key}\" = \"random\" sends an aggregate's events to any \
                      partition, where Kafka cannot keep them in order: remove it (librdkafka's default, \
                      consistent_random, hashes the key) or choose a keyed partitioner (murmur2_random: \
-                     the Java client's; consistent, murmur2, fnv1a and their _random forms)",
-                ));
+                     the Java client's; consistent, murmur2, fnv1a and their _random forms)"
+                )));
             }
         }
         if self.idempotence {
-            if let Some(key) = IDEMPOTENCE_OWNED
-                .iter()
-                .find(|k| self.properties.contains_key(**k))
-            {
+            if let Some((key, _)) = IDEMPOTENCE_OWNED.iter().find_map(|name| set(name)) {
                 return Err(Error::config(format!(
                     "kafka.properties.\"{key}\" is set with kafka.idempotence = true (an aggregate's \
                      events are written in order, without gaps, only as the idempotent producer sets it): \
@@ -325,6 +336,26 @@ mod tests {
         c.properties
             .insert("partitioner".into(), "murmur2_random".into());
         assert!(c.validate().is_ok());
+        // librdkafka takes topic-level properties with a `topic.` prefix, and some under another
+        // name: the checks see through both.
+        for (key, value, names) in [
+            ("topic.partitioner", "random", "partitioner"),
+            ("topic.message.timeout.ms", "1000", "kafka.delivery_timeout"),
+            (
+                "topic.delivery.timeout.ms",
+                "1000",
+                "kafka.delivery_timeout",
+            ),
+            ("queue.buffering.max.ms", "1", "kafka.linger_ms"),
+            ("request.required.acks", "1", "kafka.acks"),
+            ("topic.compression.codec", "lz4", "kafka.compression"),
+            ("message.send.max.retries", "3", "kafka.idempotence"),
+        ] {
+            let mut c = KafkaConfig::default();
+            c.properties.insert(key.into(), value.into());
+            let e = bad(c);
+            assert!(e.contains(key) && e.contains(names), "{key}: {e}");
+        }
         // The retries belong to the idempotent producer, not to a plain one.
         let mut c = KafkaConfig::default();
         c.properties.insert("retries".into(), "3".into());

@@ -233,6 +233,18 @@ impl KafkaPublisher {
         event: &Event,
         enqueue_deadline: Instant,
     ) -> Result<rdkafka::producer::DeliveryFuture, Error> {
+        // The aggregate id is the record's key: librdkafka's partitioners send a record with an
+        // empty key to any partition, where the aggregate's order would be lost.
+        if event.aggregate_id.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "the event's aggregate_id is empty: it is the Kafka record's key, and a record \
+                 without a key goes to any partition, out of order with the rest of its aggregate; \
+                 write a non-empty aggregate_id (the Writer refuses an empty one)",
+            )
+            .with_context("adapter", "kafka")
+            .with_context("event_id", event.id));
+        }
         let topic = self.topic.destination(event);
         self.allowed.check(&topic).map_err(|e| {
             e.with_context("adapter", "kafka")
@@ -685,6 +697,40 @@ mod tests {
         (0..n)
             .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
             .collect()
+    }
+
+    /// An event with an empty aggregate id (written by plain SQL: the Writer refuses one) would be
+    /// a record without a key, which the partitioner sends to any partition: it fails for good
+    /// before it is produced, the rest of its aggregate is not sent past it, and other aggregates'
+    /// events go on (here to brokers that never answer, so they time out).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_event_without_an_aggregate_id_fails_for_good_before_it_is_produced() {
+        let (_silent, publisher) = silent_publisher(KafkaConfig::default());
+        let events = vec![
+            outbox_core::testkit::publisher_suite::event("", 0),
+            outbox_core::testkit::publisher_suite::event("", 1),
+            outbox_core::testkit::publisher_suite::event("o-2", 2),
+        ];
+        assert_eq!(events[0].aggregate_id, "");
+        let outcomes = publisher.publish(&events).await;
+        let kinds: Vec<(ErrorKind, bool)> = outcomes
+            .iter()
+            .map(|o| {
+                let e = o.as_ref().unwrap_err();
+                (e.kind(), e.is_retryable())
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (ErrorKind::InvalidInput, false),
+                (ErrorKind::Rejected, true),
+                (ErrorKind::Timeout, true),
+            ],
+            "{outcomes:?}"
+        );
+        let message = outcomes[0].as_ref().unwrap_err().to_string();
+        assert!(message.contains("aggregate_id is empty"), "{message}");
     }
 
     /// Brokers that never answer (`silent_publisher`), as a connection wedged by an outage.

@@ -286,6 +286,28 @@ impl Fixture {
         .unwrap();
     }
 
+    /// Each partition's high watermark (the offset its next record will get), by partition.
+    pub async fn high_watermarks(&self) -> Vec<i64> {
+        let (brokers, topic, partitions) =
+            (self.brokers.clone(), self.topic.clone(), self.partitions);
+        tokio::task::spawn_blocking(move || {
+            let probe: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .create()
+                .unwrap_or_else(|e| unreachable(&brokers, e));
+            (0..partitions)
+                .map(|p| {
+                    probe
+                        .fetch_watermarks(&topic, p, Duration::from_secs(10))
+                        .unwrap_or_else(|e| unreachable(&brokers, e))
+                        .1
+                })
+                .collect()
+        })
+        .await
+        .unwrap()
+    }
+
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {
         outbox_core::testkit::wait_for_items(&self.got, count, timeout).await
     }

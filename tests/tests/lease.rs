@@ -236,3 +236,119 @@ async fn the_relays_connections_carry_server_side_keepalives() {
         assert_eq!(shown, value, "{setting}");
     }
 }
+
+/// A role whose idle sessions the server ends after 1 s (`idle_session_timeout`, as managed
+/// PostgreSQL services and operations guides set against idle connections), running the relay
+/// binary on its defaults while events come in bursts with quiet spells between them: after each
+/// burst, the test waits until the server has ended some of the relay's pooled sessions, then writes
+/// the next one. The relay takes every burst on connections the server has closed under it: every
+/// event published, in order, once; no claim or settle failure in its log; the relay alive and
+/// exiting cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_roles_idle_session_timeout_ending_pooled_sessions_costs_the_relay_nothing() {
+    use outbox_tests::harness::{
+        assert_clean_verdict, relay_log_dir, report, wait_until, Broker, RelayProcess, Sink,
+    };
+    let admin = pool(2).await;
+    let table = fresh_table(&admin).await;
+    let role = format!("outbox_idle_{}", &Uuid::new_v4().simple().to_string()[..8]);
+    sqlx::query(&format!("CREATE ROLE {role} LOGIN SUPERUSER"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "ALTER ROLE {role} SET idle_session_timeout = '1s'"
+    ))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let options: sqlx::postgres::PgConnectOptions = database_url().parse().unwrap();
+    let tag = format!(
+        "outbox-test-idle-{}",
+        &Uuid::new_v4().simple().to_string()[..12]
+    );
+    let url = format!(
+        "postgres://{role}@{}:{}/{}?application_name={tag}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("test")
+    );
+    let sink = Sink::new(Broker::Amqp).await;
+    let relay = RelayProcess::start(&table, &sink, &[("DATABASE_URL", url.as_str())]);
+    let sessions = |admin: PgPool, tag: String| async move {
+        sqlx::query_scalar::<_, i32>("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
+            .bind(tag)
+            .fetch_all(&admin)
+            .await
+            .unwrap()
+    };
+    let mut committed: Vec<(String, Uuid)> = Vec::new();
+    let mut ended = 0usize;
+    for round in 0..6 {
+        let aggregates: Vec<String> = (0..20).map(|n| format!("agg-{}", n % 5)).collect();
+        let names: Vec<&str> = aggregates.iter().map(String::as_str).collect();
+        let ids = write(&admin, &table, &names).await;
+        committed.extend(aggregates.into_iter().zip(ids));
+        sink.wait_all(&committed, Duration::from_secs(60)).await;
+        assert_no_failure_logged(&table);
+        let received = sink.received(committed.len(), Duration::ZERO).await;
+        assert!(
+            committed.iter().all(|(_, id)| received.contains(id)),
+            "round {round}: the burst was not published within 60 s (see {})",
+            relay_log_dir(&table).display()
+        );
+        // A quiet spell: the server ends sessions of the relay that stay idle for a second.
+        let before = sessions(admin.clone(), tag.clone()).await;
+        assert!(!before.is_empty(), "the relay has sessions under its name");
+        wait_until(
+            Duration::from_secs(60),
+            "the server ends an idle session of the relay",
+            || {
+                let (admin, tag, before) = (admin.clone(), tag.clone(), before.clone());
+                async move {
+                    let now = sessions(admin, tag).await;
+                    before.iter().any(|pid| !now.contains(pid))
+                }
+            },
+        )
+        .await;
+        let now = sessions(admin.clone(), tag.clone()).await;
+        ended += before.iter().filter(|pid| !now.contains(pid)).count();
+    }
+    let mut relay = relay;
+    assert!(relay.alive(), "the relay must not exit");
+    assert_eq!(
+        relay.terminate(Duration::from_secs(60)),
+        Some(0),
+        "a clean exit on SIGTERM"
+    );
+    let v = sink.judge(&committed).await;
+    report("idle_session_timeout", Broker::Amqp, &v);
+    assert_clean_verdict(&v);
+    assert!(
+        ended >= 6,
+        "the server ended {ended} of the relay's sessions"
+    );
+    assert_no_failure_logged(&table);
+    sqlx::query(&format!("DROP ROLE {role}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+/// No claim, settle or other step failed in the logs of the relays over `table`.
+fn assert_no_failure_logged(table: &OutboxTable) {
+    let mut failures = Vec::new();
+    for entry in std::fs::read_dir(outbox_tests::harness::relay_log_dir(table)).unwrap() {
+        let log = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        failures.extend(
+            log.lines()
+                .filter(|l| l.contains("failed"))
+                .map(str::to_string),
+        );
+    }
+    assert!(
+        failures.is_empty(),
+        "sessions the server ended while idle must cost the relay no failed claim or settle: {failures:#?}"
+    );
+}
