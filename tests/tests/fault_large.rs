@@ -47,6 +47,123 @@ async fn unsettled(pg: &sqlx::PgPool, table: &OutboxTable, wal: Option<&WalSourc
     }
 }
 
+/// Starts a relay over `table` publishing to `sink` with `env`, waits until it has connected, and
+/// pauses it (a backlog, as after an outage or a deployment: the relay stands still while it is
+/// written). Returns it with its memory at start.
+async fn paused_relay(
+    pg: &sqlx::PgPool,
+    table: &OutboxTable,
+    sink: &Sink,
+    env: &[(&str, &str)],
+) -> (RelayProcess, u64) {
+    let relay = RelayProcess::start(table, sink, env);
+    let tag = relay.tag.clone();
+    wait_until(Duration::from_secs(60), "the relay connects", || {
+        let pg = pg.clone();
+        let tag = tag.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            )
+            .bind(tag)
+            .fetch_one(&pg)
+            .await
+            .unwrap()
+                > 0
+        }
+    })
+    .await;
+    let baseline = relay.peak_rss();
+    relay.pause();
+    (relay, baseline)
+}
+
+/// Writes an event of each `(aggregate, size)` by plain SQL, in transactions of ten, in that order
+/// (which is their commit order), the payloads made by the server (a random 16-byte pattern
+/// repeated: the client sends a few bytes per event, the relay reads megabytes). Returns their ids
+/// in that order and the bytes written.
+async fn write_large(
+    pg: &sqlx::PgPool,
+    table: &OutboxTable,
+    sizes: &[(String, usize)],
+    r: &mut fastrand::Rng,
+) -> (Vec<Uuid>, usize) {
+    let insert = format!(
+        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type)
+         VALUES ($1, 'doc', $2, 'doc.stored', 'null', decode(repeat(md5($3), $4), 'hex'), 'application/octet-stream')",
+        table.qualified()
+    );
+    let (mut ids, mut total) = (Vec::with_capacity(sizes.len()), 0usize);
+    for chunk in sizes.chunks(10) {
+        let write = async {
+            let mut tx = pg.begin().await.unwrap();
+            for (aggregate, size) in chunk {
+                let id = Uuid::now_v7();
+                sqlx::query(&insert)
+                    .bind(id)
+                    .bind(aggregate)
+                    .bind(format!("{}", r.u64(..)))
+                    .bind((size / 16) as i32)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                total += size / 16 * 16;
+                ids.push(id);
+            }
+            tx.commit().await.unwrap();
+        };
+        tokio::time::timeout(Duration::from_secs(120), write)
+            .await
+            .expect("writing ten events took over two minutes");
+    }
+    (ids, total)
+}
+
+/// Asserts that the dead letters of `table` are exactly `refused` (in seq order), each with an error
+/// naming `limit` (the setting and its value).
+async fn assert_dead_lettered(
+    pg: &sqlx::PgPool,
+    table: &OutboxTable,
+    refused: &[Uuid],
+    limit: &str,
+) {
+    let dead: Vec<(Uuid, String)> = sqlx::query_as(&format!(
+        "SELECT id, last_error FROM {} WHERE dead_lettered_at IS NOT NULL ORDER BY seq",
+        table.qualified()
+    ))
+    .fetch_all(pg)
+    .await
+    .unwrap();
+    let dead_ids: Vec<Uuid> = dead.iter().map(|(id, _)| *id).collect();
+    assert_eq!(
+        dead_ids, refused,
+        "exactly the events over the broker's limit are dead-lettered"
+    );
+    for (id, error) in &dead {
+        assert!(error.contains(limit), "{id}: {error}");
+    }
+}
+
+/// The byte budget's promise for a backlog of `sizes` under a budget of `budget` bytes: payloads
+/// held about three times per batch in flight (rows, events, the client's frames), two batches in
+/// flight, a batch at most the budget or one larger event; plus the process's memory at start
+/// (`baseline`) and a fixed allowance for buffers that grow with use (allocator, runtime).
+fn budget_bound(baseline: u64, sizes: &[(String, usize)], budget: usize) -> u64 {
+    let largest = sizes.iter().map(|(_, s)| *s).max().unwrap_or(0).max(budget) as u64;
+    baseline + 3 * 2 * largest + 32 * MIB as u64
+}
+
+/// Asserts that the relay's peak memory stayed within the budget's `bound`.
+fn assert_within(peak: u64, bound: u64, baseline: u64) {
+    assert!(
+        peak <= bound,
+        "peak RSS {} MiB exceeds the byte budget's bound {} MiB (start {} MiB)",
+        peak / MIB as u64,
+        bound / MIB as u64,
+        baseline / MIB as u64
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundreds_of_megabytes_of_large_events_stay_within_the_byte_budget() {
     large_events(false).await;
@@ -76,26 +193,7 @@ async fn large_events(wal: bool) {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
     };
-    let mut relay = RelayProcess::start(&table, &sink, &pairs(&env));
-    let tag = relay.tag.clone();
-    wait_until(Duration::from_secs(60), "the relay connects", || {
-        let pg = pg.clone();
-        let tag = tag.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-            )
-            .bind(tag)
-            .fetch_one(&pg)
-            .await
-            .unwrap()
-                > 0
-        }
-    })
-    .await;
-    let baseline = relay.peak_rss();
-    // A backlog, as after an outage or a deployment: the relay stands still while it is written.
-    relay.pause();
+    let (mut relay, baseline) = paused_relay(&pg, &table, &sink, &pairs(&env)).await;
 
     // 200 events of 0.5 to 2.5 MiB over 20 aggregates, three of 10 MiB (over the 8 MiB budget: each
     // goes alone) and two of 13 MiB (over the broker's limit: dead-lettered), written in transactions
@@ -110,40 +208,14 @@ async fn large_events(wal: bool) {
     for i in 0..2 {
         sizes.insert(r.usize(..sizes.len()), (format!("refused-{i}"), 13 * MIB));
     }
-    // Written by plain SQL, the payloads made by the server (a random 16-byte pattern repeated:
-    // the client sends a few bytes per event, the relay reads megabytes).
-    let insert = format!(
-        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type)
-         VALUES ($1, 'doc', $2, 'doc.stored', 'null', decode(repeat(md5($3), $4), 'hex'), 'application/octet-stream')",
-        table.qualified()
-    );
+    let (ids, total) = write_large(&pg, &table, &sizes, &mut r).await;
     let (mut deliverable, mut refused) = (Vec::new(), Vec::new());
-    let mut total = 0usize;
-    for chunk in sizes.chunks(10) {
-        let write = async {
-            let mut tx = pg.begin().await.unwrap();
-            for (aggregate, size) in chunk {
-                let id = Uuid::now_v7();
-                sqlx::query(&insert)
-                    .bind(id)
-                    .bind(aggregate)
-                    .bind(format!("{}", r.u64(..)))
-                    .bind((size / 16) as i32)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                total += size / 16 * 16;
-                if *size > BROKER_LIMIT {
-                    refused.push(id);
-                } else {
-                    deliverable.push((aggregate.clone(), id));
-                }
-            }
-            tx.commit().await.unwrap();
-        };
-        tokio::time::timeout(Duration::from_secs(120), write)
-            .await
-            .expect("writing ten events took over two minutes");
+    for ((aggregate, size), id) in sizes.iter().zip(ids) {
+        if *size > BROKER_LIMIT {
+            refused.push(id);
+        } else {
+            deliverable.push((aggregate.clone(), id));
+        }
     }
     relay.resume();
 
@@ -167,39 +239,19 @@ async fn large_events(wal: bool) {
 
     // Under the WAL source the dead letters are in the held table.
     let kept = source.as_ref().map_or(&table, |w| &w.held);
-    let dead: Vec<(Uuid, String)> = sqlx::query_as(&format!(
-        "SELECT id, last_error FROM {} WHERE dead_lettered_at IS NOT NULL ORDER BY seq",
-        kept.qualified()
-    ))
-    .fetch_all(&pg)
-    .await
-    .unwrap();
-    let dead_ids: Vec<Uuid> = dead.iter().map(|(id, _)| *id).collect();
-    assert_eq!(
-        dead_ids, refused,
-        "exactly the events over the broker's limit are dead-lettered"
-    );
-    for (id, error) in &dead {
-        assert!(
-            error.contains(&format!("amqp.max_message_bytes is {BROKER_LIMIT}")),
-            "{id}: {error}"
-        );
-    }
+    assert_dead_lettered(
+        &pg,
+        kept,
+        &refused,
+        &format!("amqp.max_message_bytes is {BROKER_LIMIT}"),
+    )
+    .await;
     assert_eq!(
         relay.terminate(Duration::from_secs(60)),
         Some(0),
         "a clean exit on SIGTERM"
     );
     let v = sink.judge(&deliverable).await;
-    // The budget's promise: payloads held about three times per batch in flight (rows, events, the
-    // client's frames), a batch at most the budget or one larger event; plus the process's own
-    // memory at start and a fixed allowance for buffers that grow with use (allocator, runtime).
-    let largest = sizes
-        .iter()
-        .map(|(_, s)| *s)
-        .max()
-        .unwrap()
-        .max(DEFAULT_MAX_BATCH_BYTES) as u64;
     // The WAL source holds besides what it read ahead (wal.read_ahead_bytes, 16 MiB, in its buffer
     // and again in its channel, each passed by at most one transaction) and a transaction it
     // receives whole: its frames (bytea as hex text, twice its bytes) and the events decoded from
@@ -214,7 +266,7 @@ async fn large_events(wal: bool) {
     } else {
         0
     };
-    let bound = baseline + 3 * 2 * largest + 32 * MIB as u64 + wal_extra;
+    let bound = budget_bound(baseline, &sizes, DEFAULT_MAX_BATCH_BYTES) + wal_extra;
     report_with(
         if wal { "large_payloads_wal" } else { "large_payloads" },
         Broker::Amqp,
@@ -223,20 +275,14 @@ async fn large_events(wal: bool) {
             " events={} total_mb={} dead_lettered={} start_rss_mb={} peak_rss_mb={} rss_bound_mb={}",
             sizes.len(),
             total / MIB,
-            dead.len(),
+            refused.len(),
             baseline / MIB as u64,
             peak / MIB as u64,
             bound / MIB as u64
         ),
     );
     assert_clean_verdict(&v);
-    assert!(
-        peak <= bound,
-        "peak RSS {} MiB exceeds the byte budget's bound {} MiB (start {} MiB)",
-        peak / MIB as u64,
-        bound / MIB as u64,
-        baseline / MIB as u64
-    );
+    assert_within(peak, bound, baseline);
 }
 
 /// The largest record the Kafka publisher sends on its defaults (`kafka.message_max_bytes`).
@@ -261,7 +307,8 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
     let table = fresh_table(&pg).await;
     let sink = Sink::new(Broker::Kafka).await;
     let budget = KAFKA_SCENARIO_BUDGET.to_string();
-    let mut relay = RelayProcess::start(
+    let (mut relay, baseline) = paused_relay(
+        &pg,
         &table,
         &sink,
         &[
@@ -270,25 +317,8 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
             // The default: the harness shortens it for the outage scenarios.
             ("OUTBOX_KAFKA__DELIVERY_TIMEOUT", "30s"),
         ],
-    );
-    let tag = relay.tag.clone();
-    wait_until(Duration::from_secs(60), "the relay connects", || {
-        let pg = pg.clone();
-        let tag = tag.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-            )
-            .bind(tag)
-            .fetch_one(&pg)
-            .await
-            .unwrap()
-                > 0
-        }
-    })
+    )
     .await;
-    let baseline = relay.peak_rss();
-    relay.pause();
 
     // 320 events of 100-800 KiB over 12 aggregates (runs of several events of an aggregate form in
     // the backlog), and three of 1.5 MiB in the middle of the backlog, each followed by another event
@@ -308,43 +338,19 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
         sizes.insert(at, (aggregate.clone(), 3 * MIB / 2));
         sizes.insert(at + 1, (aggregate, r.usize(100 * 1024..=800 * 1024)));
     }
-    let insert = format!(
-        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type)
-         VALUES ($1, 'doc', $2, 'doc.stored', 'null', decode(repeat(md5($3), $4), 'hex'), 'application/octet-stream')",
-        table.qualified()
-    );
+    let (ids, total) = write_large(&pg, &table, &sizes, &mut r).await;
     // Commit order is the order of `sizes`: an aggregate's events after its refused one are held back.
     let (mut deliverable, mut held, mut refused) = (Vec::new(), Vec::new(), Vec::new());
     let mut blocked = std::collections::HashSet::new();
-    let mut total = 0usize;
-    for chunk in sizes.chunks(10) {
-        let write = async {
-            let mut tx = pg.begin().await.unwrap();
-            for (aggregate, size) in chunk {
-                let id = Uuid::now_v7();
-                sqlx::query(&insert)
-                    .bind(id)
-                    .bind(aggregate)
-                    .bind(format!("{}", r.u64(..)))
-                    .bind((size / 16) as i32)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                total += size / 16 * 16;
-                if *size > KAFKA_LIMIT {
-                    refused.push(id);
-                    blocked.insert(aggregate.clone());
-                } else if blocked.contains(aggregate) {
-                    held.push((aggregate.clone(), id));
-                } else {
-                    deliverable.push((aggregate.clone(), id));
-                }
-            }
-            tx.commit().await.unwrap();
-        };
-        tokio::time::timeout(Duration::from_secs(120), write)
-            .await
-            .expect("writing ten events took over two minutes");
+    for ((aggregate, size), id) in sizes.iter().zip(ids) {
+        if *size > KAFKA_LIMIT {
+            refused.push(id);
+            blocked.insert(aggregate.clone());
+        } else if blocked.contains(aggregate) {
+            held.push((aggregate.clone(), id));
+        } else {
+            deliverable.push((aggregate.clone(), id));
+        }
     }
     assert_eq!((refused.len(), blocked.len()), (3, 3));
     // Each aggregate's deliverable events come before its held-back ones: in commit order per aggregate.
@@ -392,24 +398,13 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
         held_ids,
         "exactly the events behind a dead letter are left in the outbox"
     );
-    let dead: Vec<(Uuid, String)> = sqlx::query_as(&format!(
-        "SELECT id, last_error FROM {} WHERE dead_lettered_at IS NOT NULL ORDER BY seq",
-        table.qualified()
-    ))
-    .fetch_all(&pg)
-    .await
-    .unwrap();
-    let dead_ids: Vec<Uuid> = dead.iter().map(|(id, _)| *id).collect();
-    assert_eq!(
-        dead_ids, refused,
-        "exactly the oversized events are dead-lettered"
-    );
-    for (id, error) in &dead {
-        assert!(
-            error.contains(&format!("kafka.message_max_bytes is {KAFKA_LIMIT}")),
-            "{id}: {error}"
-        );
-    }
+    assert_dead_lettered(
+        &pg,
+        &table,
+        &refused,
+        &format!("kafka.message_max_bytes is {KAFKA_LIMIT}"),
+    )
+    .await;
     // Everything written to the topic so far, read to its end: no held-back event among it. Each
     // partition's end is noted: a held-back event may be written only after the discard below,
     // beyond it (one written before, even if it lands later, would either be found here, or be
@@ -475,14 +470,7 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
             ends[first.partition as usize]
         );
     }
-    // The budget's bound, as in the scenario above, with this scenario's budget.
-    let largest = sizes
-        .iter()
-        .map(|(_, s)| *s)
-        .max()
-        .unwrap()
-        .max(KAFKA_SCENARIO_BUDGET) as u64;
-    let bound = baseline + 3 * 2 * largest + 32 * MIB as u64;
+    let bound = budget_bound(baseline, &sizes, KAFKA_SCENARIO_BUDGET);
     report_with(
         "large_records_kafka",
         Broker::Kafka,
@@ -491,7 +479,7 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
             " events={} total_mb={} dead_lettered={} held_back={} start_rss_mb={} peak_rss_mb={} rss_bound_mb={}",
             sizes.len(),
             total / MIB,
-            dead.len(),
+            refused.len(),
             held.len(),
             baseline / MIB as u64,
             peak / MIB as u64,
@@ -503,11 +491,5 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
         total as u64 > 2 * (bound - baseline),
         "the backlog is over twice what the budget lets the relay hold"
     );
-    assert!(
-        peak <= bound,
-        "peak RSS {} MiB exceeds the byte budget's bound {} MiB (start {} MiB)",
-        peak / MIB as u64,
-        bound / MIB as u64,
-        baseline / MIB as u64
-    );
+    assert_within(peak, bound, baseline);
 }

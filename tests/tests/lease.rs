@@ -41,6 +41,21 @@ fn config(max_attempts: u32) -> RelayConfig {
     }
 }
 
+/// A login role of its own (dropped by the test) whose sessions run with `setting`
+/// (`name = value`).
+async fn role_with(admin: &PgPool, setting: &str) -> String {
+    let role = format!("outbox_idle_{}", &Uuid::new_v4().simple().to_string()[..8]);
+    sqlx::query(&format!("CREATE ROLE {role} LOGIN SUPERUSER"))
+        .execute(admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!("ALTER ROLE {role} SET {setting}"))
+        .execute(admin)
+        .await
+        .unwrap();
+    role
+}
+
 async fn row(
     pg: &PgPool,
     table: &OutboxTable,
@@ -64,17 +79,7 @@ async fn row(
 async fn a_roles_short_idle_timeout_does_not_end_a_lease_during_a_publish() {
     let admin = pool(2).await;
     let table = fresh_table(&admin).await;
-    let role = format!("outbox_idle_{}", &Uuid::new_v4().simple().to_string()[..8]);
-    sqlx::query(&format!("CREATE ROLE {role} LOGIN SUPERUSER"))
-        .execute(&admin)
-        .await
-        .unwrap();
-    sqlx::query(&format!(
-        "ALTER ROLE {role} SET idle_in_transaction_session_timeout = '1s'"
-    ))
-    .execute(&admin)
-    .await
-    .unwrap();
+    let role = role_with(&admin, "idle_in_transaction_session_timeout = '1s'").await;
     let options: sqlx::postgres::PgConnectOptions = database_url().parse().unwrap();
     let relay_pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
@@ -251,17 +256,7 @@ async fn a_roles_idle_session_timeout_ending_pooled_sessions_costs_the_relay_not
     };
     let admin = pool(2).await;
     let table = fresh_table(&admin).await;
-    let role = format!("outbox_idle_{}", &Uuid::new_v4().simple().to_string()[..8]);
-    sqlx::query(&format!("CREATE ROLE {role} LOGIN SUPERUSER"))
-        .execute(&admin)
-        .await
-        .unwrap();
-    sqlx::query(&format!(
-        "ALTER ROLE {role} SET idle_session_timeout = '1s'"
-    ))
-    .execute(&admin)
-    .await
-    .unwrap();
+    let role = role_with(&admin, "idle_session_timeout = '1s'").await;
     let options: sqlx::postgres::PgConnectOptions = database_url().parse().unwrap();
     let tag = format!(
         "outbox-test-idle-{}",
