@@ -220,16 +220,19 @@ impl KafkaConfig {
             }
         }
         // Every record is keyed by its aggregate id; a partitioner that ignores keys spreads an
-        // aggregate's events over partitions, where no consumer sees them in order.
-        if let Some((key, value)) = set("partitioner") {
-            if value.trim() == "random" {
-                return Err(Error::config(format!(
-                    "kafka.properties.\"{key}\" = \"random\" sends an aggregate's events to any \
-                     partition, where Kafka cannot keep them in order: remove it (librdkafka's default, \
-                     consistent_random, hashes the key) or choose a keyed partitioner (murmur2_random: \
-                     the Java client's; consistent, murmur2, fnv1a and their _random forms)"
-                )));
-            }
+        // aggregate's events over partitions, where no consumer sees them in order. (Every key that
+        // names it: set twice, which one librdkafka applies is not fixed.)
+        if let Some((key, _)) = self
+            .properties
+            .iter()
+            .find(|(key, value)| property_name(key) == "partitioner" && value.trim() == "random")
+        {
+            return Err(Error::config(format!(
+                "kafka.properties.\"{key}\" = \"random\" sends an aggregate's events to any \
+                 partition, where Kafka cannot keep them in order: remove it (librdkafka's default, \
+                 consistent_random, hashes the key) or choose a keyed partitioner (murmur2_random: \
+                 the Java client's; consistent, murmur2, fnv1a and their _random forms)"
+            )));
         }
         if self.idempotence {
             if let Some((key, _)) = IDEMPOTENCE_OWNED.iter().find_map(|name| set(name)) {
@@ -242,6 +245,15 @@ impl KafkaConfig {
         }
         self.allow_list()?;
         Template::parse("kafka.topic", &self.topic)
+    }
+
+    /// Whether the producer's partitioner sends a record with an empty key to any partition:
+    /// librdkafka's default, `consistent_random`, does (the others hash an empty key like any other).
+    pub fn spreads_empty_keys(&self) -> bool {
+        self.properties
+            .iter()
+            .filter(|(key, _)| property_name(key) == "partitioner")
+            .all(|(_, value)| value.trim() == "consistent_random")
     }
 
     /// The librdkafka producer properties.
@@ -336,6 +348,14 @@ mod tests {
         c.properties
             .insert("partitioner".into(), "murmur2_random".into());
         assert!(c.validate().is_ok());
+        assert!(!c.spreads_empty_keys());
+        assert!(KafkaConfig::default().spreads_empty_keys());
+        c.properties
+            .insert("topic.partitioner".into(), "random".into());
+        assert!(
+            bad(c).contains("topic.partitioner"),
+            "a second name for the partitioner is checked too"
+        );
         // librdkafka takes topic-level properties with a `topic.` prefix, and some under another
         // name: the checks see through both.
         for (key, value, names) in [

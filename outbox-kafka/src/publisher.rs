@@ -233,14 +233,16 @@ impl KafkaPublisher {
         event: &Event,
         enqueue_deadline: Instant,
     ) -> Result<rdkafka::producer::DeliveryFuture, Error> {
-        // The aggregate id is the record's key: librdkafka's partitioners send a record with an
-        // empty key to any partition, where the aggregate's order would be lost.
-        if event.aggregate_id.is_empty() {
+        // The aggregate id is the record's key: librdkafka's default partitioner sends a record
+        // with an empty key to any partition, where the aggregate's order would be lost.
+        if event.aggregate_id.is_empty() && self.config.spreads_empty_keys() {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
-                "the event's aggregate_id is empty: it is the Kafka record's key, and a record \
-                 without a key goes to any partition, out of order with the rest of its aggregate; \
-                 write a non-empty aggregate_id (the Writer refuses an empty one)",
+                "the event's aggregate_id is empty: it is the Kafka record's key, and the producer's \
+                 partitioner (consistent_random, librdkafka's default) sends a record with an empty \
+                 key to any partition, out of order with the rest of its aggregate; write a non-empty \
+                 aggregate_id (the Writer refuses an empty one), or set kafka.properties.partitioner \
+                 to one that hashes an empty key (murmur2_random: the Java client's)",
             )
             .with_context("adapter", "kafka")
             .with_context("event_id", event.id));
@@ -700,9 +702,10 @@ mod tests {
     }
 
     /// An event with an empty aggregate id (written by plain SQL: the Writer refuses one) would be
-    /// a record without a key, which the partitioner sends to any partition: it fails for good
-    /// before it is produced, the rest of its aggregate is not sent past it, and other aggregates'
-    /// events go on (here to brokers that never answer, so they time out).
+    /// a record with an empty key, which the default partitioner sends to any partition: it fails
+    /// for good before it is produced, the rest of its aggregate is not sent past it, and other
+    /// aggregates' events go on (here to brokers that never answer, so they time out). Under a
+    /// partitioner that hashes an empty key, it is sent like any other.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_event_without_an_aggregate_id_fails_for_good_before_it_is_produced() {
         let (_silent, publisher) = silent_publisher(KafkaConfig::default());
@@ -731,6 +734,17 @@ mod tests {
         );
         let message = outcomes[0].as_ref().unwrap_err().to_string();
         assert!(message.contains("aggregate_id is empty"), "{message}");
+
+        let mut hashing = KafkaConfig::default();
+        hashing
+            .properties
+            .insert("partitioner".into(), "murmur2_random".into());
+        let (_silent, publisher) = silent_publisher(hashing);
+        let outcomes = publisher.publish(&events[..1]).await;
+        assert!(
+            matches!(outcomes.as_slice(), [Err(e)] if e.kind() == ErrorKind::Timeout),
+            "sent (to brokers that never answer): {outcomes:?}"
+        );
     }
 
     /// Brokers that never answer (`silent_publisher`), as a connection wedged by an outage.
