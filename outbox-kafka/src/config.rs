@@ -247,13 +247,16 @@ impl KafkaConfig {
         Template::parse("kafka.topic", &self.topic)
     }
 
-    /// Whether the producer's partitioner sends a record with an empty key to any partition:
+    /// Whether the producer's partitioner may send a record with an empty key to any partition:
     /// librdkafka's default, `consistent_random`, does (the others hash an empty key like any other).
+    /// Set under two names, either may be the one librdkafka applies.
     pub fn spreads_empty_keys(&self) -> bool {
-        self.properties
+        let mut set = self
+            .properties
             .iter()
             .filter(|(key, _)| property_name(key) == "partitioner")
-            .all(|(_, value)| value.trim() == "consistent_random")
+            .peekable();
+        set.peek().is_none() || set.any(|(_, value)| value.trim() == "consistent_random")
     }
 
     /// The librdkafka producer properties.
@@ -350,6 +353,13 @@ mod tests {
         assert!(c.validate().is_ok());
         assert!(!c.spreads_empty_keys());
         assert!(KafkaConfig::default().spreads_empty_keys());
+        let mut both = c.clone();
+        both.properties
+            .insert("topic.partitioner".into(), "consistent_random".into());
+        assert!(
+            both.spreads_empty_keys(),
+            "either name may be the one applied"
+        );
         c.properties
             .insert("topic.partitioner".into(), "random".into());
         assert!(
