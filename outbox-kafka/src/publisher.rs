@@ -377,16 +377,26 @@ impl KafkaPublisher {
                 }
             }
             outcomes[i] = Some(outcome);
-            if !self.is_current(&producer) {
-                drop(tokio::task::spawn_blocking(move || drop(producer)));
-            }
+            self.let_go(producer);
         }
     }
 
     fn producer(&self) -> FutureProducer {
-        match self.producer.lock() {
-            Ok(p) => p.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
+        self.current().clone()
+    }
+
+    /// The producer new calls use, locked (a poisoned lock still holds a usable producer).
+    fn current(&self) -> std::sync::MutexGuard<'_, FutureProducer> {
+        self.producer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Drops `producer`, a call's copy, off the async workers when it has been replaced: the last
+    /// copy of a replaced producer destroys it, which waits for its threads.
+    fn let_go(&self, producer: FutureProducer) {
+        if !self.is_current(&producer) {
+            drop(tokio::task::spawn_blocking(move || drop(producer)));
         }
     }
 
@@ -458,21 +468,14 @@ impl KafkaPublisher {
 
     /// Whether `producer` is the one new calls use.
     fn is_current(&self, producer: &FutureProducer) -> bool {
-        let current = match self.producer.lock() {
-            Ok(p) => p,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        current.client().native_ptr() == producer.client().native_ptr()
+        self.current().client().native_ptr() == producer.client().native_ptr()
     }
 
     /// Replaces `used` (the producer a call found failing) with a new one, unless another call
     /// replaced it already: several batches in flight on a failed producer make one new producer,
     /// not one each (which would discard the producer newer batches already use).
     fn replace_producer(&self, used: &FutureProducer) {
-        let mut current = match self.producer.lock() {
-            Ok(p) => p,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut current = self.current();
         if current.client().native_ptr() != used.client().native_ptr() {
             return;
         }
@@ -624,11 +627,7 @@ impl Publisher for KafkaPublisher {
             self.resend_alone(events, &refused, &mut outcomes, self.resend_budget())
                 .await;
         }
-        // A replaced producer is destroyed with its last handle, which waits for librdkafka's
-        // threads: off the async workers.
-        if !self.is_current(&producer) {
-            drop(tokio::task::spawn_blocking(move || drop(producer)));
-        }
+        self.let_go(producer);
         finish(outcomes)
     }
 
