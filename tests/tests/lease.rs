@@ -318,6 +318,10 @@ async fn a_roles_idle_session_timeout_ending_pooled_sessions_costs_the_relay_not
         ended += before.iter().filter(|pid| !now.contains(pid)).count();
     }
     println!("the server ended {ended} of the relay's sessions while idle");
+    assert!(
+        ended > 0,
+        "the server ended none of the relay's sessions: nothing was tried"
+    );
     let mut relay = relay;
     assert!(relay.alive(), "the relay must not exit");
     assert_eq!(
