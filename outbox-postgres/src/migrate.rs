@@ -109,7 +109,8 @@ fn checksum(sql: &str) -> String {
 
 /// Applies the migrations not yet applied to `table`, in one transaction, and returns their versions.
 ///
-/// Idempotent and safe to run from several processes at once (an advisory lock serialises them).
+/// Idempotent and safe to run from several processes at once, for one table or several tables of one
+/// schema (an advisory lock per schema serialises them).
 ///
 /// # Errors
 /// A database error, or [`ErrorKind::Config`] when an applied migration differs from the embedded one.
@@ -129,7 +130,11 @@ pub(crate) async fn apply(
         .begin_with("BEGIN; SET LOCAL client_min_messages = warning")
         .await
         .map_err(|e| map_sqlx("migrate", e))?;
-    let lock_key = format!("outbox-migrate:{}", table.qualified());
+    // One migration at a time per schema, not only per table: `CREATE SCHEMA IF NOT EXISTS` is not
+    // safe against itself (of two transactions creating the same new schema, the second fails with
+    // 23505 once the first commits), and replicas starting at once may migrate two tables of one new
+    // schema (two outbox tables, an outbox and its inbox or held table).
+    let lock_key = format!("outbox-migrate:\"{}\"", table.schema());
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
         .bind(&lock_key)
         .execute(&mut *tx)

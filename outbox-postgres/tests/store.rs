@@ -943,3 +943,56 @@ async fn a_batch_over_interleaved_aggregates_is_their_oldest_events() {
     );
     next.lease.release().await.unwrap();
 }
+
+/// Replicas starting at once migrate at once: several processes migrating one table, and others
+/// migrating another outbox table of the same new schema, all succeed, and both tables work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_migrating_at_once_all_succeed() {
+    for round in 0..3 {
+        let first = outbox_postgres::testing::unmigrated_table();
+        let second = OutboxTable::new(first.schema(), "other_events").unwrap();
+        let mut tasks = Vec::new();
+        for i in 0..6 {
+            let table = if i % 2 == 0 {
+                first.clone()
+            } else {
+                second.clone()
+            };
+            // A pool of its own each, as separate processes have.
+            let p = pool(1).await;
+            tasks.push(tokio::spawn(async move { migrate(&p, &table).await }));
+        }
+        for t in tasks {
+            let applied = t.await.unwrap();
+            assert!(applied.is_ok(), "round {round}: {applied:?}");
+        }
+        let pg = pool(2).await;
+        for table in [&first, &second] {
+            let store = PostgresStore::new(pg.clone(), table.clone());
+            let writer = Writer::new(table.clone());
+            let mut tx = pg.begin().await.unwrap();
+            writer.enqueue(&mut tx, sample_event("1", 0)).await.unwrap();
+            tx.commit().await.unwrap();
+            let batch = store.claim(strict(10)).await.unwrap();
+            assert_eq!(batch.events.len(), 1, "{}", table.qualified());
+            batch.lease.release().await.unwrap();
+            // Every migration is recorded once.
+            let versions: Vec<i64> = sqlx::query_scalar(&format!(
+                "SELECT version FROM \"{}\".\"{}_migrations\" ORDER BY version",
+                table.schema(),
+                table.table()
+            ))
+            .fetch_all(&pg)
+            .await
+            .unwrap();
+            assert_eq!(
+                versions.len(),
+                versions
+                    .iter()
+                    .collect::<std::collections::HashSet<_>>()
+                    .len()
+            );
+            assert!(!versions.is_empty());
+        }
+    }
+}
