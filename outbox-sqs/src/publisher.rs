@@ -291,6 +291,14 @@ impl SqsPublisher {
     pub fn from_client(client: Client, config: SqsConfig) -> Result<Self, Error> {
         let queue = config.validate()?;
         let allowed = config.allow_list()?;
+        if queue.is_fixed() && !is_fifo(queue.as_str()) {
+            tracing::warn!(
+                queue = queue.as_str(),
+                "sqs.queue is a standard queue: SQS delivers its messages in best-effort order, so a consumer may \
+                 see an aggregate's events out of order (the relay sends them in order); per-aggregate order at \
+                 the consumer needs a FIFO queue (a name ending in .fifo)"
+            );
+        }
         Ok(SqsPublisher {
             client,
             config,

@@ -183,3 +183,60 @@ async fn standard_queue_attributes_and_folding() {
         "binary payloads round-trip (base64)"
     );
 }
+
+/// Messages of hundreds of kilobytes, and one of nearly 1 MiB (body and attributes), go in requests
+/// that stay within SQS's 1 MiB per `SendMessageBatch` (the endpoint refuses a larger request whole,
+/// `BatchRequestTooLong`, which would fail every event in it for good): every event is taken, whole,
+/// in its aggregate's order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_messages_go_in_requests_within_the_batch_limit() {
+    let fx = Fixture::new(true).await;
+    let p = fx.publisher();
+    let big = outbox_sqs::SQS_MAX_BYTES - 4096;
+    let mut events = Vec::new();
+    for n in 0..4 {
+        for a in 0..4 {
+            let mut e = event(&format!("agg-{a}"), n);
+            let pad = if a == 0 && n == 2 { big } else { 300_000 };
+            e.payload = serde_json::json!({"aggregate": format!("agg-{a}"), "n": n, "pad": "x".repeat(pad)})
+                .to_string()
+                .into_bytes();
+            events.push(e);
+        }
+    }
+    let total: usize = events.iter().map(|e| e.payload.len()).sum();
+    assert!(
+        total > 5 * outbox_sqs::SQS_MAX_BYTES,
+        "the call needs several requests"
+    );
+    let out = p.publish(&events).await;
+    for (e, o) in events.iter().zip(&out) {
+        assert!(
+            o.is_ok(),
+            "{} n={} ({} bytes): {o:?}",
+            e.aggregate_id,
+            serde_json::from_slice::<serde_json::Value>(&e.payload).unwrap()["n"],
+            e.payload.len()
+        );
+    }
+    let got = fx.wait_for(events.len(), WAIT).await;
+    assert_eq!(got.len(), events.len());
+    let sent: HashMap<outbox_core::Uuid, usize> =
+        events.iter().map(|e| (e.id, e.payload.len())).collect();
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for d in &got {
+        let agg = d.received.aggregate_id.clone().unwrap();
+        let id = d.received.event_id.unwrap();
+        assert_eq!(
+            Some(&d.received.payload.len()),
+            sent.get(&id),
+            "{id} arrives whole"
+        );
+        let n = serde_json::from_slice::<serde_json::Value>(&d.received.payload).unwrap()["n"]
+            .as_i64()
+            .unwrap();
+        if let Some(prev) = last.insert(agg.clone(), n) {
+            assert!(prev < n, "{agg}: {n} after {prev}");
+        }
+    }
+}
