@@ -389,3 +389,42 @@ impl Outage for ProxiedBroker {
         self.proxy.restore();
     }
 }
+
+/// Closes every connection of the local RabbitMQ node named "outbox relay" (the publisher's), with
+/// `rabbitmqctl close_connection`, as an operator or a broker restart would; returns how many. Every
+/// relay's connection on the node goes: only for a test binary whose tests may all lose theirs.
+pub fn close_publisher_connections() -> usize {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args([
+            "list_connections",
+            "pid",
+            "client_properties",
+            "--no-table-headers",
+            "-q",
+        ])
+        .output()
+        .expect("rabbitmqctl is required for this test (it ships with rabbitmq-server)");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl list_connections failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut closed = 0;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if !line.contains("outbox relay") {
+            continue;
+        }
+        let pid = line.split_whitespace().next().unwrap_or_default();
+        let closed_it = std::process::Command::new("rabbitmqctl")
+            .args(["close_connection", pid, "fault injection"])
+            .output()
+            .unwrap();
+        assert!(
+            closed_it.status.success(),
+            "rabbitmqctl close_connection failed: {}",
+            String::from_utf8_lossy(&closed_it.stderr)
+        );
+        closed += 1;
+    }
+    closed
+}

@@ -4,7 +4,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::collections::HashSet;
-use std::process::Command;
 use std::time::Duration;
 
 use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
@@ -13,39 +12,6 @@ use outbox_amqp::testing::Fixture;
 use outbox_amqp::AmqpPublisher;
 use outbox_core::testkit::publisher_suite::event;
 use outbox_core::Publisher;
-
-/// Closes every broker connection named "outbox relay"; returns how many.
-fn close_publisher_connections() -> usize {
-    let out = Command::new("rabbitmqctl")
-        .args([
-            "list_connections",
-            "pid",
-            "client_properties",
-            "--no-table-headers",
-            "-q",
-        ])
-        .output()
-        .expect("rabbitmqctl is required for this test (it ships with rabbitmq-server)");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl list_connections failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let mut closed = 0;
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        if !line.contains("outbox relay") {
-            continue;
-        }
-        let pid = line.split_whitespace().next().unwrap_or_default();
-        let status = Command::new("rabbitmqctl")
-            .args(["close_connection", pid, "fault injection"])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        closed += 1;
-    }
-    closed
-}
 
 /// Every message id in `queue`, read with basic.get on a new connection; the queue is deleted after.
 async fn drain_queue(queue: &str) -> HashSet<String> {
@@ -143,7 +109,7 @@ async fn closed_connections_give_retryable_failures_then_recover() {
     let mut closed = 0;
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        closed += tokio::task::spawn_blocking(close_publisher_connections)
+        closed += tokio::task::spawn_blocking(outbox_amqp::testing::close_publisher_connections)
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(500)).await;

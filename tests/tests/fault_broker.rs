@@ -49,10 +49,13 @@ async fn broker_down(broker: Broker, wal: bool) {
     ));
     let log = std::fs::File::create(&log_path).unwrap();
     let load = broker.load(&table).await;
+    // Few attempts, so that an outage counting them would dead-letter events within its 12 s
+    // (backoff from 200 ms, doubling to 2 s).
     let settings = [
         ("OUTBOX_HTTP__ENABLED", "true"),
         ("OUTBOX_HTTP__LISTEN", http.as_str()),
         ("OUTBOX_LOG__LEVEL", "info"),
+        ("OUTBOX_RELAY__RETRY__MAX_ATTEMPTS", "3"),
     ];
     let env = match &source {
         Some(w) => w.relay_env(&settings),
@@ -102,6 +105,7 @@ async fn broker_down(broker: Broker, wal: bool) {
     }
     let elapsed = started.elapsed();
     let pending_late = backlog(&pg, &table, source.as_ref()).await;
+    let (attempts, dead) = attempts_and_dead(&pg, &table, source.as_ref()).await;
     let cpu = relay.cpu_time() - cpu_before;
     let lines = log_lines(&log_path) - log_before;
     // What the relay said while the broker was down, most frequent first.
@@ -131,6 +135,13 @@ async fn broker_down(broker: Broker, wal: bool) {
     assert!(
         pending_late > pending_early,
         "the outbox grows while the broker is down"
+    );
+    // The outage uses up no attempts: only the batches that found the broker gone count one
+    // (README, guarantee 2); the probes after them count none.
+    println!("  during the outage: at most {attempts} attempts on an unpublished event, {dead} dead letters");
+    assert!(
+        attempts <= 1 && dead == 0,
+        "an outage used up attempts: {attempts} on one event, {dead} dead-lettered (max_attempts 3)"
     );
     assert!(
         readiness.iter().all(|s| *s != Some(200)),
@@ -215,6 +226,26 @@ async fn backlog(
         None => 0,
     };
     unpublished(pg, table).await + held
+}
+
+/// The most attempts any unpublished event has had, and how many are dead-lettered (under the WAL
+/// source, in the held table, where its failed events wait).
+async fn attempts_and_dead(
+    pg: &sqlx::PgPool,
+    table: &outbox_postgres::OutboxTable,
+    wal: Option<&WalSource>,
+) -> (i32, i64) {
+    let table = match wal {
+        Some(w) => w.held.qualified(),
+        None => table.qualified(),
+    };
+    sqlx::query_as(&format!(
+        "SELECT COALESCE(max(attempts), 0), count(*) FILTER (WHERE dead_lettered_at IS NOT NULL)
+         FROM {table} WHERE processed_at IS NULL"
+    ))
+    .fetch_one(pg)
+    .await
+    .unwrap()
 }
 
 fn log_lines(path: &std::path::Path) -> usize {

@@ -298,3 +298,137 @@ async fn racing_writers(batch_size: usize) {
         "{verdict}"
     );
 }
+
+/// `COPY` into the outbox table is serialised per aggregate like an insert: while session A holds an
+/// uncommitted event of X, session B's `COPY` of another event of X waits at its row, and its event
+/// takes the later `seq` whatever order the commits take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_an_aggregates_event_waits_for_the_open_insert_of_that_aggregate() {
+    let pg = pool(4).await;
+    let table = fresh_table(&pg).await;
+    let mut a = pg.begin().await.unwrap();
+    let e1 = plain_insert(&mut a, &table, "x").await;
+    let mut b_conn = pg.acquire().await.unwrap();
+    let b_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *b_conn)
+        .await
+        .unwrap();
+    let t = table.clone();
+    let b = tokio::spawn(async move {
+        let mut conn = b_conn;
+        sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
+        let mut copy = conn
+            .copy_in_raw(&format!(
+                "COPY {} (aggregate_type, aggregate_id, event_type, payload) FROM STDIN",
+                t.qualified()
+            ))
+            .await
+            .unwrap();
+        copy.send(b"order\tx\torder.updated\t{}\n".as_slice())
+            .await
+            .unwrap();
+        assert_eq!(copy.finish().await.unwrap(), 1);
+        sqlx::query("COMMIT").execute(&mut *conn).await.unwrap();
+    });
+    let b_waits = blocked_or_done(&pg, b_pid, &b).await;
+    a.commit().await.unwrap();
+    b.await.unwrap();
+    assert!(
+        b_waits,
+        "the COPY did not wait for the open insert of its aggregate"
+    );
+    let rows: Vec<(Uuid, i64)> = sqlx::query_as(&format!(
+        "SELECT id, seq FROM {} WHERE aggregate_id = 'x' ORDER BY seq",
+        table.qualified()
+    ))
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        rows[0].0, e1,
+        "the insert committed first keeps the earlier seq"
+    );
+}
+
+/// Two transactions writing two aggregates in opposite orders deadlock on the writer-order locks:
+/// the server fails one of them with SQLSTATE 40P01 (to be retried), the other commits, and nothing
+/// waits for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_of_two_aggregates_in_opposite_orders_fail_one_with_a_deadlock() {
+    let pg = pool(4).await;
+    let table = fresh_table(&pg).await;
+    let mut t1 = pg.acquire().await.unwrap();
+    let mut t2 = pg.acquire().await.unwrap();
+    let t1_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *t1)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut *t1).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut *t2).await.unwrap();
+    plain_insert(&mut t1, &table, "a").await;
+    plain_insert(&mut t2, &table, "b").await;
+    // T1 now waits for T2's lock on b...
+    let t = table.clone();
+    let first = tokio::spawn(async move {
+        let sql = format!(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'b', 'order.updated', '{{}}')",
+            t.qualified()
+        );
+        let r = sqlx::query(&sql).execute(&mut *t1).await.map(|_| ());
+        let end = if r.is_ok() { "COMMIT" } else { "ROLLBACK" };
+        sqlx::query(end).execute(&mut *t1).await.unwrap();
+        r
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: Option<String> =
+            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
+                .bind(t1_pid)
+                .fetch_one(&pg)
+                .await
+                .unwrap();
+        if waiting.as_deref() == Some("Lock") {
+            break;
+        }
+        assert!(
+            !first.is_finished() && tokio::time::Instant::now() < deadline,
+            "the first transaction did not wait for the second's aggregate"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ...and T2 for T1's lock on a: a deadlock.
+    let sql = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'a', 'order.updated', '{{}}')",
+        table.qualified()
+    );
+    let second = sqlx::query(&sql).execute(&mut *t2).await.map(|_| ());
+    let end = if second.is_ok() { "COMMIT" } else { "ROLLBACK" };
+    sqlx::query(end).execute(&mut *t2).await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(30), first)
+        .await
+        .expect("the first transaction still waits")
+        .unwrap();
+    let code = |r: &Result<(), sqlx::Error>| match r {
+        Err(sqlx::Error::Database(e)) => e.code().map(|c| c.to_string()),
+        _ => None,
+    };
+    let failed: Vec<Option<String>> = [&first, &second]
+        .into_iter()
+        .filter(|r| r.is_err())
+        .map(code)
+        .collect();
+    assert_eq!(
+        failed,
+        vec![Some("40P01".to_string())],
+        "first: {first:?}, second: {second:?}"
+    );
+    let count: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
+        .fetch_one(&pg)
+        .await
+        .unwrap();
+    assert_eq!(
+        count, 2,
+        "the transaction that committed wrote both of its events"
+    );
+}
