@@ -165,6 +165,67 @@ fn frame_max(connection: &Connection) -> usize {
     }
 }
 
+/// The limit in RabbitMQ's refusal of a message over its `max_message_size`: it closes the channel
+/// with 406 PRECONDITION_FAILED, "message size N is larger than configured max size M".
+fn broker_size_limit(reason: &str) -> Option<usize> {
+    let (_, rest) = reason.split_once(" is larger than configured max size ")?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// Where the broker closed the channel over a message larger than its `max_message_size`, every
+/// event of the call whose body is over that limit fails for good, naming it (the broker would
+/// refuse it again, whichever call it went in); the others keep their retryable failure (the channel
+/// closed under them: they are not at fault). Without this, the refused event and every event sent
+/// beside it would fail retryably, again and again, until their attempts ran out.
+fn refused_as_too_large(
+    outcomes: &mut [Option<PublishOutcome>],
+    events: &[Event],
+    bodies: &[std::borrow::Cow<'_, [u8]>],
+    configured: usize,
+) {
+    let limit = outcomes.iter().find_map(|o| match o {
+        Some(Err(e)) => broker_size_limit(&e.to_string()),
+        _ => None,
+    });
+    let Some(limit) = limit else { return };
+    let refused: Vec<String> = (0..events.len())
+        .filter(|&i| bodies[i].len() > limit)
+        .map(|i| events[i].id.to_string())
+        .collect();
+    for (i, outcome) in outcomes.iter_mut().enumerate() {
+        if !matches!(outcome, Some(Err(_))) {
+            continue;
+        }
+        if bodies[i].len() <= limit {
+            *outcome = Some(Err(Error::new(
+                ErrorKind::Connection,
+                format!(
+                    "the channel closed before this message was confirmed: RabbitMQ refused another message \
+                     of the call ({}) over its max_message_size of {limit}; to be sent again",
+                    refused.join(", ")
+                ),
+            )
+            .temporary()
+            .with_context("adapter", "amqp")
+            .with_context("event_id", events[i].id)));
+        } else {
+            *outcome = Some(Err(Error::new(
+                ErrorKind::PayloadTooLarge,
+                format!(
+                    "the message body is {} bytes; RabbitMQ refused it over its max_message_size of {limit} \
+                     (raise max_message_size in rabbitmq.conf, or write smaller events; amqp.max_message_bytes, \
+                     {configured}, is checked before sending)",
+                    bodies[i].len()
+                ),
+            )
+            .permanent()
+            .with_context("adapter", "amqp")
+            .with_context("event_id", events[i].id)));
+        }
+    }
+}
+
 fn connection_lost(reason: &str) -> Error {
     Error::new(ErrorKind::Connection, reason.to_string()).with_context("adapter", "amqp")
 }
@@ -675,6 +736,12 @@ impl Publisher for AmqpPublisher {
         if let Some(reason) = &broken {
             self.reset(reason).await;
         }
+        refused_as_too_large(
+            &mut outcomes,
+            events,
+            &bodies,
+            self.config.max_message_bytes,
+        );
         finish(outcomes)
     }
 
@@ -684,5 +751,19 @@ impl Publisher for AmqpPublisher {
 
     fn name(&self) -> &str {
         "amqp"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_brokers_size_limit_is_read_from_its_refusal() {
+        let reason = "invalid_input (temporary): broker replied 406 PRECONDITION_FAILED - message size 2097184 \
+                      is larger than configured max size 1048576 during confirm [adapter=amqp]";
+        assert_eq!(super::broker_size_limit(reason), Some(1_048_576));
+        assert_eq!(
+            super::broker_size_limit("broker replied 406 PRECONDITION_FAILED - inequivalent arg"),
+            None
+        );
     }
 }
