@@ -1157,6 +1157,16 @@ pub fn pg_version() -> String {
 
 /// Restarts the local PostgreSQL cluster (every connection is cut).
 pub fn restart_postgres() {
+    pg_ctlcluster_restart(&[]);
+}
+
+/// Crashes the local PostgreSQL server and starts it again (`pg_ctlcluster ... restart -m
+/// immediate`): no shutdown checkpoint, so the server recovers from its WAL, as after a power cut.
+pub fn crash_postgres() {
+    pg_ctlcluster_restart(&["-m", "immediate"]);
+}
+
+fn pg_ctlcluster_restart(options: &[&str]) {
     let status = Command::new("pg_ctlcluster")
         .args([
             "--skip-systemctl-redirect",
@@ -1164,9 +1174,10 @@ pub fn restart_postgres() {
             "main",
             "restart",
         ])
+        .args(options)
         .status()
         .expect("pg_ctlcluster is required to restart PostgreSQL");
-    assert!(status.success(), "pg_ctlcluster restart failed");
+    assert!(status.success(), "pg_ctlcluster restart {options:?} failed");
 }
 
 /// Writers racing on a few shared aggregates, as production services do: each transaction writes one
