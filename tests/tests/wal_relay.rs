@@ -365,6 +365,89 @@ async fn the_standby_takes_over_when_the_readers_session_ends() {
     assert!(verdict.duplicates <= 100, "{verdict}");
 }
 
+/// Ends the session of the reader holding the slot's lock (as when its process or host dies);
+/// returns how many sessions it ended (one while a reader holds it).
+async fn end_reader_session(pool: &sqlx::PgPool, wal: &WalSource) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(l.pid) FROM pg_locks l
+         WHERE l.locktype = 'advisory' AND l.granted
+           AND l.classid::int4 = hashtext('outbox-wal-reader') AND l.objid::int4 = hashtext($1)) t",
+    )
+    .bind(wal.slot.slot())
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Writers keep committing while failures go through the held table and the reader's session ends
+/// three times under it: each time a relay takes the slot again and replays from the confirmed
+/// position. Nothing is lost, first deliveries keep every aggregate's order, and nothing moved to
+/// the held table is published out of turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_ending_mid_stream_with_failures_lose_nothing_and_keep_order() {
+    let Fixture {
+        pool,
+        table,
+        mut wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
+    // A reader holds at most this many unconfirmed events: the bound on what a takeover replays.
+    wal.config.read_ahead = 200;
+    let (a, ta) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    let (b, tb) = wal
+        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await;
+    publisher.when(
+        |e| e.id.as_u128() % 100 < 8,
+        Behavior::FailRetryableTimes(1),
+    );
+    let writer = {
+        let table = table.clone();
+        tokio::spawn(async move {
+            let mut committed = Vec::new();
+            for _ in 0..8 {
+                committed.extend(write_rounds(&table, 50, 5).await);
+            }
+            committed
+        })
+    };
+    let mut ended = 0;
+    for _ in 0..3 {
+        let before = publisher.delivered().len();
+        wait_until(
+            Duration::from_secs(60),
+            "a reader publishes again",
+            || async {
+                (a.progress().active || b.progress().active) && publisher.delivered().len() > before
+            },
+        )
+        .await;
+        ended += end_reader_session(&pool, &wal).await;
+    }
+    assert!(ended >= 2, "the readers' sessions were ended {ended} times");
+    let committed = writer.await.unwrap();
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    shutdown.cancel();
+    ta.await.unwrap();
+    tb.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!("WAL source, 8% failing, reader's session ended {ended} times: {verdict}");
+    assert_eq!(
+        (verdict.lost, verdict.order_violations, verdict.unexpected),
+        (0, 0, 0),
+        "{verdict}"
+    );
+    // At most what each reader had read and not confirmed (its read-ahead, and the batches in
+    // flight it had claimed from it) is published again.
+    let cfg = relay_config();
+    let bound = ended as usize * (wal.config.read_ahead + cfg.batch_size * cfg.max_in_flight);
+    assert!(verdict.duplicates <= bound, "{verdict}: over {bound}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_fails_while_the_slot_is_missing() {
     let pool = pool(4).await;
