@@ -996,3 +996,58 @@ async fn replicas_migrating_at_once_all_succeed() {
         }
     }
 }
+
+/// A lease lost mid-publish (its session ended) whose aggregate another relay claims, fails and
+/// settles meanwhile: the lost lease's late outcome does not take the event's attempts back, nor
+/// replace the later error.
+#[tokio::test]
+async fn a_lost_leases_late_outcome_never_takes_attempts_back() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let store = PostgresStore::new(pool.clone(), table.clone());
+    let ts = PgTestStore::new(store.clone());
+    ts.insert(vec![sample_event("x", 0)]).await.unwrap();
+    let a = store.claim(strict(10)).await.unwrap();
+    assert_eq!(a.events.len(), 1);
+    let id = a.events[0].id;
+    let killed: i64 = sqlx::query(
+        "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'
+           AND strpos(query, $1) > 0",
+    )
+    .bind(table.schema())
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+    .get("n");
+    assert_eq!(killed, 1, "the claiming session must be found");
+    // Another relay takes the event at once, fails it twice over (its count), and settles.
+    let b = store.claim(strict(10)).await.unwrap();
+    assert_eq!(b.events.iter().map(|e| e.id).collect::<Vec<_>>(), vec![id]);
+    let retry = |attempts, error: &str| Settlement {
+        id,
+        action: Action::Retry {
+            attempts,
+            delay: Duration::ZERO,
+            error: error.to_string(),
+        },
+    };
+    b.lease
+        .settle(vec![retry(2, "the later failure")])
+        .await
+        .unwrap();
+    // The lost lease's outcome arrives late, with the count it knew.
+    a.lease
+        .settle(vec![retry(1, "the earlier failure")])
+        .await
+        .expect("a lost lease's outcome is settled where it may be");
+    let (attempts, error): (i32, String) = sqlx::query_as(&format!(
+        "SELECT attempts, last_error FROM {} WHERE id = $1",
+        table.qualified()
+    ))
+    .bind(id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((attempts, error.as_str()), (2, "the later failure"));
+}

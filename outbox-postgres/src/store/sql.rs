@@ -327,6 +327,9 @@ impl Sql {
                 "UPDATE {t} SET processed_at = now(), retry_after = NULL WHERE id = ANY($1::uuid[])"
             ),
         };
+        // An outcome never takes an event's attempts back: a lost lease's late outcome (settled
+        // outside it, see `PgLease::settle`) leaves alone an event another lease has claimed,
+        // failed and settled since, with a higher count.
         let settle = format!(
             "WITH published AS ({published}),
             retried AS (
@@ -335,13 +338,13 @@ impl Sql {
                     retry_after = clock_timestamp() + u.delay_ms * interval '1 millisecond',
                     last_error = u.error
                 FROM UNNEST($2::uuid[], $3::int[], $4::bigint[], $5::text[]) AS u(id, attempts, delay_ms, error)
-                WHERE o.id = u.id
+                WHERE o.id = u.id AND o.attempts <= u.attempts
             ),
             dead AS (
                 UPDATE {t} o
                 SET attempts = u.attempts, last_error = u.error, dead_lettered_at = now(), retry_after = NULL
                 FROM UNNEST($6::uuid[], $7::int[], $8::text[]) AS u(id, attempts, error)
-                WHERE o.id = u.id
+                WHERE o.id = u.id AND o.attempts <= u.attempts
             )
             SELECT 1"
         );
