@@ -249,3 +249,41 @@ async fn healthz_fails_on_a_wedged_relay_and_not_on_a_broker_outage() {
         "the events wait for the broker, none lost or dead-lettered"
     );
 }
+
+/// `relay.publish_timeout` must exceed each publisher's own limit of one call, here on the
+/// publishers' defaults (Kafka 50 s, RabbitMQ 55 s, SQS 45 s: README, guarantee 4): at the limit the
+/// relay refuses to start, naming both settings; a second above it, it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_timeout_must_exceed_each_publishers_own_limit_on_defaults() {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    for (broker, limit, setting) in [
+        (Broker::Kafka, 50, "kafka.delivery_timeout"),
+        (Broker::Amqp, 55, "amqp.confirm_timeout"),
+        (Broker::Sqs, 45, "sqs.operation_timeout"),
+    ] {
+        let sink = Sink::new(broker).await;
+        let relay = |publish_timeout: u64| {
+            let mut c = with_sink(&table, &sink, &["relay"]);
+            c.env_remove("OUTBOX_KAFKA__DELIVERY_TIMEOUT")
+                .env_remove("OUTBOX_SQS__OPERATION_TIMEOUT")
+                .env(
+                    "OUTBOX_RELAY__PUBLISH_TIMEOUT",
+                    format!("{publish_timeout}s"),
+                );
+            c
+        };
+        let out = run(relay(limit));
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{}: {err}", broker.name());
+        assert!(
+            err.contains("relay.publish_timeout") && err.contains(setting),
+            "{}: {err}",
+            broker.name()
+        );
+        let mut running = Running::start(relay(limit + 1));
+        running.wait_log("relay running", Duration::from_secs(30));
+        running.signal("-TERM");
+        assert_eq!(running.wait_exit(Duration::from_secs(60)), 0);
+    }
+}
