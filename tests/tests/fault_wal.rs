@@ -91,6 +91,13 @@ async fn reader_killed(broker: Broker, kills: usize, scenario: &str) {
         ),
     );
     assert!(!committed.is_empty());
+    // The standbys try the slot's lock every 500 ms and PostgreSQL ends a killed reader's session at
+    // once: takeovers take 0.2-0.5 s (outbox-bin/README.md). Ten times that is a regression (a
+    // takeover that waited for keepalives or a timeout), not a loaded machine.
+    assert!(
+        max <= Duration::from_secs(5),
+        "a takeover took {max:?} (mean {mean:?})"
+    );
     // A crash republishes what was published and not yet confirmed: the batches in flight and
     // those settled since the reader's last confirm (at most one more round).
     assert_crash_verdict(&verdict, takeovers.len(), BATCH, IN_FLIGHT + 1);
