@@ -101,6 +101,18 @@ ensure_postgres() {
   fi
 }
 
+# outbox-amqp/tests/broker_size_limit.rs lowers the node's max_message_size to 1 MiB for its length
+# and puts it back; a run killed in between leaves it there, which would refuse the large-payload
+# tests' messages. Put that one value back (any other is the node's own).
+reset_rabbitmq_size_limit() {
+  command -v rabbitmqctl >/dev/null 2>&1 || return 0
+  if timeout 30 rabbitmqctl eval 'application:get_env(rabbit, max_message_size).' 2>/dev/null \
+      | grep -qx '{ok,1048576}'; then
+    log "putting RabbitMQ's max_message_size back to 128 MiB (left by an interrupted test run)"
+    timeout 30 rabbitmqctl eval 'application:set_env(rabbit, max_message_size, 134217728).' >/dev/null
+  fi
+}
+
 ensure_rabbitmq() {
   if [ -n "${AMQP_URL:-}" ]; then
     log "using the broker at AMQP_URL"
@@ -108,6 +120,7 @@ ensure_rabbitmq() {
   fi
   if port_open 127.0.0.1 5672; then
     log "RabbitMQ is running on 127.0.0.1:5672"
+    reset_rabbitmq_size_limit
     return
   fi
   if ! command -v rabbitmq-server >/dev/null 2>&1; then

@@ -167,17 +167,23 @@ fn frame_max(connection: &Connection) -> usize {
 
 /// The limit in RabbitMQ's refusal of a message over its `max_message_size`: it closes the channel
 /// with 406 PRECONDITION_FAILED, "message size N is larger than configured max size M".
+/// (At RabbitMQ's hard cap the text says "max size M" without "configured".)
 fn broker_size_limit(reason: &str) -> Option<usize> {
-    let (_, rest) = reason.split_once(" is larger than configured max size ")?;
+    let (_, rest) = reason.split_once("message size ")?;
+    let (_, rest) = rest.split_once(" is larger than ")?;
+    let (_, rest) = rest.split_once("max size ")?;
     let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
     digits.parse().ok()
 }
 
-/// Where the broker closed the channel over a message larger than its `max_message_size`, every
-/// event of the call whose body is over that limit fails for good, naming it (the broker would
-/// refuse it again, whichever call it went in); the others keep their retryable failure (the channel
-/// closed under them: they are not at fault). Without this, the refused event and every event sent
-/// beside it would fail retryably, again and again, until their attempts ran out.
+/// Where the broker closed the channel over a message of this call larger than its
+/// `max_message_size`, the events whose failure is that close: those whose body is over the limit
+/// fail for good, naming it (the broker would refuse them again, whichever call they went in); the
+/// others fail retryably, saying which event closed the channel (they are not at fault). Failures of
+/// their own (a missing exchange, a header too long, a return, a nack) are left as they are, and so
+/// is a close caused by another call on the shared channel (no event of this call over the limit).
+/// Without this, the refused event and every event sent beside it would fail retryably, again and
+/// again, until their attempts ran out.
 fn refused_as_too_large(
     outcomes: &mut [Option<PublishOutcome>],
     events: &[Event],
@@ -193,8 +199,12 @@ fn refused_as_too_large(
         .filter(|&i| bodies[i].len() > limit)
         .map(|i| events[i].id.to_string())
         .collect();
+    if refused.is_empty() {
+        return;
+    }
     for (i, outcome) in outcomes.iter_mut().enumerate() {
-        if !matches!(outcome, Some(Err(_))) {
+        let closed = matches!(outcome, Some(Err(e)) if broker_size_limit(&e.to_string()).is_some());
+        if !closed {
             continue;
         }
         if bodies[i].len() <= limit {
@@ -756,11 +766,92 @@ impl Publisher for AmqpPublisher {
 
 #[cfg(test)]
 mod tests {
+    use std::borrow::Cow;
+
+    use outbox_core::{Error, ErrorKind, Event, PublishOutcome};
+
+    use super::refused_as_too_large;
+
+    fn ev(n: usize) -> Event {
+        Event {
+            id: outbox_core::Uuid::now_v7(),
+            aggregate_type: "order".into(),
+            aggregate_id: n.to_string(),
+            event_type: "order.created".into(),
+            payload: vec![b'x'; n],
+            content_type: "application/json".into(),
+            headers: Default::default(),
+            destination: None,
+            created_at: Default::default(),
+            attempts: 0,
+        }
+    }
+
+    fn closed() -> Error {
+        Error::new(
+            ErrorKind::InvalidInput,
+            "broker replied 406 PRECONDITION_FAILED - message size 2000 is larger than configured max size 1000",
+        )
+        .temporary()
+    }
+
+    /// Only the failures the close caused change: the event over the limit fails for good, the
+    /// others of the call it closed fail retryably as a connection problem; a failure of an event's
+    /// own stays, and a close caused by another call (no event of this one over the limit) changes
+    /// nothing.
+    #[test]
+    fn only_the_failures_a_size_refusal_caused_are_rewritten() {
+        let events = vec![ev(10), ev(2000), ev(10), ev(10)];
+        let bodies: Vec<Cow<'_, [u8]>> = events.iter().map(|e| Cow::from(&e.payload[..])).collect();
+        let own = Error::new(ErrorKind::DestinationNotFound, "no exchange").permanent();
+        let mut outcomes: Vec<Option<PublishOutcome>> = vec![
+            Some(Ok(())),
+            Some(Err(closed())),
+            Some(Err(closed())),
+            Some(Err(own.clone())),
+        ];
+        refused_as_too_large(&mut outcomes, &events, &bodies, 1 << 20);
+        assert!(matches!(outcomes[0], Some(Ok(()))));
+        let big = outcomes[1].clone().unwrap().unwrap_err();
+        assert_eq!(big.kind(), ErrorKind::PayloadTooLarge);
+        assert!(!big.is_retryable());
+        let other = outcomes[2].clone().unwrap().unwrap_err();
+        assert_eq!(other.kind(), ErrorKind::Connection);
+        assert!(other.is_retryable());
+        assert!(
+            other.to_string().contains(&events[1].id.to_string()),
+            "{other}"
+        );
+        assert_eq!(
+            outcomes[3].clone().unwrap().unwrap_err().kind(),
+            ErrorKind::DestinationNotFound
+        );
+
+        // Another call's message closed the shared channel: nothing here is over the limit.
+        let small = vec![ev(10), ev(10)];
+        let bodies: Vec<Cow<'_, [u8]>> = small.iter().map(|e| Cow::from(&e.payload[..])).collect();
+        let mut outcomes: Vec<Option<PublishOutcome>> =
+            vec![Some(Err(closed())), Some(Err(closed()))];
+        refused_as_too_large(&mut outcomes, &small, &bodies, 1 << 20);
+        for o in &outcomes {
+            assert_eq!(
+                o.clone().unwrap().unwrap_err().kind(),
+                ErrorKind::InvalidInput
+            );
+        }
+    }
+
     #[test]
     fn the_brokers_size_limit_is_read_from_its_refusal() {
         let reason = "invalid_input (temporary): broker replied 406 PRECONDITION_FAILED - message size 2097184 \
                       is larger than configured max size 1048576 during confirm [adapter=amqp]";
         assert_eq!(super::broker_size_limit(reason), Some(1_048_576));
+        assert_eq!(
+            super::broker_size_limit(
+                "PRECONDITION_FAILED - message size 600000000 is larger than max size 536870912"
+            ),
+            Some(536_870_912)
+        );
         assert_eq!(
             super::broker_size_limit("broker replied 406 PRECONDITION_FAILED - inequivalent arg"),
             None

@@ -134,9 +134,13 @@ pub(crate) async fn apply(
     // safe against itself (of two transactions creating the same new schema, the second fails with
     // 23505 once the first commits), and replicas starting at once may migrate two tables of one new
     // schema (two outbox tables, an outbox and its inbox or held table).
-    let lock_key = format!("outbox-migrate:\"{}\"", table.schema());
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-        .bind(&lock_key)
+    // The table's own lock too, after the schema's (always in that order): releases before this one
+    // took only the table's, and a rolling upgrade runs both.
+    let schema_key = format!("outbox-migrate:\"{}\"", table.schema());
+    let table_key = format!("outbox-migrate:{}", table.qualified());
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1)), pg_advisory_xact_lock(hashtext($2))")
+        .bind(&schema_key)
+        .bind(&table_key)
         .execute(&mut *tx)
         .await
         .map_err(|e| map_sqlx("migrate", e))?;

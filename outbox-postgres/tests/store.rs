@@ -563,7 +563,7 @@ async fn a_terminated_claiming_session_releases_its_events() {
     assert_eq!(b.events.len(), 2);
     // Kill the claiming session, as a crash or a network cut would.
     let killed: i64 = sqlx::query(
-        "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity
+        "SELECT count(pg_terminate_backend(pid, 10000)) AS n FROM pg_stat_activity
          WHERE datname = current_database() AND state LIKE 'idle in transaction%'
            AND strpos(query, $1) > 0",
     )
@@ -1011,7 +1011,7 @@ async fn a_lost_leases_late_outcome_never_takes_attempts_back() {
     assert_eq!(a.events.len(), 1);
     let id = a.events[0].id;
     let killed: i64 = sqlx::query(
-        "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity
+        "SELECT count(pg_terminate_backend(pid, 10000)) AS n FROM pg_stat_activity
          WHERE datname = current_database() AND state LIKE 'idle in transaction%'
            AND strpos(query, $1) > 0",
     )

@@ -301,7 +301,7 @@ async fn racing_writers(batch_size: usize) {
 
 /// `COPY` into the outbox table is serialised per aggregate like an insert: while session A holds an
 /// uncommitted event of X, session B's `COPY` of another event of X waits at its row, and its event
-/// takes the later `seq` whatever order the commits take.
+/// takes the later `seq`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_of_an_aggregates_event_waits_for_the_open_insert_of_that_aggregate() {
     let pg = pool(4).await;
