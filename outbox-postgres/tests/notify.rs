@@ -7,12 +7,15 @@ use outbox_core::{CancellationToken, Wake};
 use outbox_postgres::notify::{install_notify_trigger, listen, remove_notify_trigger};
 use outbox_postgres::testing::{fresh_table, pool};
 
-#[tokio::test]
-async fn one_notification_per_inserting_transaction_wakes_the_relay() {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    install_notify_trigger(&pool, &table).await.unwrap();
-    install_notify_trigger(&pool, &table).await.unwrap(); // idempotent
+/// A listener on `table`'s notifications, in a task of its own: its wake handle, its shutdown, the task.
+fn listening(
+    pool: &sqlx::PgPool,
+    table: &outbox_postgres::OutboxTable,
+) -> (
+    Wake,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), outbox_core::Error>>,
+) {
     let wake = Wake::new();
     let shutdown = CancellationToken::new();
     let task = {
@@ -20,6 +23,16 @@ async fn one_notification_per_inserting_transaction_wakes_the_relay() {
             (pool.clone(), table.clone(), wake.clone(), shutdown.clone());
         tokio::spawn(async move { listen(&pool, &table, wake, shutdown).await })
     };
+    (wake, shutdown, task)
+}
+
+#[tokio::test]
+async fn one_notification_per_inserting_transaction_wakes_the_relay() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    install_notify_trigger(&pool, &table).await.unwrap();
+    install_notify_trigger(&pool, &table).await.unwrap(); // idempotent
+    let (wake, shutdown, task) = listening(&pool, &table);
     tokio::time::sleep(Duration::from_millis(300)).await; // listening
     let insert = format!(
         "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', '1', 'order.created', '{{}}')",
@@ -81,13 +94,7 @@ async fn a_terminated_listening_session_is_replaced_and_commits_wake_again() {
     let table = fresh_table(&pool).await;
     install_notify_trigger(&pool, &table).await.unwrap();
     let channel = outbox_postgres::notify::channel(&table).unwrap();
-    let wake = Wake::new();
-    let shutdown = CancellationToken::new();
-    let task = {
-        let (pool, table, wake, shutdown) =
-            (pool.clone(), table.clone(), wake.clone(), shutdown.clone());
-        tokio::spawn(async move { listen(&pool, &table, wake, shutdown).await })
-    };
+    let (wake, shutdown, task) = listening(&pool, &table);
     let first = listener_pid(&pool, &channel, None).await;
     let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(first)

@@ -13,6 +13,21 @@ fn strict(limit: usize) -> ClaimRequest {
     ClaimRequest::new(limit, OrderingPolicy::PerAggregate)
 }
 
+/// Ends the sessions holding a claim on `table` open (as a crash or a network cut would), waiting
+/// until each has ended; returns how many.
+async fn end_claiming_sessions(pool: &sqlx::PgPool, table: &OutboxTable) -> i64 {
+    sqlx::query(
+        "SELECT count(pg_terminate_backend(pid, 10000)) AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'
+           AND strpos(query, $1) > 0",
+    )
+    .bind(table.schema())
+    .fetch_one(pool)
+    .await
+    .unwrap()
+    .get("n")
+}
+
 #[tokio::test]
 async fn conformance_with_deleted_rows() {
     let fx = PgFixture {
@@ -562,16 +577,7 @@ async fn a_terminated_claiming_session_releases_its_events() {
     let b = store.claim(strict(10)).await.unwrap();
     assert_eq!(b.events.len(), 2);
     // Kill the claiming session, as a crash or a network cut would.
-    let killed: i64 = sqlx::query(
-        "SELECT count(pg_terminate_backend(pid, 10000)) AS n FROM pg_stat_activity
-         WHERE datname = current_database() AND state LIKE 'idle in transaction%'
-           AND strpos(query, $1) > 0",
-    )
-    .bind(table.schema())
-    .fetch_one(&pool)
-    .await
-    .unwrap()
-    .get("n");
+    let killed = end_claiming_sessions(&pool, &table).await;
     assert_eq!(killed, 1, "the claiming session must be found");
     // The lease is gone; its outcome is still recorded where no other lease holds the aggregate:
     // the published event is settled outside the lease, the other one is free at once.
@@ -1010,16 +1016,7 @@ async fn a_lost_leases_late_outcome_never_takes_attempts_back() {
     let a = store.claim(strict(10)).await.unwrap();
     assert_eq!(a.events.len(), 1);
     let id = a.events[0].id;
-    let killed: i64 = sqlx::query(
-        "SELECT count(pg_terminate_backend(pid, 10000)) AS n FROM pg_stat_activity
-         WHERE datname = current_database() AND state LIKE 'idle in transaction%'
-           AND strpos(query, $1) > 0",
-    )
-    .bind(table.schema())
-    .fetch_one(&pool)
-    .await
-    .unwrap()
-    .get("n");
+    let killed = end_claiming_sessions(&pool, &table).await;
     assert_eq!(killed, 1, "the claiming session must be found");
     // Another relay takes the event at once, fails it twice over (its count), and settles.
     let b = store.claim(strict(10)).await.unwrap();

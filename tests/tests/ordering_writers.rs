@@ -48,20 +48,55 @@ fn spawn_relays(
     (tasks, shutdown)
 }
 
-async fn plain_insert(tx: &mut sqlx::PgConnection, table: &OutboxTable, aggregate: &str) -> Uuid {
-    let row = sqlx::query(&format!(
+fn insert_sql(table: &OutboxTable) -> String {
+    format!(
         "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', $1, 'order.updated', '{{}}') RETURNING id",
         table.qualified()
-    ))
-    .bind(aggregate)
-    .fetch_one(tx)
-    .await
-    .unwrap();
+    )
+}
+
+async fn plain_insert(tx: &mut sqlx::PgConnection, table: &OutboxTable, aggregate: &str) -> Uuid {
+    let row = sqlx::query(&insert_sql(table))
+        .bind(aggregate)
+        .fetch_one(tx)
+        .await
+        .unwrap();
     row.get("id")
 }
 
+/// Inserts an event of `aggregate` in the connection's open transaction, then commits, or rolls
+/// back when the insert failed; returns the insert's result.
+async fn insert_then_end(
+    conn: &mut sqlx::PgConnection,
+    table: &OutboxTable,
+    aggregate: &str,
+) -> Result<(), sqlx::Error> {
+    let inserted = sqlx::query(&insert_sql(table))
+        .bind(aggregate)
+        .execute(&mut *conn)
+        .await
+        .map(|_| ());
+    let end = if inserted.is_ok() {
+        "COMMIT"
+    } else {
+        "ROLLBACK"
+    };
+    sqlx::query(end).execute(&mut *conn).await.unwrap();
+    inserted
+}
+
+/// A pooled connection and its backend's pid.
+async fn session(pg: &PgPool) -> (sqlx::pool::PoolConnection<sqlx::Postgres>, i32) {
+    let mut conn = pg.acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    (conn, pid)
+}
+
 /// Waits until `pid`'s session waits for a lock, or `done` is true; returns which.
-async fn blocked_or_done(pg: &PgPool, pid: i32, done: &tokio::task::JoinHandle<()>) -> bool {
+async fn blocked_or_done<T>(pg: &PgPool, pid: i32, done: &tokio::task::JoinHandle<T>) -> bool {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         if done.is_finished() {
@@ -109,11 +144,7 @@ async fn an_event_committed_later_never_overtakes_an_earlier_insert_of_its_aggre
 
     let mut a = pg.begin().await.unwrap();
     let e1 = plain_insert(&mut a, &table, "x").await;
-    let mut b_conn = pg.acquire().await.unwrap();
-    let b_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *b_conn)
-        .await
-        .unwrap();
+    let (b_conn, b_pid) = session(&pg).await;
     let (b_tx, b_id) = tokio::sync::oneshot::channel();
     let t = table.clone();
     let b = tokio::spawn(async move {
@@ -308,11 +339,7 @@ async fn a_copy_of_an_aggregates_event_waits_for_the_open_insert_of_that_aggrega
     let table = fresh_table(&pg).await;
     let mut a = pg.begin().await.unwrap();
     let e1 = plain_insert(&mut a, &table, "x").await;
-    let mut b_conn = pg.acquire().await.unwrap();
-    let b_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *b_conn)
-        .await
-        .unwrap();
+    let (b_conn, b_pid) = session(&pg).await;
     let t = table.clone();
     let b = tokio::spawn(async move {
         let mut conn = b_conn;
@@ -358,53 +385,21 @@ async fn a_copy_of_an_aggregates_event_waits_for_the_open_insert_of_that_aggrega
 async fn writers_of_two_aggregates_in_opposite_orders_fail_one_with_a_deadlock() {
     let pg = pool(4).await;
     let table = fresh_table(&pg).await;
-    let mut t1 = pg.acquire().await.unwrap();
-    let mut t2 = pg.acquire().await.unwrap();
-    let t1_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *t1)
-        .await
-        .unwrap();
+    let (mut t1, t1_pid) = session(&pg).await;
+    let (mut t2, _) = session(&pg).await;
     sqlx::query("BEGIN").execute(&mut *t1).await.unwrap();
     sqlx::query("BEGIN").execute(&mut *t2).await.unwrap();
     plain_insert(&mut t1, &table, "a").await;
     plain_insert(&mut t2, &table, "b").await;
     // T1 now waits for T2's lock on b...
     let t = table.clone();
-    let first = tokio::spawn(async move {
-        let sql = format!(
-            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'b', 'order.updated', '{{}}')",
-            t.qualified()
-        );
-        let r = sqlx::query(&sql).execute(&mut *t1).await.map(|_| ());
-        let end = if r.is_ok() { "COMMIT" } else { "ROLLBACK" };
-        sqlx::query(end).execute(&mut *t1).await.unwrap();
-        r
-    });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let waiting: Option<String> =
-            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
-                .bind(t1_pid)
-                .fetch_one(&pg)
-                .await
-                .unwrap();
-        if waiting.as_deref() == Some("Lock") {
-            break;
-        }
-        assert!(
-            !first.is_finished() && tokio::time::Instant::now() < deadline,
-            "the first transaction did not wait for the second's aggregate"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // ...and T2 for T1's lock on a: a deadlock.
-    let sql = format!(
-        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'a', 'order.updated', '{{}}')",
-        table.qualified()
+    let first = tokio::spawn(async move { insert_then_end(&mut t1, &t, "b").await });
+    assert!(
+        blocked_or_done(&pg, t1_pid, &first).await,
+        "the first transaction did not wait for the second's aggregate"
     );
-    let second = sqlx::query(&sql).execute(&mut *t2).await.map(|_| ());
-    let end = if second.is_ok() { "COMMIT" } else { "ROLLBACK" };
-    sqlx::query(end).execute(&mut *t2).await.unwrap();
+    // ...and T2 for T1's lock on a: a deadlock.
+    let second = insert_then_end(&mut t2, &table, "a").await;
     let first = tokio::time::timeout(Duration::from_secs(30), first)
         .await
         .expect("the first transaction still waits")
