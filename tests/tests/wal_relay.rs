@@ -32,6 +32,19 @@ fn relay_config() -> RelayConfig {
     }
 }
 
+/// A relay over `wal` with this file's settings, publishing to `publisher` until `shutdown`.
+async fn spawn(
+    wal: &WalSource,
+    publisher: &std::sync::Arc<ScriptedPublisher>,
+    shutdown: &CancellationToken,
+) -> (
+    outbox_postgres::wal::WalStore,
+    tokio::task::JoinHandle<outbox_core::RelaySummary>,
+) {
+    wal.spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
+        .await
+}
+
 /// A fresh outbox table with its WAL source, a scripted publisher and a shutdown token.
 struct Fixture {
     pool: sqlx::PgPool,
@@ -89,12 +102,8 @@ async fn wal_relays_keep_order_through_random_failures_with_a_standby() {
         publisher,
         shutdown,
     } = fixture().await;
-    let (a, ta) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
-    let (b, tb) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
+    let (a, ta) = spawn(&wal, &publisher, &shutdown).await;
+    let (b, tb) = spawn(&wal, &publisher, &shutdown).await;
     wait_until(
         Duration::from_secs(30),
         "one relay reads the slot",
@@ -160,9 +169,7 @@ async fn a_poison_event_dead_letters_and_holds_back_only_its_aggregate() {
         .unwrap()
         .1;
     publisher.on_event(poison, Behavior::FailPermanent);
-    let (store, task) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
+    let (store, task) = spawn(&wal, &publisher, &shutdown).await;
     let others: Vec<(String, Uuid)> = committed
         .iter()
         .filter(|(a, _)| a != "agg-3")
@@ -266,9 +273,7 @@ async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettere
         }
         tx.commit().await.unwrap();
     }
-    let (store, task) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
+    let (store, task) = spawn(&wal, &publisher, &shutdown).await;
     wait_until(
         Duration::from_secs(60),
         "every event and the dead letter",
@@ -311,16 +316,12 @@ async fn the_standby_takes_over_when_the_readers_session_ends() {
         publisher,
         shutdown,
     } = fixture().await;
-    let (a, ta) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
+    let (a, ta) = spawn(&wal, &publisher, &shutdown).await;
     wait_until(Duration::from_secs(30), "the first relay reads", || async {
         a.progress().active
     })
     .await;
-    let (b, tb) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
+    let (b, tb) = spawn(&wal, &publisher, &shutdown).await;
     let mut committed = write_rounds(&table, 20, 5).await;
     drained(&pool, &table, &wal, &publisher, committed.len()).await;
     assert!(a.progress().active && !b.progress().active);
@@ -394,12 +395,8 @@ async fn readers_ending_mid_stream_with_failures_lose_nothing_and_keep_order() {
     } = fixture().await;
     // A reader holds at most this many unconfirmed events: the bound on what a takeover replays.
     wal.config.read_ahead = 200;
-    let (a, ta) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
-    let (b, tb) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
+    let (a, ta) = spawn(&wal, &publisher, &shutdown).await;
+    let (b, tb) = spawn(&wal, &publisher, &shutdown).await;
     publisher.when(
         |e| e.id.as_u128() % 100 < 8,
         Behavior::FailRetryableTimes(1),
@@ -484,9 +481,7 @@ async fn an_event_written_twice_is_published_twice_and_wedges_nothing() {
     let mut tx = pool.begin().await.unwrap();
     messages.emit(&mut tx, after.clone()).await.unwrap();
     tx.commit().await.unwrap();
-    let (store, task) = wal
-        .spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
-        .await;
+    let (store, task) = spawn(&wal, &publisher, &shutdown).await;
     wait_until(
         Duration::from_secs(60),
         "both copies and the next event",
