@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Ensures what the test suite needs, idempotently (safe to run any number of times):
-# - build tools for the bundled librdkafka (Debian cmake, libcurl4-openssl-dev), installed if missing;
+# - build tools for the bundled librdkafka (Debian cmake, libcurl4-openssl-dev), and iptables (a
+#   test cuts a connection without a reset), installed if missing;
 # - PostgreSQL (started if down; wal_level = logical for the WAL source, one restart when it is not;
 #   database created if missing);
 # - RabbitMQ (started if down);
@@ -155,10 +156,12 @@ apt_install() {
 ensure_build_deps() {
   local missing=()
   command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+  # tests/tests/lease.rs cuts one loopback connection without a reset (iptables DROP rules).
+  command -v iptables >/dev/null 2>&1 || missing+=(iptables)
   dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
   dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
   if [ ${#missing[@]} -gt 0 ]; then
-    log "installing build tools for librdkafka: ${missing[*]}"
+    log "installing build tools for librdkafka and test tools: ${missing[*]}"
     apt_install "${missing[@]}"
   fi
 }

@@ -46,9 +46,15 @@ pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, out
     connect_with(&config.url, config.pool_size, config.acquire_timeout).await
 }
 
-/// Run on every new connection of a pool opened here (see `connect_with`).
+/// Run on every new connection of a pool opened here (see `connect_with`). Keepalives find a peer
+/// gone while the connection is quiet; `tcp_user_timeout` (PostgreSQL 12 and later) one gone while
+/// the server still has data it sent unacknowledged (a cut in the middle of an answer, or right
+/// after one whose acknowledgement was lost with it), where keepalives do not apply and the
+/// kernel's retransmissions would keep the session, and its locks, for about 15 minutes.
 pub(crate) const KEEPALIVES: &str =
-    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3";
+    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3;
+     SELECT set_config('tcp_user_timeout', '25000', false)
+     WHERE EXISTS (SELECT 1 FROM pg_settings WHERE name = 'tcp_user_timeout')";
 
 async fn connect_with(
     url: &str,
@@ -71,8 +77,8 @@ async fn connect_with(
     );
     PgPoolOptions::new()
         .max_connections(max_connections.max(1))
-        // Server-side TCP keepalives: when the relay's host or network vanishes, the server notices
-        // within about 25 s and ends the session, so the partitions its batches held are claimable again (with
+        // Server-side TCP keepalives and user timeout: when the relay's host or network vanishes,
+        // the server notices within about 25 s and ends the session, so the partitions its batches held are claimable again (with
         // the kernel's defaults a dead peer's session, and its locks, last about two hours). Set
         // once per connection (startup options are refused by some poolers). They guard the
         // server's own socket: behind a session pooler that is the pooler's connection, whose own

@@ -233,6 +233,7 @@ async fn the_relays_connections_carry_server_side_keepalives() {
         ("tcp_keepalives_idle", "10"),
         ("tcp_keepalives_interval", "5"),
         ("tcp_keepalives_count", "3"),
+        ("tcp_user_timeout", "25000"),
     ] {
         let shown: String = sqlx::query_scalar(&format!("SHOW {setting}"))
             .fetch_one(&relay_pool)
@@ -366,4 +367,113 @@ fn assert_no_failure_logged(table: &OutboxTable) {
         failures.is_empty(),
         "sessions the server ended while idle must cost the relay no failed claim or settle: {failures:#?}"
     );
+}
+
+/// Drops every packet of one loopback TCP connection, both ways, with no reset (as a network cut,
+/// a vanished host or a dead NAT entry does), until dropped.
+struct Blackhole {
+    port: u16,
+}
+
+impl Blackhole {
+    fn rules(port: u16) -> [[String; 2]; 2] {
+        [
+            ["--sport".to_string(), port.to_string()],
+            ["--dport".to_string(), port.to_string()],
+        ]
+    }
+
+    fn iptables(action: &str, rule: &[String; 2]) -> std::io::Result<std::process::Output> {
+        std::process::Command::new("iptables")
+            .args([action, "INPUT", "-i", "lo", "-p", "tcp"])
+            .args(rule)
+            .args(["-j", "DROP"])
+            .output()
+    }
+
+    fn new(port: u16) -> Blackhole {
+        for rule in Self::rules(port) {
+            let out = Self::iptables("-I", &rule).expect(
+                "this test needs iptables and root (scripts/test-env.sh installs iptables)",
+            );
+            assert!(
+                out.status.success(),
+                "iptables refused the rule (this test needs root and netfilter): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Blackhole { port }
+    }
+}
+
+impl Drop for Blackhole {
+    fn drop(&mut self) {
+        for rule in Self::rules(self.port) {
+            if !Self::iptables("-D", &rule).is_ok_and(|o| o.status.success()) {
+                eprintln!("could not remove the iptables rule {rule:?} DROP");
+            }
+        }
+    }
+}
+
+/// A relay cut off from the database without a reset (every packet of its claim's connection
+/// dropped, both ways) while it holds a batch: the server's keepalive probes go unanswered, it ends
+/// the session, and another relay claims the aggregate within about 25 s (README, guarantee 4),
+/// not after the kernel's two hours nor the lease's own hold time (130 s on defaults).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_cut_off_without_a_reset_frees_its_aggregates_within_the_keepalive_bound() {
+    let admin = pool(2).await;
+    let table = fresh_table(&admin).await;
+    let ids = write(&admin, &table, &["x", "x"]).await;
+    let relay_a = outbox_postgres::connect(&database_url(), 2).await.unwrap();
+    let a = PostgresStore::new(relay_a, table.clone());
+    let request = || {
+        let mut r = outbox_core::ClaimRequest::new(10, OrderingPolicy::PerAggregate);
+        r.hold_for = Duration::from_secs(130);
+        r
+    };
+    let held = outbox_core::Store::claim(&a, request()).await.unwrap();
+    assert_eq!(held.events.len(), 2);
+    let (pid, port): (i32, i32) = sqlx::query_as(
+        "SELECT pid, client_port FROM pg_stat_activity
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'
+           AND strpos(query, $1) > 0",
+    )
+    .bind(table.schema())
+    .fetch_one(&admin)
+    .await
+    .expect("the claim's session over TCP (DATABASE_URL must reach the server over TCP)");
+    let cut = Blackhole::new(u16::try_from(port).unwrap());
+    let started = std::time::Instant::now();
+    let relay_b = outbox_postgres::connect(&database_url(), 2).await.unwrap();
+    let b = PostgresStore::new(relay_b, table.clone());
+    let taken = loop {
+        let batch = outbox_core::Store::claim(&b, request()).await.unwrap();
+        if !batch.events.is_empty() {
+            break batch;
+        }
+        batch.lease.release().await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the cut-off relay's session still holds its aggregate after 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let freed = started.elapsed();
+    println!("a relay cut off without a reset: its aggregate was claimable again after {freed:?}");
+    assert_eq!(
+        taken.events.iter().map(|e| e.id).collect::<Vec<_>>(),
+        ids,
+        "the other relay takes the aggregate's events, in order"
+    );
+    let alive: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+            .bind(pid)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+    assert!(!alive, "the server ended the cut-off session");
+    taken.lease.release().await.unwrap();
+    drop(cut);
+    drop(held);
 }
