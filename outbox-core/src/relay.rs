@@ -359,6 +359,8 @@ struct Outage {
     first_pause_ms: u64,
     /// When the relay last warned that the broker is unreachable.
     warned: std::sync::Mutex<Option<Instant>>,
+    /// When the broker was last marked down.
+    down_since: std::sync::Mutex<Option<Instant>>,
 }
 
 /// The longest pause between two checks of an unreachable broker (shorter when
@@ -382,6 +384,7 @@ impl Outage {
             pause_ms: AtomicU64::new(first_pause_ms),
             first_pause_ms,
             warned: Default::default(),
+            down_since: Default::default(),
         }
     }
 
@@ -407,11 +410,30 @@ impl Outage {
 
     /// Marks the broker down; true when it was up (the warning is then due, and given).
     fn mark_down(&self) -> bool {
+        *self
+            .down_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
         let was_up = !self.down.swap(true, Ordering::SeqCst);
         if was_up {
             *self.warned_at() = Some(Instant::now());
         }
         was_up
+    }
+
+    /// A call that began at `call_started` had an event taken: the broker is up again, unless the
+    /// call began before the broker was last found unreachable (a batch in flight at the outage
+    /// whose first records went through before it: no news of the broker since). Returns whether
+    /// it was down and is up now.
+    fn took_event(&self, call_started: Instant) -> bool {
+        let since = *self
+            .down_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if since.is_some_and(|down| call_started < down) {
+            return false;
+        }
+        self.mark_up(true)
     }
 
     /// Marks the broker up; true when it was down. A publish that went through also resets the
@@ -754,7 +776,7 @@ async fn process_batch(
         .instrument(publish_span)
         .await;
     let publish_duration = started.elapsed();
-    let unreachable = note_broker_state(&shared, &outcomes);
+    let unreachable = note_broker_state(&shared, &outcomes, started);
     let mut report = BatchReport {
         claimed: events.len(),
         publish_duration,
@@ -838,9 +860,9 @@ fn broker_unreachable(outcomes: &[PublishOutcome]) -> bool {
 }
 
 /// Marks the broker down when a batch found it unreachable (the claim loop then waits for the
-/// publisher's check), and up again when a batch published something; returns whether it was found
-/// unreachable.
-fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome]) -> bool {
+/// publisher's check), and up again when a batch whose publish began after that published
+/// something (`started`); returns whether it was found unreachable.
+fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome], started: Instant) -> bool {
     let publisher = shared.publisher.name();
     if broker_unreachable(outcomes) {
         if shared.outage.mark_down() {
@@ -851,7 +873,7 @@ fn note_broker_state(shared: &Shared, outcomes: &[PublishOutcome]) -> bool {
         }
         return true;
     }
-    if outcomes.iter().any(Result::is_ok) && shared.outage.mark_up(true) {
+    if outcomes.iter().any(Result::is_ok) && shared.outage.took_event(started) {
         info!(
             publisher,
             "the broker took an event again; claiming resumes"
@@ -1103,6 +1125,23 @@ mod tests {
     use chrono::Utc;
     use std::collections::BTreeMap;
     use uuid::Uuid;
+
+    /// A batch in flight when another found the broker unreachable, whose first records went
+    /// through before the outage, is no news that the broker is back: claiming stays paused (else
+    /// full batches fail again, each counting an attempt). A call begun after the outage was noticed
+    /// (a probe, a batch after a passing check) is.
+    #[test]
+    fn only_a_call_begun_after_the_outage_was_noticed_marks_the_broker_up() {
+        let outage = Outage::new(&RetryPolicy::default());
+        let before = Instant::now();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(outage.mark_down());
+        assert!(!outage.took_event(before), "a call begun before the outage");
+        assert!(outage.is_down());
+        let after = Instant::now();
+        assert!(outage.took_event(after), "a call begun after it");
+        assert!(!outage.is_down());
+    }
 
     fn event(agg: &str, attempts: u32) -> Event {
         Event {

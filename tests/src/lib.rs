@@ -5,6 +5,7 @@
 //! This library holds the checker shared by the scenarios.
 
 pub mod harness;
+pub mod net;
 pub mod wal;
 
 use std::collections::HashMap;

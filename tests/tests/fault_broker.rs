@@ -42,9 +42,11 @@ async fn broker_down(broker: Broker, wal: bool) {
     let mut server = BrokerServer::start(broker).await;
     let sink = server.sink().await;
     let http = format!("127.0.0.1:{}", free_port());
+    // A file per scenario: the WAL variant runs in the same process.
     let log_path = std::env::temp_dir().join(format!(
-        "outbox-fault-broker-{}-{}.log",
+        "outbox-fault-broker-{}{}-{}.log",
         broker.name(),
+        if wal { "-wal" } else { "" },
         std::process::id()
     ));
     let log = std::fs::File::create(&log_path).unwrap();
@@ -141,7 +143,9 @@ async fn broker_down(broker: Broker, wal: bool) {
     println!("  during the outage: at most {attempts} attempts on an unpublished event, {dead} dead letters");
     assert!(
         attempts <= 1 && dead == 0,
-        "an outage used up attempts: {attempts} on one event, {dead} dead-lettered (max_attempts 3)"
+        "an outage used up attempts: {attempts} on one event, {dead} dead-lettered (max_attempts 3); \
+         the relay's log: {}",
+        log_path.display()
     );
     assert!(
         readiness.iter().all(|s| *s != Some(200)),

@@ -369,53 +369,6 @@ fn assert_no_failure_logged(table: &OutboxTable) {
     );
 }
 
-/// Drops every packet of one loopback TCP connection, both ways, with no reset (as a network cut,
-/// a vanished host or a dead NAT entry does), until dropped.
-struct Blackhole {
-    port: u16,
-}
-
-impl Blackhole {
-    fn rules(port: u16) -> [[String; 2]; 2] {
-        [
-            ["--sport".to_string(), port.to_string()],
-            ["--dport".to_string(), port.to_string()],
-        ]
-    }
-
-    fn iptables(action: &str, rule: &[String; 2]) -> std::io::Result<std::process::Output> {
-        std::process::Command::new("iptables")
-            .args([action, "INPUT", "-i", "lo", "-p", "tcp"])
-            .args(rule)
-            .args(["-j", "DROP"])
-            .output()
-    }
-
-    fn new(port: u16) -> Blackhole {
-        for rule in Self::rules(port) {
-            let out = Self::iptables("-I", &rule).expect(
-                "this test needs iptables and root (scripts/test-env.sh installs iptables)",
-            );
-            assert!(
-                out.status.success(),
-                "iptables refused the rule (this test needs root and netfilter): {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Blackhole { port }
-    }
-}
-
-impl Drop for Blackhole {
-    fn drop(&mut self) {
-        for rule in Self::rules(self.port) {
-            if !Self::iptables("-D", &rule).is_ok_and(|o| o.status.success()) {
-                eprintln!("could not remove the iptables rule {rule:?} DROP");
-            }
-        }
-    }
-}
-
 /// A relay cut off from the database without a reset (every packet of its claim's connection
 /// dropped, both ways) while it holds a batch: the server's keepalive probes go unanswered, it ends
 /// the session, and another relay claims the aggregate within about 25 s (README, guarantee 4),
@@ -443,7 +396,7 @@ async fn a_relay_cut_off_without_a_reset_frees_its_aggregates_within_the_keepali
     .fetch_one(&admin)
     .await
     .expect("the claim's session over TCP (DATABASE_URL must reach the server over TCP)");
-    let cut = Blackhole::new(u16::try_from(port).unwrap());
+    let cut = outbox_tests::net::NetFault::blackhole(u16::try_from(port).unwrap());
     let started = std::time::Instant::now();
     let relay_b = outbox_postgres::connect(&database_url(), 2).await.unwrap();
     let b = PostgresStore::new(relay_b, table.clone());
