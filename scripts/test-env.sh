@@ -159,7 +159,7 @@ remove_test_net_rules() {
   command -v iptables >/dev/null 2>&1 || return 0
   [ "$(id -u)" -eq 0 ] || return 0
   local rule
-  iptables -S INPUT 2>/dev/null | grep -- '--comment outbox-test' | while read -r rule; do
+  iptables -S INPUT 2>/dev/null | { grep -- '--comment outbox-test' || true; } | while read -r rule; do
     log "removing a network-fault rule a test left: $rule"
     # shellcheck disable=SC2086
     iptables ${rule/-A INPUT/-D INPUT} || true

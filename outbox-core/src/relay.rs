@@ -11,9 +11,9 @@
 //!   `poll_interval`. A [`Wake`] handle (given to the writer side) ends a pause at once.
 //! - **Retry policy**: failed events are retried with backoff or dead-lettered, as classified by the
 //!   publisher; under per-aggregate ordering a failure holds back the rest of that aggregate's run.
-//! - **Broker outages**: a batch whose events all fail with connection errors or timeouts (nothing
-//!   published) marks the broker unreachable; the relay then claims no batch until the publisher's
-//!   readiness check passes, checking after `retry.initial_backoff`, then twice as long each time
+//! - **Broker outages**: a batch whose failures are all connection errors or timeouts (whatever it
+//!   published before them) marks the broker unreachable; the relay then claims no batch until the
+//!   publisher's readiness check passes, checking after `retry.initial_backoff`, then twice as long each time
 //!   (between 100 ms and 10 s, at most `retry.max_backoff`). While the check fails, each round sends
 //!   one event as a probe (a check can fail where publishing works); a probe that finds the broker
 //!   still unreachable counts no attempt and waits a pause, so the next probe takes another event.
@@ -408,13 +408,20 @@ impl Outage {
         next
     }
 
+    /// The time the broker was last marked down; held while the state changes, so that a mark-down
+    /// and a mark-up never interleave (see [`Outage::took_event`]).
+    fn down_since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.down_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Marks the broker down; true when it was up (the warning is then due, and given).
     fn mark_down(&self) -> bool {
-        *self
-            .down_since
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+        let mut since = self.down_since();
+        *since = Some(Instant::now());
         let was_up = !self.down.swap(true, Ordering::SeqCst);
+        drop(since);
         if was_up {
             *self.warned_at() = Some(Instant::now());
         }
@@ -426,22 +433,17 @@ impl Outage {
     /// whose first records went through before it: no news of the broker since). Returns whether
     /// it was down and is up now.
     fn took_event(&self, call_started: Instant) -> bool {
-        let since = *self
-            .down_since
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let since = self.down_since();
         if since.is_some_and(|down| call_started < down) {
             return false;
         }
-        self.mark_up(true)
+        self.pause_ms.store(self.first_pause_ms, Ordering::SeqCst);
+        self.down.swap(false, Ordering::SeqCst)
     }
 
-    /// Marks the broker up; true when it was down. A publish that went through also resets the
-    /// pause (`reset_pause`); a passing check alone does not.
-    fn mark_up(&self, reset_pause: bool) -> bool {
-        if reset_pause {
-            self.pause_ms.store(self.first_pause_ms, Ordering::SeqCst);
-        }
+    /// Marks the broker up after a passing readiness check; true when it was down.
+    fn checked_up(&self) -> bool {
+        let _since = self.down_since();
         self.down.swap(false, Ordering::SeqCst)
     }
 
@@ -589,7 +591,7 @@ impl Relay {
                     publisher = publisher.name(),
                     "the broker answers its readiness check; claiming resumes"
                 );
-                outage.mark_up(false);
+                outage.checked_up();
                 return true;
             }
             Ok(Err(e)) => e.to_string(),
@@ -842,13 +844,14 @@ async fn process_batch(
     shared.observer.batch_settled(&report);
 }
 
-/// Whether a batch's outcomes say the broker is unreachable: nothing published, and the events
-/// tried failed with connection errors or timeouts (the rest held back or not sent behind them).
+/// Whether a batch's outcomes say the broker is unreachable: its events that failed failed with
+/// connection errors or timeouts (the rest held back or not sent behind them), whatever it
+/// published before (a batch in flight when the broker went away).
 fn broker_unreachable(outcomes: &[PublishOutcome]) -> bool {
     let mut connection = false;
     for o in outcomes {
         match o {
-            Ok(()) => return false,
+            Ok(()) => {}
             Err(e) if matches!(e.kind(), ErrorKind::Connection | ErrorKind::Timeout) => {
                 connection = true;
             }
@@ -1130,6 +1133,19 @@ mod tests {
     /// through before the outage, is no news that the broker is back: claiming stays paused (else
     /// full batches fail again, each counting an attempt). A call begun after the outage was noticed
     /// (a probe, a batch after a passing check) is.
+    /// A batch whose failures are all connection errors or timeouts finds the broker unreachable,
+    /// also when it published some events before (in flight as the broker went away); a failure of
+    /// an event's own says nothing of the broker.
+    #[test]
+    fn failures_of_the_connection_only_find_the_broker_unreachable() {
+        let conn = || Err(Error::new(ErrorKind::Connection, "connection reset"));
+        let own = || Err(Error::new(ErrorKind::InvalidInput, "header too long"));
+        assert!(broker_unreachable(&[conn(), conn()]));
+        assert!(broker_unreachable(&[Ok(()), conn()]));
+        assert!(!broker_unreachable(&[Ok(()), Ok(())]));
+        assert!(!broker_unreachable(&[conn(), own()]));
+    }
+
     #[test]
     fn only_a_call_begun_after_the_outage_was_noticed_marks_the_broker_up() {
         let outage = Outage::new(&RetryPolicy::default());

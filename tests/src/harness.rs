@@ -186,6 +186,28 @@ impl Sink {
         }
     }
 
+    /// The loopback port the relay reaches this sink's broker on (its first broker, for Kafka).
+    pub fn broker_port(&self) -> u16 {
+        let addr = match self {
+            Sink::Amqp(_) => outbox_amqp::testing::amqp_url(),
+            Sink::Kafka(fx) => fx.brokers.clone(),
+            Sink::Sqs(fx) => fx.endpoint.clone(),
+        };
+        let first = addr.split(',').next().unwrap_or(&addr);
+        let host_port = first
+            .split("://")
+            .last()
+            .unwrap_or(first)
+            .split(['/', '?'])
+            .next()
+            .unwrap_or(first);
+        let host_port = host_port.rsplit('@').next().unwrap_or(host_port);
+        host_port
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or_else(|| panic!("no port in the broker address {addr:?}"))
+    }
+
     /// Points an `outbox` command at this sink.
     pub fn configure(&self, c: &mut Command) {
         match self {

@@ -11,6 +11,7 @@ pub const RULE_COMMENT: &str = "outbox-test";
 /// Rules in force while this guard lives.
 pub struct NetFault {
     rules: Vec<Vec<String>>,
+    port: u16,
 }
 
 fn iptables(action: &str, rule: &[String]) -> std::io::Result<Output> {
@@ -22,8 +23,11 @@ fn iptables(action: &str, rule: &[String]) -> std::io::Result<Output> {
 }
 
 impl NetFault {
-    fn add(rules: Vec<Vec<String>>) -> NetFault {
-        let mut added = NetFault { rules: Vec::new() };
+    fn add(port: u16, rules: Vec<Vec<String>>) -> NetFault {
+        let mut added = NetFault {
+            rules: Vec::new(),
+            port,
+        };
         for rule in rules {
             let out = iptables("-I", &rule).unwrap_or_else(|e| {
                 panic!("this test needs iptables and root (scripts/test-env.sh installs iptables): {e}")
@@ -47,7 +51,7 @@ impl NetFault {
                 .map(|s| s.to_string())
                 .collect()
         };
-        NetFault::add(vec![rule("--sport"), rule("--dport")])
+        NetFault::add(port, vec![rule("--sport"), rule("--dport")])
     }
 
     /// Answers every packet sent to `port` with a reset: its open connections break mid-stream and
@@ -64,7 +68,27 @@ impl NetFault {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        NetFault::add(vec![rule])
+        NetFault::add(port, vec![rule])
+    }
+}
+
+impl NetFault {
+    /// How many packets this guard's rules have matched so far (that the fault hit something).
+    pub fn hits(&self) -> u64 {
+        let listed = Command::new("iptables")
+            .args(["-L", "INPUT", "-v", "-x", "-n"])
+            .output()
+            .map(|o| o.stdout)
+            .unwrap_or_default();
+        let ports = [format!("dpt:{}", self.port), format!("spt:{}", self.port)];
+        String::from_utf8_lossy(&listed)
+            .lines()
+            .filter(|l| {
+                l.contains(RULE_COMMENT)
+                    && l.split_whitespace().any(|w| ports.iter().any(|p| p == w))
+            })
+            .filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
     }
 }
 

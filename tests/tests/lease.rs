@@ -396,7 +396,9 @@ async fn a_relay_cut_off_without_a_reset_frees_its_aggregates_within_the_keepali
     .fetch_one(&admin)
     .await
     .expect("the claim's session over TCP (DATABASE_URL must reach the server over TCP)");
-    let cut = outbox_tests::net::NetFault::blackhole(u16::try_from(port).unwrap());
+    let port = u16::try_from(port)
+        .expect("the claim's session over TCP (DATABASE_URL must reach the server over TCP)");
+    let cut = outbox_tests::net::NetFault::blackhole(port);
     let started = std::time::Instant::now();
     let relay_b = outbox_postgres::connect(&database_url(), 2).await.unwrap();
     let b = PostgresStore::new(relay_b, table.clone());
