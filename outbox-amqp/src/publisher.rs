@@ -755,8 +755,44 @@ impl Publisher for AmqpPublisher {
         finish(outcomes)
     }
 
+    /// Connects if needed, then asks the broker for a channel and closes it again: a round trip
+    /// within `amqp.connect_timeout`, so that a connection the broker no longer answers on (a
+    /// network cut without a reset, which lapin's status does not show until its heartbeats fail)
+    /// fails the check, and is dropped for the next batch to connect again.
     async fn check(&self) -> Result<(), Error> {
-        self.channel().await.map(|_| ())
+        self.channel().await?;
+        let connection = {
+            let st = self.state.lock().await;
+            match &st.link {
+                Some(l) => l.connection.clone(),
+                None => return Err(connection_lost("the connection to RabbitMQ closed")),
+            }
+        };
+        let round_trip = async {
+            let probe = connection
+                .create_channel()
+                .await
+                .map_err(|e| map_lapin("check", e))?;
+            probe
+                .close(200, "outbox check".into())
+                .await
+                .map_err(|e| map_lapin("check", e))
+        };
+        let answered = match tokio::time::timeout(self.config.connect_timeout, round_trip).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "RabbitMQ did not answer on its connection within amqp.connect_timeout = {}",
+                    outbox_core::duration::format(self.config.connect_timeout)
+                ),
+            )
+            .with_context("adapter", "amqp")),
+        };
+        if let Err(e) = &answered {
+            self.reset(e).await;
+        }
+        answered
     }
 
     fn name(&self) -> &str {

@@ -63,3 +63,65 @@ async fn connections_closed_mid_call_lose_nothing_and_keep_order() {
     );
     assert_crash_verdict(&verdict, closed, BATCH, IN_FLIGHT);
 }
+
+/// The local port of the publisher's connection to RabbitMQ (named "outbox relay").
+fn publisher_connection_port() -> u16 {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args([
+            "list_connections",
+            "peer_port",
+            "client_properties",
+            "--no-table-headers",
+            "-q",
+        ])
+        .output()
+        .expect("rabbitmqctl is required for this test (it ships with rabbitmq-server)");
+    let listed = String::from_utf8_lossy(&out.stdout);
+    let ports: Vec<u16> = listed
+        .lines()
+        .filter(|l| l.contains("outbox relay"))
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert_eq!(ports.len(), 1, "one publisher connection: {listed}");
+    ports[0]
+}
+
+/// RabbitMQ no longer answers on the publisher's connection (every packet dropped, no reset, as in
+/// a network cut): the readiness check fails within `amqp.connect_timeout` instead of passing on
+/// lapin's own idea of the connection (the relay would then claim batches that fail and count
+/// attempts), and passes again on a new connection once packets flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_fails_on_a_connection_rabbitmq_no_longer_answers() {
+    use outbox_core::Publisher;
+    let _serial = one_at_a_time().await;
+    let fx = outbox_amqp::testing::Fixture::new().await;
+    let mut config = fx.config();
+    config.connect_timeout = Duration::from_secs(2);
+    let p = outbox_amqp::AmqpPublisher::new(config).unwrap();
+    let event = outbox_core::testkit::publisher_suite::event("a", 0);
+    assert!(p.publish(std::slice::from_ref(&event)).await[0].is_ok());
+    p.check().await.unwrap();
+    let cut = outbox_tests::net::NetFault::blackhole(publisher_connection_port());
+    let started = std::time::Instant::now();
+    let checked = p.check().await;
+    let took = started.elapsed();
+    assert!(
+        checked.is_err(),
+        "the check passed on a connection RabbitMQ no longer answers on"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "the check took {took:?} (amqp.connect_timeout is 2 s)"
+    );
+    assert!(cut.hits() > 0, "the cut dropped nothing");
+    drop(cut);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while p.check().await.is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the check still fails 60 s after packets flow again"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(p.publish(std::slice::from_ref(&event)).await[0].is_ok());
+}
