@@ -390,41 +390,44 @@ impl Outage for ProxiedBroker {
     }
 }
 
-/// Closes every connection of the local RabbitMQ node named "outbox relay" (the publisher's), with
-/// `rabbitmqctl close_connection`, as an operator or a broker restart would; returns how many. Every
-/// relay's connection on the node goes: only for a test binary whose tests may all lose theirs.
-pub fn close_publisher_connections() -> usize {
+/// Runs `rabbitmqctl` (on the local node) with `args`; returns its output. Panics, saying what
+/// failed, when it is missing or fails.
+pub fn rabbitmqctl(args: &[&str]) -> String {
     let out = std::process::Command::new("rabbitmqctl")
-        .args([
-            "list_connections",
-            "pid",
-            "client_properties",
-            "--no-table-headers",
-            "-q",
-        ])
+        .args(args)
         .output()
         .expect("rabbitmqctl is required for this test (it ships with rabbitmq-server)");
     assert!(
         out.status.success(),
-        "rabbitmqctl list_connections failed: {}",
+        "rabbitmqctl {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let mut closed = 0;
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        if !line.contains("outbox relay") {
-            continue;
-        }
-        let pid = line.split_whitespace().next().unwrap_or_default();
-        let closed_it = std::process::Command::new("rabbitmqctl")
-            .args(["close_connection", pid, "fault injection"])
-            .output()
-            .unwrap();
-        assert!(
-            closed_it.status.success(),
-            "rabbitmqctl close_connection failed: {}",
-            String::from_utf8_lossy(&closed_it.stderr)
-        );
-        closed += 1;
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The connections of the local RabbitMQ node named "outbox relay" (the publisher's): one
+/// `field` of each (as `rabbitmqctl list_connections` names it, e.g. `pid` or `peer_port`).
+pub fn publisher_connections(field: &str) -> Vec<String> {
+    rabbitmqctl(&[
+        "list_connections",
+        field,
+        "client_properties",
+        "--no-table-headers",
+        "-q",
+    ])
+    .lines()
+    .filter(|l| l.contains("outbox relay"))
+    .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+    .collect()
+}
+
+/// Closes every connection of the local RabbitMQ node named "outbox relay" (the publisher's), with
+/// `rabbitmqctl close_connection`, as an operator or a broker restart would; returns how many. Every
+/// relay's connection on the node goes: only for a test binary whose tests may all lose theirs.
+pub fn close_publisher_connections() -> usize {
+    let pids = publisher_connections("pid");
+    for pid in &pids {
+        rabbitmqctl(&["close_connection", pid, "fault injection"]);
     }
-    closed
+    pids.len()
 }

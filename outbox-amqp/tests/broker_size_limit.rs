@@ -11,16 +11,9 @@ use outbox_core::testkit::publisher_suite::event;
 use outbox_core::{Event, Publisher};
 
 fn eval(expr: &str) -> String {
-    let out = Command::new("rabbitmqctl")
-        .args(["eval", expr])
-        .output()
-        .expect("rabbitmqctl is required for this test (it ships with rabbitmq-server)");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl eval {expr} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    outbox_amqp::testing::rabbitmqctl(&["eval", expr])
+        .trim()
+        .to_string()
 }
 
 /// The node's `max_message_size` while alive; the one found, again when dropped.

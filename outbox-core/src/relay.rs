@@ -13,8 +13,8 @@
 //!   publisher; under per-aggregate ordering a failure holds back the rest of that aggregate's run.
 //! - **Broker outages**: a batch whose failures are all connection errors or timeouts (whatever it
 //!   published before them) marks the broker unreachable; the relay then claims no batch until the
-//!   publisher's readiness check passes, checking after `retry.initial_backoff`, then twice as long each time
-//!   (between 100 ms and 10 s, at most `retry.max_backoff`). While the check fails, each round sends
+//!   publisher's readiness check passes, checking after `retry.initial_backoff`, then twice as long
+//!   each time (between 100 ms and 10 s, at most `retry.max_backoff`). While the check fails, each round sends
 //!   one event as a probe (a check can fail where publishing works); a probe that finds the broker
 //!   still unreachable counts no attempt and waits a pause, so the next probe takes another event.
 //!   Events written meanwhile keep their attempts (a long outage does not dead-letter them), and the
@@ -1129,10 +1129,6 @@ mod tests {
     use std::collections::BTreeMap;
     use uuid::Uuid;
 
-    /// A batch in flight when another found the broker unreachable, whose first records went
-    /// through before the outage, is no news that the broker is back: claiming stays paused (else
-    /// full batches fail again, each counting an attempt). A call begun after the outage was noticed
-    /// (a probe, a batch after a passing check) is.
     /// A batch whose failures are all connection errors or timeouts finds the broker unreachable,
     /// also when it published some events before (in flight as the broker went away); a failure of
     /// an event's own says nothing of the broker.
@@ -1146,6 +1142,10 @@ mod tests {
         assert!(!broker_unreachable(&[conn(), own()]));
     }
 
+    /// A batch in flight when another found the broker unreachable, whose first records went
+    /// through before the outage, is no news that the broker is back: claiming stays paused (else
+    /// full batches fail again, each counting an attempt). A call begun after the outage was noticed
+    /// (a probe, a batch after a passing check) is.
     #[test]
     fn only_a_call_begun_after_the_outage_was_noticed_marks_the_broker_up() {
         let outage = Outage::new(&RetryPolicy::default());

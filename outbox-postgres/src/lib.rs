@@ -78,9 +78,9 @@ async fn connect_with(
     PgPoolOptions::new()
         .max_connections(max_connections.max(1))
         // Server-side TCP keepalives and user timeout: when the relay's host or network vanishes,
-        // the server notices within about 25 s and ends the session, so the partitions its batches held are claimable again (with
-        // the kernel's defaults a dead peer's session, and its locks, last about two hours). Set
-        // once per connection (startup options are refused by some poolers). They guard the
+        // the server notices within about 25 s and ends the session, so the partitions its batches
+        // held are claimable again (with the kernel's defaults a dead peer's session, and its
+        // locks, last about two hours). Set once per connection (startup options are refused by some poolers). They guard the
         // server's own socket: behind a session pooler that is the pooler's connection, whose own
         // keepalives then guard the relay's side.
         .after_connect(|conn, _meta| {

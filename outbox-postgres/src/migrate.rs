@@ -133,9 +133,8 @@ pub(crate) async fn apply(
     // One migration at a time per schema, not only per table: `CREATE SCHEMA IF NOT EXISTS` is not
     // safe against itself (of two transactions creating the same new schema, the second fails with
     // 23505 once the first commits), and replicas starting at once may migrate two tables of one new
-    // schema (two outbox tables, an outbox and its inbox or held table).
-    // The table's own lock too, after the schema's (always in that order): releases before this one
-    // took only the table's, and a rolling upgrade runs both.
+    // schema (two outbox tables, an outbox and its inbox or held table). Then the table's own lock,
+    // always in that order: earlier releases took only the table's, and a rolling upgrade runs both.
     let schema_key = format!("outbox-migrate:\"{}\"", table.schema());
     let table_key = format!("outbox-migrate:{}", table.qualified());
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1)), pg_advisory_xact_lock(hashtext($2))")

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox_core::testkit::sample_event;
 use outbox_core::Publisher;
-use outbox_postgres::testing::{database_url_named, pool, sessions_holding_a_claim};
+use outbox_postgres::testing::{database_url_named, fresh_table, pool, sessions_holding_a_claim};
 use outbox_postgres::{OutboxTable, Writer};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
@@ -820,6 +820,51 @@ pub fn assert_clean_verdict(v: &Verdict) {
         (0, 0, 0, 0),
         "{v}: nothing crashed, so nothing may be lost, reordered, unexpected or sent twice"
     );
+}
+
+/// A relay process publishing to `broker` under continuous writes while `fault` strikes `times`
+/// times (times `OUTBOX_SOAK`), each after progress since the previous strike (the relay connected
+/// again and published) and a random moment, so that strikes land on calls in flight; then every
+/// committed event is waited for, the relay stopped cleanly, and the delivery judged and reported as
+/// `scenario`. `fault` gets the loopback port of the sink's broker and returns what it hit
+/// (connections closed, packets reset); returns the verdict and those counts, one per strike.
+pub async fn faults_under_load<F, Fut>(
+    broker: Broker,
+    scenario: &str,
+    times: usize,
+    mut fault: F,
+) -> (Verdict, Vec<u64>)
+where
+    F: FnMut(u16) -> Fut,
+    Fut: std::future::Future<Output = u64>,
+{
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    let sink = Sink::new(broker).await;
+    let port = sink.broker_port();
+    let load = broker.load(&table).await;
+    let relay = RelayProcess::start(&table, &sink, &[]);
+    let mut rng = rng(scenario);
+    let mut hits = Vec::new();
+    let mut before = 0;
+    for _ in 0..times * soak_factor() {
+        sink.wait_past(
+            before,
+            Duration::from_secs(120),
+            "the relay published nothing since the last fault: it did not connect again",
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(rng.u64(50..500))).await;
+        hits.push(fault(port).await);
+        before = sink.received_count().await;
+    }
+    let written = load.stop().await;
+    let committed = committed_in_db(&pg, &table, &written).await;
+    sink.wait_all(&committed, Duration::from_secs(180)).await;
+    assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
+    let verdict = sink.judge(&committed).await;
+    report(&format!("{scenario}-x{}", hits.len()), broker, &verdict);
+    (verdict, hits)
 }
 
 /// Prints the scenario's summary line, and appends it to the file `$FAULT_SCENARIO_REPORT` when set

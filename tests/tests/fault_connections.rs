@@ -7,83 +7,44 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{fresh_table, pool};
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, one_at_a_time, report, soak_factor, Broker,
-    RelayProcess, Sink,
+    assert_crash_verdict, faults_under_load, one_at_a_time, soak_factor, Broker,
 };
 
 /// The harness's relay settings: batches of 100, two in flight (the default).
 const BATCH: usize = 100;
 const IN_FLIGHT: usize = 2;
 
-/// Each close waits for progress since the previous one (the relay has connected again and
-/// published), then a random moment, so that closes land on calls in flight. Nothing is lost, every
+/// Eight closes, each landing on calls in flight (`faults_under_load`). Nothing is lost, every
 /// aggregate's events arrive in order, and the duplicates (confirms the closed connection never
 /// delivered: README, guarantee 3) stay within the batches in flight at each close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_closed_mid_call_lose_nothing_and_keep_order() {
     let _serial = one_at_a_time().await;
-    let pg = pool(2).await;
-    let table = fresh_table(&pg).await;
-    let sink = Sink::new(Broker::Amqp).await;
-    let load = Broker::Amqp.load(&table).await;
-    let relay = RelayProcess::start(&table, &sink, &[]);
-    let mut rng = fastrand::Rng::with_seed(0x0c105e);
-    let (mut closes, mut closed) = (0, 0);
-    let mut before = 0;
-    for _ in 0..8 * soak_factor() {
-        sink.wait_past(
-            before,
-            Duration::from_secs(60),
-            "the relay published nothing since the last close: it did not connect again",
-        )
-        .await;
-        tokio::time::sleep(Duration::from_millis(rng.u64(50..500))).await;
-        let n = tokio::task::spawn_blocking(outbox_amqp::testing::close_publisher_connections)
+    let (verdict, closed) = faults_under_load(Broker::Amqp, "connections-closed", 8, |_| async {
+        tokio::task::spawn_blocking(outbox_amqp::testing::close_publisher_connections)
             .await
-            .unwrap();
-        closes += usize::from(n > 0);
-        closed += n;
-        before = sink.received_count().await;
-    }
-    let written = load.stop().await;
-    let committed = committed_in_db(&pg, &table, &written).await;
-    sink.wait_all(&committed, Duration::from_secs(120)).await;
-    assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
-    let verdict = sink.judge(&committed).await;
-    report(
-        &format!("connections-closed-x{closes}"),
-        Broker::Amqp,
-        &verdict,
-    );
+            .unwrap() as u64
+    })
+    .await;
+    let closes = closed.iter().filter(|n| **n > 0).count();
     assert!(
         closes >= 4 * soak_factor(),
-        "only {closes} of the closes found the relay connected ({closed} connections)"
+        "only {closes} of the closes found the relay connected ({closed:?} connections)"
     );
-    assert_crash_verdict(&verdict, closed, BATCH, IN_FLIGHT);
+    assert_crash_verdict(
+        &verdict,
+        closed.iter().sum::<u64>() as usize,
+        BATCH,
+        IN_FLIGHT,
+    );
 }
 
-/// The local port of the publisher's connection to RabbitMQ (named "outbox relay").
+/// The local port of the publisher's connection to RabbitMQ (its only one).
 fn publisher_connection_port() -> u16 {
-    let out = std::process::Command::new("rabbitmqctl")
-        .args([
-            "list_connections",
-            "peer_port",
-            "client_properties",
-            "--no-table-headers",
-            "-q",
-        ])
-        .output()
-        .expect("rabbitmqctl is required for this test (it ships with rabbitmq-server)");
-    let listed = String::from_utf8_lossy(&out.stdout);
-    let ports: Vec<u16> = listed
-        .lines()
-        .filter(|l| l.contains("outbox relay"))
-        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
-        .collect();
-    assert_eq!(ports.len(), 1, "one publisher connection: {listed}");
-    ports[0]
+    let ports = outbox_amqp::testing::publisher_connections("peer_port");
+    assert_eq!(ports.len(), 1, "one publisher connection: {ports:?}");
+    ports[0].parse().unwrap()
 }
 
 /// RabbitMQ no longer answers on the publisher's connection (every packet dropped, no reset, as in

@@ -9,58 +9,29 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, one_at_a_time, report, soak_factor, Broker,
-    RelayProcess, Sink,
-};
+use outbox_tests::harness::{assert_crash_verdict, faults_under_load, one_at_a_time, Broker};
 use outbox_tests::net::NetFault;
 
 /// The harness's relay settings: batches of 100, two in flight (the default).
 const BATCH: usize = 100;
 const IN_FLIGHT: usize = 2;
 
-/// Six resets, each after progress since the previous one and a random moment, so that they land on
-/// calls in flight. Nothing is lost, every aggregate's events arrive in order, and the duplicates
-/// (acknowledgements the reset connection never delivered: README, guarantee 3) stay within the
-/// batches in flight at each reset.
+/// Six resets of 300 ms, each landing on calls in flight (`faults_under_load`). Nothing is lost,
+/// every aggregate's events arrive in order, and the duplicates (acknowledgements the reset
+/// connection never delivered: README, guarantee 3) stay within the batches in flight at each reset.
 async fn resets_under_load(broker: Broker) {
-    let pg = pool(2).await;
-    let table = fresh_table(&pg).await;
-    let sink = Sink::new(broker).await;
-    let port = sink.broker_port();
-    let load = broker.load(&table).await;
-    let relay = RelayProcess::start(&table, &sink, &[]);
-    let mut rng = fastrand::Rng::with_seed(0x5e7);
-    let (mut resets, mut hits) = (0, 0);
-    let mut before = 0;
-    for _ in 0..6 * soak_factor() {
-        sink.wait_past(
-            before,
-            Duration::from_secs(120),
-            "the relay published nothing since the last reset: it did not connect again",
-        )
-        .await;
-        tokio::time::sleep(Duration::from_millis(rng.u64(50..500))).await;
+    let (verdict, hits) = faults_under_load(broker, "connections-reset", 6, |port| async move {
         let fault = NetFault::reset(port);
         tokio::time::sleep(Duration::from_millis(300)).await;
-        hits += fault.hits();
-        drop(fault);
-        resets += 1;
-        before = sink.received_count().await;
-    }
-    let written = load.stop().await;
-    let committed = committed_in_db(&pg, &table, &written).await;
-    sink.wait_all(&committed, Duration::from_secs(180)).await;
-    assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
-    let verdict = sink.judge(&committed).await;
-    report(&format!("connections-reset-x{resets}"), broker, &verdict);
-    println!("  {hits} packets to the broker's port answered with a reset");
+        fault.hits()
+    })
+    .await;
+    println!("  packets to the broker's port answered with a reset, per reset: {hits:?}");
     assert!(
-        hits >= resets as u64,
-        "the resets hit {hits} packets: is the broker on this loopback port ({port})?"
+        hits.iter().sum::<u64>() >= hits.len() as u64,
+        "the resets hit {hits:?} packets: is the broker on a loopback port?"
     );
-    assert_crash_verdict(&verdict, resets, BATCH, IN_FLIGHT);
+    assert_crash_verdict(&verdict, hits.len(), BATCH, IN_FLIGHT);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
