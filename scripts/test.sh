@@ -19,18 +19,23 @@ for features in amqp kafka sqs ""; do
   fi
 done
 # Each broker adapter alone, with only its own features (the publisher contract of the shared suite
-# runs in its tests); then the rest of the workspace, every feature on.
+# runs in its tests); then the rest of the workspace, every feature on. Every test binary runs
+# whatever failed before it (--no-fail-fast); the exit status is non-zero if any test failed.
 adapters=(outbox-amqp outbox-kafka outbox-sqs)
 : > "$log"
 for crate in "${adapters[@]}"; do
-  cargo test -p "$crate" --locked -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee -a "$log" || status=$?
+  cargo test -p "$crate" --locked --no-fail-fast -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee -a "$log" || status=$?
 done
-cargo test --workspace --all-features --locked "${adapters[@]/#/--exclude=}" \
+cargo test --workspace --all-features --locked --no-fail-fast "${adapters[@]/#/--exclude=}" \
   -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee -a "$log" || status=$?
 echo "fault scenarios:"
 sort "$FAULT_SCENARIO_REPORT" | sed 's/^/  /'
 passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
+if grep -qE '^test .+ \.\.\. FAILED$' "$log"; then
+  echo "failed tests:"
+  grep -E '^test .+ \.\.\. FAILED$' "$log" | sed -E 's/^test (.+) \.\.\. FAILED$/  \1/'
+fi
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
 echo "summary: $passed passed, $failed failed"
 exit "$status"

@@ -89,6 +89,8 @@ pub struct Metrics {
     held_back_aggregates: Gauge,
     stats_estimated: Gauge,
     pending_by_type: Family<EventTypeLabel, Gauge>,
+    /// The event types `pending_by_type` has a series of (those of the last refresh).
+    pending_types: std::sync::Mutex<std::collections::BTreeSet<String>>,
     batch_duration: Histogram,
     publish_duration: Histogram,
     claim_duration: Histogram,
@@ -267,6 +269,7 @@ impl Metrics {
             stats_estimated,
             liveness: None,
             pending_by_type,
+            pending_types: Default::default(),
             batch_duration,
             publish_duration,
             claim_duration,
@@ -315,7 +318,6 @@ impl Metrics {
         self.oldest_pending_age
             .set(stats.oldest_pending_age_seconds.unwrap_or(0.0));
         self.stats_estimated.set(i64::from(stats.estimated));
-        self.pending_by_type.clear();
         let mut by_type: Vec<(&str, u64)> = stats
             .by_event_type
             .iter()
@@ -333,13 +335,25 @@ impl Metrics {
         if rest > 0 {
             *series.entry(OTHER_EVENT_TYPES).or_default() += rest;
         }
-        for (event_type, pending) in series {
+        // The new figures are set before the types no longer pending are removed, so that a scrape
+        // during a refresh never finds the family without the series that stay.
+        let mut shown = self
+            .pending_types
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (event_type, pending) in &series {
             self.pending_by_type
                 .get_or_create(&EventTypeLabel {
                     event_type: event_type.to_string(),
                 })
-                .set(pending.min(i64::MAX as u64) as i64);
+                .set((*pending).min(i64::MAX as u64) as i64);
         }
+        for gone in shown.iter().filter(|t| !series.contains_key(t.as_str())) {
+            self.pending_by_type.remove(&EventTypeLabel {
+                event_type: gone.clone(),
+            });
+        }
+        *shown = series.keys().map(|t| t.to_string()).collect();
     }
 
     /// Updates the WAL source's gauges.
@@ -554,6 +568,27 @@ mod tests {
         );
         assert!(
             text.contains("outbox_events_pending_by_type{event_type=\"other\"} 33"),
+            "{text}"
+        );
+        // A type no longer pending loses its series at the next refresh; the others keep theirs.
+        let stats = StoreStats {
+            pending: 15,
+            by_event_type: vec![outbox_core::EventTypeStats {
+                event_type: "pending.5".into(),
+                pending: 15,
+                ..Default::default()
+            }],
+            ..StoreStats::default()
+        };
+        m.record_stats(&stats);
+        let text = m.render();
+        let pending: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("outbox_events_pending_by_type{"))
+            .collect();
+        assert_eq!(
+            pending,
+            ["outbox_events_pending_by_type{event_type=\"pending.5\"} 15"],
             "{text}"
         );
     }

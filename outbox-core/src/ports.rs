@@ -71,6 +71,15 @@ impl ClaimRequest {
         self
     }
 
+    /// The byte budget's rule, the one every store applies: whether an event of `size` payload
+    /// bytes joins a batch that holds `taken` events of `taken_bytes` bytes so far. A first event
+    /// joins whatever its size (alone, it can still be published or dead-lettered); a later one
+    /// only while the total stays within [`ClaimRequest::max_bytes`]. A store stops at the first
+    /// event that does not join, so that every aggregate's events stay a prefix of its run.
+    pub fn fits(&self, taken: usize, taken_bytes: usize, size: usize) -> bool {
+        taken == 0 || taken_bytes.saturating_add(size) <= self.max_bytes
+    }
+
     /// The default of [`ClaimRequest::hold_for`]: two minutes.
     pub const DEFAULT_HOLD: Duration = Duration::from_secs(120);
 }
@@ -303,4 +312,26 @@ pub struct CallLimit {
     /// The settings that make it, for error messages, such as
     /// `kafka.enqueue_timeout + kafka.delivery_timeout + 5s`.
     pub settings: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_byte_budget_takes_a_first_event_of_any_size_and_later_ones_within_it() {
+        let r = ClaimRequest::new(10, OrderingPolicy::PerAggregate).with_max_bytes(100);
+        assert!(
+            r.fits(0, 0, 1_000),
+            "a first event goes alone, whatever its size"
+        );
+        assert!(r.fits(1, 60, 40), "up to the budget exactly");
+        assert!(!r.fits(1, 60, 41), "not past it");
+        assert!(
+            !r.fits(1, 1_000, 0),
+            "nothing after an event over the budget"
+        );
+        let unbounded = ClaimRequest::new(10, OrderingPolicy::PerAggregate);
+        assert!(unbounded.fits(5, usize::MAX - 1, usize::MAX));
+    }
 }

@@ -162,7 +162,7 @@ impl Store for MemoryStore {
             // The byte budget: stop before the event that would exceed it (a first event is taken
             // whatever its size). Stopping keeps every aggregate's events a prefix of its run.
             let size = row.event.payload.len();
-            let over = !events.is_empty() && bytes.saturating_add(size) > request.max_bytes;
+            let over = !request.fits(events.len(), bytes, size);
             if row.status == EventStatus::Processed {
                 continue;
             }

@@ -409,7 +409,7 @@ impl WalStore {
                     continue;
                 }
                 let size = e.event.payload.len();
-                if !events.is_empty() && bytes.saturating_add(size) > request.max_bytes {
+                if !request.fits(events.len(), bytes, size) {
                     break 'txns;
                 }
                 bytes = bytes.saturating_add(size);
