@@ -396,12 +396,24 @@ async fn relays_remove_expired_kept_rows_themselves_one_at_a_time() {
         let n = rows();
         (n == 0, format!("{n} rows left"))
     });
-    let metrics: Vec<String> = ports.iter().map(|p| http_get(*p, "/metrics").1).collect();
-    let removed: f64 = metrics
-        .iter()
-        .map(|m| metric(m, "outbox_cleanup_rows_removed_total"))
-        .sum();
-    assert_eq!(removed, 40.0, "{metrics:?}");
+    // A relay counts its removals once the server has answered its delete: the sum is read when
+    // both have, and is exactly the rows there were (none removed twice).
+    wait_for(
+        Duration::from_secs(30),
+        "the removals counted by the relays",
+        || {
+            let metrics: Vec<String> = ports.iter().map(|p| http_get(*p, "/metrics").1).collect();
+            let removed: f64 = metrics
+                .iter()
+                .map(|m| metric(m, "outbox_cleanup_rows_removed_total"))
+                .sum();
+            assert!(removed <= 40.0, "{metrics:?}");
+            (
+                removed == 40.0,
+                format!("{removed} removals counted: {metrics:?}"),
+            )
+        },
+    );
     wait_for(
         Duration::from_secs(30),
         "a round that found nothing left",
@@ -817,10 +829,13 @@ fn sigterm_while_starting_is_a_clean_exit() {
     // A "database" that accepts connections and never answers: the relay stays in its start-up.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = silent.local_addr().unwrap().port();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
     let held = std::thread::spawn(move || {
         let mut open = Vec::new();
         for stream in silent.incoming().take(4).flatten() {
             open.push(stream);
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
         std::thread::sleep(Duration::from_secs(30));
     });
@@ -833,7 +848,16 @@ fn sigterm_while_starting_is_a_clean_exit() {
     .stdout(std::process::Stdio::null())
     .stderr(std::process::Stdio::piped());
     let mut child = c.spawn().unwrap();
-    std::thread::sleep(Duration::from_secs(2));
+    // Signals handled, and the database connection under way (it never completes).
+    wait_handles_sigterm(child.id());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while accepted.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the relay never connected to the database"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert!(
         child.try_wait().unwrap().is_none(),
         "the relay is still starting"

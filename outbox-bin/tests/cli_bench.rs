@@ -155,9 +155,10 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
     assert_eq!(latency[1]["wakeup"], "notify");
     assert_eq!(latency[2]["wakeup"], "wal");
     for l in latency {
-        // 2 s at 200/s, the first second not counted: about 200 events, each acknowledged.
+        // 2 s at 200/s, the first second not counted: at most 400 events, each acknowledged (a
+        // loaded machine may write fewer).
         let events = num(l, "events");
-        assert!((100.0..=400.0).contains(&events), "{l}");
+        assert!((20.0..=400.0).contains(&events), "{l}");
         let (p50, p95, p99, max) = (
             num(l, "p50_ms"),
             num(l, "p95_ms"),

@@ -462,8 +462,13 @@ async fn held_back_aggregates_do_not_hide_a_claimable_one_behind_them() {
     batch.lease.release().await.unwrap();
 }
 
-/// Waits until a session waits for one of the claim's partition locks.
-async fn someone_waits_for_a_partition(pool: &PgPool) {
+/// Waits until a session waits for one of the claim's partition locks: true then; false when
+/// `claim` ended first (its wait for a partition is bounded, and a slow machine may not have
+/// looked in time), so that the caller starts another.
+async fn someone_waits_for_a_partition<T>(
+    pool: &PgPool,
+    claim: &tokio::task::JoinHandle<T>,
+) -> bool {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
         let waiting: i64 = sqlx::query_scalar(
@@ -473,7 +478,10 @@ async fn someone_waits_for_a_partition(pool: &PgPool) {
         .await
         .unwrap();
         if waiting > 0 {
-            return;
+            return true;
+        }
+        if claim.is_finished() {
+            return false;
         }
         assert!(
             std::time::Instant::now() < deadline,
@@ -499,8 +507,21 @@ async fn a_claim_waiting_for_a_partition_sees_what_its_holder_settled() {
         let second = PostgresStore::new(relay_pool.clone(), table.clone());
         let held = first.claim(strict(10)).await.unwrap();
         assert_eq!(held.events.len(), 3, "{isolation}");
-        let waiting = tokio::spawn(async move { second.claim(strict(10)).await });
-        someone_waits_for_a_partition(&admin).await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let waiting = loop {
+            let second = second.clone();
+            let waiting = tokio::spawn(async move { second.claim(strict(10)).await });
+            if someone_waits_for_a_partition(&admin, &waiting).await {
+                break waiting;
+            }
+            let missed = waiting.await.unwrap().unwrap();
+            assert!(missed.events.is_empty(), "{isolation}: {:?}", missed.events);
+            missed.lease.release().await.unwrap();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{isolation}: no claim was seen waiting for a partition"
+            );
+        };
         let settled = published(&held.events);
         held.lease.settle(settled).await.unwrap();
         let after = waiting.await.unwrap().unwrap();

@@ -33,7 +33,8 @@ async fn one_notification_per_inserting_transaction_wakes_the_relay() {
     install_notify_trigger(&pool, &table).await.unwrap();
     install_notify_trigger(&pool, &table).await.unwrap(); // idempotent
     let (wake, shutdown, task) = listening(&pool, &table);
-    tokio::time::sleep(Duration::from_millis(300)).await; // listening
+    let channel = outbox_postgres::notify::channel(&table).unwrap();
+    listener_pid(&pool, &channel, None).await;
     let insert = format!(
         "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', '1', 'order.created', '{{}}')",
         table.qualified()

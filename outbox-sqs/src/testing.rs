@@ -164,6 +164,8 @@ pub struct Fixture {
     pub send_log: Option<PathBuf>,
     stop: Arc<AtomicBool>,
     paused: Arc<AtomicBool>,
+    /// The consumer is paused with no receive in flight.
+    holding: Arc<AtomicBool>,
     done: Arc<tokio::sync::Notify>,
     finished: Arc<AtomicBool>,
     _endpoint: Option<Arc<RecordingEndpoint>>,
@@ -236,6 +238,8 @@ impl Fixture {
         let errors: Arc<Mutex<Vec<String>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let paused = Arc::new(AtomicBool::new(false));
+        let holding = Arc::new(AtomicBool::new(false));
+        let held = holding.clone();
         let done = Arc::new(tokio::sync::Notify::new());
         let finished = Arc::new(AtomicBool::new(false));
         let (sink, halt, hold, url) =
@@ -244,9 +248,11 @@ impl Fixture {
         tokio::spawn(async move {
             while !halt.load(Ordering::SeqCst) {
                 if hold.load(Ordering::SeqCst) {
+                    held.store(true, Ordering::SeqCst);
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     continue;
                 }
+                held.store(false, Ordering::SeqCst);
                 let out = match client
                     .receive_message()
                     .queue_url(&url)
@@ -337,6 +343,7 @@ impl Fixture {
             send_log: None,
             stop,
             paused,
+            holding,
             done,
             finished,
             _endpoint: None,
@@ -344,9 +351,17 @@ impl Fixture {
     }
 
     /// Stops reading (and deleting) messages until [`Fixture::resume`]: SQS emulators may only
-    /// deduplicate against messages still in the queue.
-    pub fn pause(&self) {
+    /// deduplicate against messages still in the queue. Returns once no receive is in flight.
+    pub async fn pause(&self) {
         self.paused.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !self.holding.load(Ordering::SeqCst) && !self.finished.load(Ordering::SeqCst) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the SQS consumer did not pause within 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Reads messages again.

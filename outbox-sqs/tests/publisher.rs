@@ -93,8 +93,7 @@ async fn a_missing_configured_queue_fails_the_check() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifo_groups_order_and_deduplication() {
     let fx = Fixture::new(true).await;
-    fx.pause();
-    tokio::time::sleep(Duration::from_millis(1500)).await; // any receive in flight is over
+    fx.pause().await;
     let p = fx.publisher();
     // 95 events over 5 aggregates: split into many requests, sent concurrently.
     let events: Vec<_> = (0..95)

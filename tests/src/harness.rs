@@ -1186,7 +1186,7 @@ impl BrokerServer {
         for _ in 0..300 {
             if self.answers() {
                 // Tansu and moto accept connections a moment before they serve requests.
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                self.serving().await;
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1196,6 +1196,32 @@ impl BrokerServer {
             self.broker.name(),
             self.port
         );
+    }
+
+    /// Waits (up to 60 s) until the broker answers a request of its protocol: a metadata request
+    /// (Kafka), a queue listing (SQS); RabbitMQ's own start-up wait has done so already.
+    async fn serving(&self) {
+        match self.broker {
+            Broker::Amqp => {}
+            Broker::Sqs => outbox_sqs::testing::wait_until_serving(&self.address()).await,
+            Broker::Kafka => {
+                let config = outbox_kafka::KafkaConfig {
+                    brokers: self.address(),
+                    ..Default::default()
+                };
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+                while let Err(e) =
+                    outbox_kafka::admin::partition_count(&config, "outbox.serving").await
+                {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "the Kafka broker on port {} did not serve within 60 s: {e}",
+                        self.port
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
     }
 }
 

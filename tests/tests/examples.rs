@@ -32,6 +32,8 @@ fn example(name: &str) -> PathBuf {
 struct Proc {
     child: Child,
     out: Arc<Mutex<Vec<String>>>,
+    /// The thread reading the child's output; it ends when the output does.
+    reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Proc {
@@ -43,12 +45,16 @@ impl Proc {
             .unwrap();
         let out: Arc<Mutex<Vec<String>>> = Arc::default();
         let (pipe, sink) = (child.stdout.take().unwrap(), out.clone());
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for line in BufReader::new(pipe).lines().map_while(Result::ok) {
                 sink.lock().unwrap().push(line);
             }
         });
-        Proc { child, out }
+        Proc {
+            child,
+            out,
+            reader: Some(reader),
+        }
     }
 
     fn wait_line(&self, needle: &str, timeout: Duration) {
@@ -68,7 +74,10 @@ impl Proc {
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 assert!(status.success(), "example failed: {status}");
-                std::thread::sleep(Duration::from_millis(100));
+                // Every line it wrote is read once its output ends.
+                if let Some(reader) = self.reader.take() {
+                    reader.join().unwrap();
+                }
                 return self.out.lock().unwrap().clone();
             }
             assert!(

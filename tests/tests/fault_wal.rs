@@ -92,11 +92,12 @@ async fn reader_killed(broker: Broker, kills: usize, scenario: &str) {
     );
     assert!(!committed.is_empty());
     // The standbys try the slot's lock every 500 ms and PostgreSQL ends a killed reader's session at
-    // once: takeovers take 0.2-0.5 s (outbox-bin/README.md). Ten times that is a regression (a
-    // takeover that waited for keepalives or a timeout), not a loaded machine.
+    // once. A takeover that waited for the killed session's keepalives (25 s) or the server's
+    // wal_sender_timeout (60 s) is the regression this catches; a loaded machine's slower start of a
+    // new process is not, so the bound sits below those timeouts, not near the usual figure.
     assert!(
-        max <= Duration::from_secs(5),
-        "a takeover took {max:?} (mean {mean:?})"
+        max < Duration::from_secs(20),
+        "a takeover took {max:?} (mean {mean:?}): it waited for a timeout"
     );
     // A crash republishes what was published and not yet confirmed: the batches in flight and
     // those settled since the reader's last confirm (at most one more round).

@@ -146,7 +146,9 @@ async fn lease_lost_mid_publish(ordering: OrderingPolicy) {
     let ids = write(&admin, &table, &["bad", "good"]).await;
     let publisher = ScriptedPublisher::new();
     publisher.on_event(ids[0], Behavior::FailPermanent);
-    publisher.set_latency(Duration::from_secs(2));
+    // Long enough for the session to be found and ended while the batch is in the publisher, on a
+    // slow machine too; the outcomes are awaited for 30 s.
+    publisher.set_latency(Duration::from_secs(10));
     let store = PostgresStore::new(pool(4).await, table.clone());
     let cfg = RelayConfig {
         ordering,

@@ -223,3 +223,28 @@ pub async fn wait_for_held_claims(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Waits (up to 30 s) until process `pid` has installed its SIGTERM handler (`SigCgt` in /proc):
+/// before that, a SIGTERM kills it like SIGKILL.
+pub fn wait_handles_sigterm(pid: u32) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let handled = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|status| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("SigCgt:"))
+                    .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+            })
+            .is_some_and(|mask| mask & (1 << (15 - 1)) != 0);
+        if handled {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid} never installed its SIGTERM handler"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
