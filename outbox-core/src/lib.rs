@@ -12,8 +12,6 @@ mod ports;
 pub mod publishers;
 pub mod redact;
 mod relay;
-#[cfg(test)]
-mod relay_tests;
 pub mod routing;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testkit;
