@@ -10,7 +10,7 @@ use outbox_core::{CancellationToken, Publisher, RelayConfig, RetryPolicy, Store}
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::PostgresStore;
 use outbox_tests::harness::{
-    assert_clean_verdict, one_at_a_time, report_with, soak_factor, Broker, FaultInjector, Sink,
+    assert_clean_verdict, one_at_a_time, report_with, rng, soak_factor, Broker, FaultInjector, Sink,
 };
 use outbox_tests::wal::WalSource;
 use outbox_tests::{spawn_relays, write_rounds};
@@ -31,7 +31,12 @@ async fn four_relays_with_failures(broker: Broker, wal: bool) {
         .filter(|(a, _)| *a != poisoned)
         .cloned()
         .collect();
-    let publisher = Arc::new(FaultInjector::new(sink.publisher(), 50, &poisoned));
+    let publisher = Arc::new(FaultInjector::new(
+        sink.publisher(),
+        50,
+        &poisoned,
+        rng("fault injector"),
+    ));
     let config = RelayConfig {
         batch_size: 200,
         poll_interval: Duration::from_millis(50),

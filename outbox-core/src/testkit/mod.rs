@@ -6,6 +6,7 @@
 //! server.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod fault;
 mod memory;
 mod proxy;
 mod publisher;
@@ -19,6 +20,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use uuid::Uuid;
 
+pub use fault::FaultInjector;
 pub use memory::MemoryStore;
 pub use proxy::TcpProxy;
 pub use publisher::{Behavior, ScriptedPublisher};

@@ -3,7 +3,6 @@
 //! broker received. Each part in a module of its own, all re-exported here.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-mod fault;
 mod http;
 mod load;
 mod postgres;
@@ -13,9 +12,8 @@ mod server;
 mod sink;
 mod verdict;
 
-pub use outbox_core::testkit::{free_port, OwnedProcess};
+pub use outbox_core::testkit::{free_port, FaultInjector, OwnedProcess};
 
-pub use fault::*;
 pub use http::*;
 pub use load::*;
 pub use postgres::*;
