@@ -190,10 +190,10 @@ impl KafkaPublisher {
         Error::new(
             ErrorKind::PayloadTooLarge,
             format!(
-                "the record is about {size} bytes (body, key and headers); kafka.message_max_bytes is {} \
+                "the record is about {size} bytes (body, key and headers); kafka.max_message_bytes is {} \
                  (the broker's message.max.bytes or the topic's max.message.bytes may be lower): \
                  move large data out of the event, or raise the limits",
-                self.config.message_max_bytes
+                self.config.max_message_bytes
             ),
         )
         .with_context("adapter", "kafka")
