@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use outbox_core::routing::{AllowList, Template};
 use outbox_core::{duration, Error};
@@ -15,7 +16,7 @@ pub const DEFAULT_TOPIC: &str = "outbox.event.{aggregate_type}";
 
 /// Settings of [`crate::KafkaPublisher`].
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(from = "Section")]
 pub struct KafkaConfig {
     /// Bootstrap servers, `host:port[,host:port]`. Default `127.0.0.1:9092`.
     pub brokers: String,
@@ -36,7 +37,7 @@ pub struct KafkaConfig {
     /// `linger.ms`: time the producer waits to fill a batch. Default 5.
     pub linger_ms: u32,
     /// `message.max.bytes`: larger messages fail permanently, without being sent. Default 1000000.
-    pub message_max_bytes: usize,
+    pub max_message_bytes: usize,
     /// Time an event may take to be acknowledged, retries included; then the publish call reports
     /// it failed (retryably). Default 30 s. With the idempotent producer the call itself bounds the
     /// wait and librdkafka's `message.timeout.ms` is infinite: a record reported failed may still be
@@ -61,8 +62,109 @@ pub struct KafkaConfig {
     /// neither is dead-lettered with an error naming this setting (permission denied), never sent:
     /// anyone who can write to the outbox could otherwise reach any topic the relay's credentials
     /// reach. Default: none (the configured topic only).
-    #[serde(default)]
     pub allowed_destinations: Vec<String>,
+}
+
+/// The `[kafka]` section as written: [`KafkaConfig`]'s keys, and the former names of renamed keys,
+/// each refused with an error naming its new name (not serde's unknown-field error). Unknown keys
+/// are refused as in every section. Its fields are [`KafkaConfig`]'s: both conversions name every
+/// field, so one added to either and not to the other does not compile.
+#[derive(Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct Section {
+    brokers: String,
+    topic: String,
+    acks: String,
+    idempotence: bool,
+    max_in_flight: u32,
+    compression: String,
+    linger_ms: u32,
+    max_message_bytes: usize,
+    #[serde(with = "duration::serde_str")]
+    delivery_timeout: Duration,
+    #[serde(with = "duration::serde_str")]
+    enqueue_timeout: Duration,
+    properties: BTreeMap<String, String>,
+    allowed_destinations: Vec<String>,
+    /// The old name of `max_message_bytes`: refused.
+    #[serde(deserialize_with = "renamed_to_max_message_bytes")]
+    message_max_bytes: (),
+}
+
+/// Refuses `kafka.message_max_bytes`, whatever its value: the key is `kafka.max_message_bytes`, as
+/// in the other adapters (`amqp.max_message_bytes`, `sqs.max_message_bytes`).
+fn renamed_to_max_message_bytes<'de, D: Deserializer<'de>>(_: D) -> Result<(), D::Error> {
+    Err(D::Error::custom(
+        "kafka.message_max_bytes was renamed: use kafka.max_message_bytes",
+    ))
+}
+
+impl Default for Section {
+    fn default() -> Self {
+        let KafkaConfig {
+            brokers,
+            topic,
+            acks,
+            idempotence,
+            max_in_flight,
+            compression,
+            linger_ms,
+            max_message_bytes,
+            delivery_timeout,
+            enqueue_timeout,
+            properties,
+            allowed_destinations,
+        } = KafkaConfig::default();
+        Section {
+            brokers,
+            topic,
+            acks,
+            idempotence,
+            max_in_flight,
+            compression,
+            linger_ms,
+            max_message_bytes,
+            delivery_timeout,
+            enqueue_timeout,
+            properties,
+            allowed_destinations,
+            message_max_bytes: (),
+        }
+    }
+}
+
+impl From<Section> for KafkaConfig {
+    fn from(section: Section) -> Self {
+        let Section {
+            brokers,
+            topic,
+            acks,
+            idempotence,
+            max_in_flight,
+            compression,
+            linger_ms,
+            max_message_bytes,
+            delivery_timeout,
+            enqueue_timeout,
+            properties,
+            allowed_destinations,
+            message_max_bytes: (),
+        } = section;
+        KafkaConfig {
+            brokers,
+            topic,
+            acks,
+            idempotence,
+            max_in_flight,
+            compression,
+            linger_ms,
+            max_message_bytes,
+            delivery_timeout,
+            enqueue_timeout,
+            properties,
+            allowed_destinations,
+        }
+    }
 }
 
 impl Default for KafkaConfig {
@@ -75,7 +177,7 @@ impl Default for KafkaConfig {
             max_in_flight: 5,
             compression: "none".into(),
             linger_ms: 5,
-            message_max_bytes: 1_000_000,
+            max_message_bytes: 1_000_000,
             delivery_timeout: Duration::from_secs(30),
             enqueue_timeout: Duration::from_secs(5),
             properties: BTreeMap::new(),
@@ -105,7 +207,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("max_in_flight", &self.max_in_flight)
             .field("compression", &self.compression)
             .field("linger_ms", &self.linger_ms)
-            .field("message_max_bytes", &self.message_max_bytes)
+            .field("max_message_bytes", &self.max_message_bytes)
             .field("delivery_timeout", &self.delivery_timeout)
             .field("enqueue_timeout", &self.enqueue_timeout)
             .field("properties", &props)
@@ -130,7 +232,7 @@ const OWNED: &[(&str, &str)] = &[
     ("compression.codec", "kafka.compression"),
     ("linger.ms", "kafka.linger_ms"),
     ("queue.buffering.max.ms", "kafka.linger_ms"),
-    ("message.max.bytes", "kafka.message_max_bytes"),
+    ("message.max.bytes", "kafka.max_message_bytes"),
     ("message.timeout.ms", "kafka.delivery_timeout"),
     ("delivery.timeout.ms", "kafka.delivery_timeout"),
 ];
@@ -196,10 +298,10 @@ impl KafkaConfig {
                 self.compression
             )));
         }
-        if self.message_max_bytes < 1000 {
+        if self.max_message_bytes < 1000 {
             return Err(Error::config(format!(
-                "kafka.message_max_bytes = {}: expected at least 1000",
-                self.message_max_bytes
+                "kafka.max_message_bytes = {}: expected at least 1000",
+                self.max_message_bytes
             )));
         }
         if self.delivery_timeout < Duration::from_millis(100) || self.enqueue_timeout.is_zero() {
@@ -273,7 +375,7 @@ impl KafkaConfig {
         p.insert("linger.ms".into(), self.linger_ms.to_string());
         p.insert(
             "message.max.bytes".into(),
-            self.message_max_bytes.to_string(),
+            self.max_message_bytes.to_string(),
         );
         if self.idempotence {
             // An aggregate's events go to the broker in one call, and its records must never be
@@ -400,6 +502,43 @@ mod tests {
         }
         .validate()
         .is_ok());
+    }
+
+    /// `kafka.message_max_bytes` is refused, naming the key's new name; the section is otherwise
+    /// read as before: defaults for what is missing, unknown keys refused, what it writes read back.
+    #[test]
+    fn the_old_name_of_max_message_bytes_is_refused_naming_the_new_one() {
+        let read = |v: serde_json::Value| serde_json::from_value::<KafkaConfig>(v);
+        let e = read(serde_json::json!({ "message_max_bytes": 2_000_000 }))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("kafka.message_max_bytes was renamed: use kafka.max_message_bytes"),
+            "{e}"
+        );
+        let c = read(serde_json::json!({ "max_message_bytes": 2_000_000 })).unwrap();
+        assert_eq!(
+            c,
+            KafkaConfig {
+                max_message_bytes: 2_000_000,
+                ..KafkaConfig::default()
+            }
+        );
+        assert_eq!(c.producer_properties()["message.max.bytes"], "2000000");
+        let e = read(serde_json::json!({ "brokerz": "b:9092" }))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `brokerz`"), "{e}");
+        assert_eq!(read(serde_json::json!({})).unwrap(), KafkaConfig::default());
+        let mut written = KafkaConfig {
+            delivery_timeout: Duration::from_secs(12),
+            ..KafkaConfig::default()
+        };
+        written
+            .properties
+            .insert("client.id".into(), "relay".into());
+        let back = read(serde_json::to_value(&written).unwrap()).unwrap();
+        assert_eq!(back, written);
     }
 
     #[test]

@@ -333,9 +333,9 @@ impl BrokerFixture for Fixture {
     async fn build(&self, setup: Setup) -> Built {
         let defaults = KafkaConfig::default();
         let publisher = KafkaPublisher::new(KafkaConfig {
-            message_max_bytes: setup
+            max_message_bytes: setup
                 .max_message_bytes
-                .unwrap_or(defaults.message_max_bytes),
+                .unwrap_or(defaults.max_message_bytes),
             allowed_destinations: setup.allowed_destinations,
             ..self.config()
         })

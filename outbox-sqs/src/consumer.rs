@@ -7,7 +7,7 @@ use outbox_core::header;
 /// `outbox_postgres::Inbox`).
 pub fn event_id(message: &aws_sdk_sqs::types::Message) -> Option<outbox_core::Uuid> {
     let attributes = message.message_attributes()?;
-    let cloudevents_id = format!("{}id", crate::publisher::CLOUDEVENTS_PREFIX);
+    let cloudevents_id = format!("{}id", crate::publisher::attributes::CLOUDEVENTS_PREFIX);
     attributes
         .get(header::EVENT_ID)
         .or_else(|| attributes.get(&cloudevents_id))?
@@ -19,7 +19,7 @@ pub fn event_id(message: &aws_sdk_sqs::types::Message) -> Option<outbox_core::Uu
 #[cfg(test)]
 mod event_id_tests {
     use super::*;
-    use crate::publisher::attribute;
+    use crate::publisher::attributes::attribute;
 
     #[test]
     fn reads_the_attribute() {

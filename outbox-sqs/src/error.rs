@@ -1,4 +1,8 @@
-//! Classification of SQS errors into the toolkit's error model.
+//! Classification of SQS errors into the toolkit's error model, and every error the publisher
+//! reports of its own: each one's kind, retryability, message and context are set here.
+
+use std::fmt::Display;
+use std::time::Duration;
 
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 use outbox_core::{Error, ErrorKind};
@@ -121,6 +125,104 @@ where
         .with_retryable(retryable)
 }
 
+/// A message attribute the SDK refuses to build (`cause`): permanent.
+pub fn invalid_attribute(cause: impl Display) -> Error {
+    Error::new(
+        ErrorKind::InvalidInput,
+        format!("invalid message attribute: {cause}"),
+    )
+}
+
+/// A `SendMessageBatch` entry the SDK refuses to build (`cause`): permanent.
+pub fn invalid_entry(cause: impl Display) -> Error {
+    Error::new(
+        ErrorKind::InvalidInput,
+        format!("invalid SQS entry: {cause}"),
+    )
+}
+
+/// SQS answered `GetQueueUrl` for `queue` without a URL: retryable.
+pub fn no_queue_url(queue: &str) -> Error {
+    Error::new(
+        ErrorKind::Unexpected,
+        format!("SQS returned no URL for queue {queue:?}"),
+    )
+    .temporary()
+}
+
+/// An event's queue was not among those resolved for the call: retryable.
+pub fn queue_not_resolved() -> Error {
+    Error::new(ErrorKind::Unexpected, "queue not resolved").temporary()
+}
+
+/// A payload (`len` bytes of `content_type`) that is not text SQS can carry, in CloudEvents binary
+/// mode, where no CloudEvents consumer could read it base64-encoded: permanent.
+pub fn not_sqs_text(len: usize, content_type: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidInput,
+        format!(
+            "the payload ({len} bytes of {content_type}) is not text SQS can carry (binary, or characters SQS refuses), \
+             so in CloudEvents binary mode no CloudEvents consumer could read it as sent: \
+             use publisher.format = \"cloudevents-structured\" (bytes travel in data_base64)"
+        ),
+    )
+    .with_context("adapter", "sqs")
+}
+
+/// A CloudEvents attribute (`name`) that cannot travel as a message attribute of its own (empty,
+/// or with characters SQS refuses): permanent.
+pub fn cloudevents_attribute_refused(name: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidInput,
+        format!(
+            "the CloudEvents attribute {name} is empty or has characters SQS refuses in a message attribute: \
+             use publisher.format = \"cloudevents-structured\""
+        ),
+    )
+    .with_context("adapter", "sqs")
+}
+
+/// A message of `size` bytes (body and attributes), over `sqs.max_message_bytes` (`limit`), not
+/// sent: permanent.
+pub fn oversized(size: usize, limit: usize) -> Error {
+    Error::new(
+        ErrorKind::PayloadTooLarge,
+        format!(
+            "the message is {size} bytes (body and attributes); sqs.max_message_bytes is {limit}"
+        ),
+    )
+}
+
+/// The delay header (`header`) of an event holds `value`, not a whole number of seconds: permanent.
+pub fn bad_delay(header: &str, value: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidInput,
+        format!("header {header} = {value:?}: expected a whole number of seconds"),
+    )
+}
+
+/// A request not sent because half of `sqs.operation_timeout` (`operation_timeout`) passed before
+/// its turn: back-pressure (no attempt counted).
+pub fn not_sent_in_time(operation_timeout: Duration) -> Error {
+    Error::new(
+        ErrorKind::Backpressure,
+        format!(
+            "not sent: half of sqs.operation_timeout = {} passed before this request's turn",
+            outbox_core::duration::format(operation_timeout)
+        ),
+    )
+    .with_context("adapter", "sqs")
+}
+
+/// A message `SendMessageBatch` reported neither taken nor refused: retryable.
+pub fn no_result() -> Error {
+    Error::new(
+        ErrorKind::Unexpected,
+        "SQS reported no result for this message",
+    )
+    .temporary()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,5 +277,49 @@ mod tests {
         for (code, kind, retry) in cases {
             assert_eq!(classify_code(code), (kind, retry), "{code}");
         }
+    }
+
+    /// The publisher's own errors: kind and retryability.
+    #[test]
+    fn constructor_table() {
+        let cases = [
+            (invalid_attribute("bad"), ErrorKind::InvalidInput, false),
+            (invalid_entry("bad"), ErrorKind::InvalidInput, false),
+            (no_queue_url("q"), ErrorKind::Unexpected, true),
+            (queue_not_resolved(), ErrorKind::Unexpected, true),
+            (
+                not_sqs_text(3, "application/octet-stream"),
+                ErrorKind::InvalidInput,
+                false,
+            ),
+            (
+                cloudevents_attribute_refused("ce-subject"),
+                ErrorKind::InvalidInput,
+                false,
+            ),
+            (oversized(2000, 1024), ErrorKind::PayloadTooLarge, false),
+            (
+                bad_delay("outbox-delay-seconds", "soon"),
+                ErrorKind::InvalidInput,
+                false,
+            ),
+            (
+                not_sent_in_time(Duration::from_secs(30)),
+                ErrorKind::Backpressure,
+                true,
+            ),
+            (no_result(), ErrorKind::Unexpected, true),
+        ];
+        for (e, kind, retry) in cases {
+            assert_eq!((e.kind(), e.is_retryable()), (kind, retry), "{e}");
+        }
+        assert_eq!(
+            not_sent_in_time(Duration::from_secs(30)).message(),
+            "not sent: half of sqs.operation_timeout = 30s passed before this request's turn"
+        );
+        assert_eq!(
+            bad_delay("outbox-delay-seconds", "soon").message(),
+            "header outbox-delay-seconds = \"soon\": expected a whole number of seconds"
+        );
     }
 }

@@ -47,7 +47,7 @@ fn cases(broker: Broker, sink: &Sink) -> Vec<(&'static str, NewEvent, Expect)> {
             NewEvent::new("order", "big", "order.created", big),
             Expect::DeadLettered("payload_too_large", |b| match b {
                 Broker::Amqp => &["amqp.max_message_bytes is 1048576"],
-                Broker::Kafka => &["kafka.message_max_bytes is 1000000"],
+                Broker::Kafka => &["kafka.max_message_bytes is 1000000"],
                 Broker::Sqs => &["sqs.max_message_bytes is 1048576"],
             }),
         ),

@@ -285,7 +285,7 @@ async fn large_events(wal: bool) {
     assert_within(peak, bound, baseline);
 }
 
-/// The largest record the Kafka publisher sends on its defaults (`kafka.message_max_bytes`).
+/// The largest record the Kafka publisher sends on its defaults (`kafka.max_message_bytes`).
 const KAFKA_LIMIT: usize = 1_000_000;
 
 /// The relay's byte budget in the Kafka scenario: a quarter of the default, so that the backlog is
@@ -406,7 +406,7 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
         &pg,
         &table,
         &refused,
-        &format!("kafka.message_max_bytes is {KAFKA_LIMIT}"),
+        &format!("kafka.max_message_bytes is {KAFKA_LIMIT}"),
     )
     .await;
     // Everything written to the topic so far, read to its end: no held-back event among it. Each
