@@ -350,14 +350,15 @@ async fn store(config: &Config, table: OutboxTable) -> Result<PostgresStore, Fai
 /// # Errors
 /// A config error when the publisher's settings do not validate or it is not in this build.
 pub async fn build_publisher(config: &Config) -> Result<Arc<dyn Publisher>, Error> {
-    crate::adapters::adapter(config.publisher.kind)
-        .publisher(config)
+    config
+        .adapter(config.publisher.kind)
+        .publisher(config.publisher.formatter()?)
         .await
 }
 
 async fn cmd_bench(config: &Config, args: crate::bench::BenchArgs) -> Result<(), Failure> {
     let options = crate::bench::options(config, &args)?;
-    let target = crate::adapters::bench_target(config, &args, &crate::bench::progress).await?;
+    let target = crate::bench::target(config, &args, &crate::bench::progress).await?;
     Ok(crate::bench::run(config, &args, &options, target).await?)
 }
 

@@ -15,27 +15,14 @@ use outbox_core::format::{Formatter, MessageFormat, DEFAULT_CLOUDEVENTS_SOURCE};
 use outbox_core::{duration, Error, RelayConfig};
 use outbox_postgres::DatabaseConfig;
 
-use crate::adapters;
+use crate::adapters::{self, Adapter, Bound, Configured};
+
+pub use crate::adapters::PublisherType;
 
 /// The file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG_FILE: &str = "outbox.toml";
 /// Prefix of environment overrides: `OUTBOX_RELAY__BATCH_SIZE=1000` sets `relay.batch_size`.
 pub const ENV_PREFIX: &str = "OUTBOX_";
-
-/// Which publisher the relay uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PublisherType {
-    /// JSON lines on standard output (the default: needs no broker).
-    #[default]
-    Stdout,
-    /// RabbitMQ, settings in `[amqp]`.
-    Amqp,
-    /// Kafka, settings in `[kafka]`.
-    Kafka,
-    /// Amazon SQS, settings in `[sqs]`.
-    Sqs,
-}
 
 /// `[publisher]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -316,7 +303,7 @@ impl Config {
             }
         }
         self.publisher.formatter()?;
-        adapters::adapter(self.publisher.kind).validate(self)
+        self.adapter(self.publisher.kind).validate()
     }
 
     /// Checks that `database.pool_size` holds every connection the relay uses at once
@@ -362,10 +349,20 @@ impl Config {
         shown.database.url = outbox_postgres::redact_url(&shown.database.url);
         // The value in force, also when it is derived from the relay's settings.
         shown.http.liveness_timeout = Some(self.liveness_timeout());
-        for kind in adapters::ALL {
-            adapters::adapter(kind).redact(&mut shown);
-        }
+        adapters::amqp::ADAPTER.redact(&mut shown.amqp);
+        adapters::kafka::ADAPTER.redact(&mut shown.kafka);
+        adapters::sqs::ADAPTER.redact(&mut shown.sqs);
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}"))
+    }
+
+    /// The adapter of `kind` with its section of this configuration.
+    pub fn adapter(&self, kind: PublisherType) -> Box<dyn Configured + '_> {
+        match kind {
+            PublisherType::Stdout => Box::new(Bound::new(&adapters::stdout::ADAPTER, &())),
+            PublisherType::Amqp => Box::new(Bound::new(&adapters::amqp::ADAPTER, &self.amqp)),
+            PublisherType::Kafka => Box::new(Bound::new(&adapters::kafka::ADAPTER, &self.kafka)),
+            PublisherType::Sqs => Box::new(Bound::new(&adapters::sqs::ADAPTER, &self.sqs)),
+        }
     }
 }
 

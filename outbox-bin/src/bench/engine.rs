@@ -38,68 +38,8 @@ use outbox_postgres::{
     Writer, EVENT_COLUMNS,
 };
 
-/// Where a benchmark publishes.
-#[async_trait]
-pub trait BenchTarget: Send + Sync {
-    /// The name shown in the report, such as `amqp`.
-    fn name(&self) -> &str;
-
-    /// A new publisher. Each relay of a run gets its own, as separate relay processes would.
-    ///
-    /// # Errors
-    /// When the publisher cannot be built (configuration, unreachable broker).
-    async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error>;
-
-    /// Called before each run that publishes here, for instance to purge the benchmark's queue so
-    /// that runs do not pile messages onto the broker. Default: nothing.
-    ///
-    /// # Errors
-    /// When the destination cannot be reset.
-    async fn reset(&self) -> Result<(), Error> {
-        Ok(())
-    }
-
-    /// Removes the destination the benchmark created for itself (best effort: reports a failure on
-    /// standard error, never fails). Called once, after the last run. Default: nothing.
-    async fn teardown(&self) {}
-}
-
-/// A target whose publisher acknowledges every event at once without sending it anywhere: the drain
-/// rate against it is the database's ceiling for the relay.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct DiscardTarget;
-
-struct DiscardPublisher;
-
-#[async_trait]
-impl Publisher for DiscardPublisher {
-    async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
-        vec![Ok(()); events.len()]
-    }
-
-    async fn check(&self) -> Result<(), Error> {
-        Ok(())
-    }
-
-    fn name(&self) -> &str {
-        "discard"
-    }
-
-    fn keeps_order(&self) -> bool {
-        true
-    }
-}
-
-#[async_trait]
-impl BenchTarget for DiscardTarget {
-    fn name(&self) -> &str {
-        "discard"
-    }
-
-    async fn publisher(&self) -> Result<Arc<dyn Publisher>, Error> {
-        Ok(Arc::new(DiscardPublisher))
-    }
-}
+use crate::target::DiscardPublisher;
+pub use crate::target::{BenchTarget, DiscardTarget};
 
 /// The parts of the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
