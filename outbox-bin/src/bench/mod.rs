@@ -2,6 +2,11 @@
 //! configured publisher), and the run through [`engine`], which does the measuring. Each broker's
 //! adapter gives it a destination of the benchmark's own (an exchange bound to a queue, a topic, a
 //! queue), so a benchmark never publishes into a service's topics or queues.
+//!
+//! The phases each have a file: `writer.rs`, `drain.rs` (with the publisher alone), `reference.rs`
+//! (the classic relay), `latency.rs`, `wal.rs` (the WAL source) and `claim.rs`; they share
+//! `fill.rs` (backlogs), `instruments.rs` (counting and timing relays) and `rss.rs` (memory). The
+//! options are in `options.rs`, the figures in `report.rs`, their table in `table.rs`.
 
 use std::time::Duration;
 
@@ -10,6 +15,19 @@ use clap::Args;
 use outbox_core::{Error, ErrorKind};
 
 pub mod engine;
+
+mod claim;
+mod drain;
+mod fill;
+mod instruments;
+mod latency;
+mod options;
+mod reference;
+mod report;
+mod rss;
+mod table;
+mod wal;
+mod writer;
 
 use engine::{self as bench, BenchOptions, BenchTarget, Phase};
 
