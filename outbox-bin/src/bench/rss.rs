@@ -1,4 +1,5 @@
-//! The process's resident set size: read from /proc, and sampled during a run for its peak.
+//! The process's resident set size: read from /proc (Linux), and sampled during a run so that the
+//! report can give its peak (`peak_rss_bytes`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -1,4 +1,5 @@
-//! `outbox cleanup`: removes published rows kept longer than a duration, in bounded batches.
+//! `outbox cleanup`: removes published rows kept longer than `--older-than` (default
+//! `database.keep_processed_for`), in delete statements of `--batch-size` rows each.
 
 use std::time::Duration;
 
