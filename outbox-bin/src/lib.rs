@@ -11,3 +11,4 @@ pub mod config;
 pub mod health;
 pub mod http;
 pub mod metrics;
+pub mod target;

@@ -6,12 +6,11 @@ use async_trait::async_trait;
 
 use outbox_amqp::admin::BoundQueue;
 use outbox_amqp::{AmqpConfig, AmqpPublisher};
+use outbox_core::format::Formatter;
 use outbox_core::{Error, Publisher};
 
-use super::{Adapter, Progress};
-use crate::bench::engine::BenchTarget;
-use crate::bench::BenchArgs;
-use crate::config::Config;
+use super::{Adapter, Named};
+use crate::target::{BenchTarget, Progress, TargetOptions};
 
 /// `[amqp]`.
 pub type Section = AmqpConfig;
@@ -28,33 +27,41 @@ pub static ADAPTER: Amqp = Amqp;
 /// The benchmark's exchange and queue.
 const BENCH: &str = "outbox.bench";
 
-#[async_trait]
-impl Adapter for Amqp {
+impl Named for Amqp {
     fn name(&self) -> &'static str {
         "amqp"
     }
+}
 
-    fn validate(&self, config: &Config) -> Result<(), Error> {
-        config.amqp.validate().map(|_| ())
+#[async_trait]
+impl Adapter for Amqp {
+    type Section = AmqpConfig;
+
+    fn validate(&self, section: &AmqpConfig) -> Result<(), Error> {
+        section.validate().map(|_| ())
     }
 
-    fn redact(&self, shown: &mut Config) {
-        shown.amqp.url = outbox_amqp::redact_url(&shown.amqp.url);
+    fn redact(&self, shown: &mut AmqpConfig) {
+        shown.url = outbox_amqp::redact_url(&shown.url);
     }
 
-    async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+    async fn publisher(
+        &self,
+        section: &AmqpConfig,
+        format: Formatter,
+    ) -> Result<Arc<dyn Publisher>, Error> {
         Ok(Arc::new(
-            AmqpPublisher::new(config.amqp.clone())?.with_format(config.publisher.formatter()?),
+            AmqpPublisher::new(section.clone())?.with_format(format),
         ))
     }
 
     async fn bench_target(
         &self,
-        config: &Config,
-        _args: &BenchArgs,
+        section: &AmqpConfig,
+        _options: &TargetOptions,
         progress: &Progress,
     ) -> Result<Box<dyn BenchTarget>, Error> {
-        let mut c = config.amqp.clone();
+        let mut c = section.clone();
         c.exchange = BENCH.into();
         c.declare_exchange = true;
         let queue = BoundQueue::declare(&c, BENCH, "#").await?;

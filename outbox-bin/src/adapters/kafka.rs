@@ -4,13 +4,12 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use outbox_core::format::Formatter;
 use outbox_core::{Error, Publisher};
 use outbox_kafka::{admin, KafkaConfig, KafkaPublisher};
 
-use super::{Adapter, Progress};
-use crate::bench::engine::BenchTarget;
-use crate::bench::BenchArgs;
-use crate::config::Config;
+use super::{Adapter, Named};
+use crate::target::{BenchTarget, Progress, TargetOptions};
 
 /// `[kafka]`.
 pub type Section = KafkaConfig;
@@ -27,38 +26,46 @@ pub static ADAPTER: Kafka = Kafka;
 /// The benchmark's topic.
 const TOPIC: &str = "outbox.bench";
 
-#[async_trait]
-impl Adapter for Kafka {
+impl Named for Kafka {
     fn name(&self) -> &'static str {
         "kafka"
     }
+}
 
-    fn validate(&self, config: &Config) -> Result<(), Error> {
-        config.kafka.validate().map(|_| ())
+#[async_trait]
+impl Adapter for Kafka {
+    type Section = KafkaConfig;
+
+    fn validate(&self, section: &KafkaConfig) -> Result<(), Error> {
+        section.validate().map(|_| ())
     }
 
-    fn redact(&self, shown: &mut Config) {
-        for (k, v) in shown.kafka.properties.iter_mut() {
+    fn redact(&self, shown: &mut KafkaConfig) {
+        for (k, v) in shown.properties.iter_mut() {
             if outbox_kafka::is_secret(k) {
                 *v = "***".into();
             }
         }
     }
 
-    async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+    async fn publisher(
+        &self,
+        section: &KafkaConfig,
+        format: Formatter,
+    ) -> Result<Arc<dyn Publisher>, Error> {
         Ok(Arc::new(
-            KafkaPublisher::new(config.kafka.clone())?.with_format(config.publisher.formatter()?),
+            KafkaPublisher::new(section.clone())?.with_format(format),
         ))
     }
 
     async fn bench_target(
         &self,
-        config: &Config,
-        args: &BenchArgs,
+        section: &KafkaConfig,
+        options: &TargetOptions,
         progress: &Progress,
     ) -> Result<Box<dyn BenchTarget>, Error> {
-        let partitions = args.kafka_partitions;
-        let mut c = config.kafka.clone();
+        let partitions = options.kafka_partitions;
+        let mut c = section.clone();
         c.topic = TOPIC.into();
         admin::create_topic(&c, TOPIC, partitions, 1).await?;
         // A topic left by an interrupted run keeps its partition count: say so, not a wrong one.

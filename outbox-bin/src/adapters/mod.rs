@@ -1,24 +1,28 @@
 //! The adapter table: every publisher the binary knows, each in a module of its own that holds its
 //! configuration section, its publisher builder and its benchmark destination.
 //!
-//! Adding a broker takes its crate, a module here implementing [`Adapter`] (with a `Section` type and
-//! an `ADAPTER` value), its feature in `Cargo.toml`, a [`PublisherType`] variant mapped in [`adapter`],
-//! and its `Config` field. An adapter left out of the build is an [`Absent`] one: its section is still
-//! accepted (so one configuration file serves every build) and selecting it is a configuration error
-//! that names the missing feature.
+//! An adapter implements [`Adapter`] over its own section and never sees the rest of the
+//! configuration. The configuration binds each to its section (`Config::adapter`), giving a
+//! [`Configured`] adapter that callers choose at run time by `publisher.type` or `--broker`.
+//!
+//! Adding a broker takes its crate, a module here implementing [`Named`] and [`Adapter`] (with a
+//! `Section` type and an `ADAPTER` value), its feature in `Cargo.toml`, a [`PublisherType`] variant
+//! mapped in [`adapter`], and in the configuration its field, its arm in `Config::adapter` and its
+//! line in `Config::to_redacted_toml`. An adapter left out of the build is an [`Absent`] one: its
+//! section is still accepted (so one configuration file serves every build) and selecting it is a
+//! configuration error that names the missing feature.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use outbox_core::format::Formatter;
 use outbox_core::{Error, Publisher};
 
-use crate::bench::engine::{BenchTarget, DiscardTarget};
-use crate::bench::BenchArgs;
-use crate::config::{Config, PublisherType};
+use crate::target::{BenchTarget, Progress, TargetOptions};
 
 pub mod stdout;
 
@@ -30,10 +34,7 @@ pub mod amqp {
     /// `[amqp]`, kept as written.
     pub type Section = Option<serde_json::Value>;
     /// The placeholder.
-    pub static ADAPTER: super::Absent = super::Absent {
-        name: "amqp",
-        section: |config| &mut config.amqp,
-    };
+    pub static ADAPTER: super::Absent = super::Absent { name: "amqp" };
 }
 
 #[cfg(feature = "kafka")]
@@ -44,10 +45,7 @@ pub mod kafka {
     /// `[kafka]`, kept as written.
     pub type Section = Option<serde_json::Value>;
     /// The placeholder.
-    pub static ADAPTER: super::Absent = super::Absent {
-        name: "kafka",
-        section: |config| &mut config.kafka,
-    };
+    pub static ADAPTER: super::Absent = super::Absent { name: "kafka" };
 }
 
 #[cfg(feature = "sqs")]
@@ -58,10 +56,29 @@ pub mod sqs {
     /// `[sqs]`, kept as written.
     pub type Section = Option<serde_json::Value>;
     /// The placeholder.
-    pub static ADAPTER: super::Absent = super::Absent {
-        name: "sqs",
-        section: |config| &mut config.sqs,
-    };
+    pub static ADAPTER: super::Absent = super::Absent { name: "sqs" };
+}
+
+/// Which publisher the relay uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PublisherType {
+    /// JSON lines on standard output (the default: needs no broker).
+    #[default]
+    Stdout,
+    /// RabbitMQ, settings in `[amqp]`.
+    Amqp,
+    /// Kafka, settings in `[kafka]`.
+    Kafka,
+    /// Amazon SQS, settings in `[sqs]`.
+    Sqs,
+}
+
+impl PublisherType {
+    /// Its adapter's name, as in `publisher.type` and `--broker`.
+    pub fn name(self) -> &'static str {
+        adapter(self).name()
+    }
 }
 
 /// Every publisher type, in the order they are listed to users.
@@ -73,7 +90,7 @@ pub const ALL: [PublisherType; 4] = [
 ];
 
 /// The adapter of a publisher type.
-pub fn adapter(kind: PublisherType) -> &'static dyn Adapter {
+pub fn adapter(kind: PublisherType) -> &'static dyn Named {
     match kind {
         PublisherType::Stdout => &stdout::ADAPTER,
         PublisherType::Amqp => &amqp::ADAPTER,
@@ -82,9 +99,10 @@ pub fn adapter(kind: PublisherType) -> &'static dyn Adapter {
     }
 }
 
-/// The adapter named `name` (as in `publisher.type` or `--broker`), built into this binary or not.
-pub fn by_name(name: &str) -> Option<&'static dyn Adapter> {
-    ALL.into_iter().map(adapter).find(|a| a.name() == name)
+/// The publisher type named `name` (as in `publisher.type` or `--broker`), built into this binary
+/// or not.
+pub fn by_name(name: &str) -> Option<PublisherType> {
+    ALL.into_iter().find(|kind| adapter(*kind).name() == name)
 }
 
 /// The names of the publishers this binary includes.
@@ -96,34 +114,9 @@ pub fn available() -> Vec<&'static str> {
         .collect()
 }
 
-/// The benchmark's destination: `--broker` (`discard`, the database's ceiling, or an adapter's
-/// name), else the configured publisher's.
-///
-/// # Errors
-/// A config error for an unknown broker, one not in this build, or the standard output; what the
-/// broker reports when the destination cannot be made.
-pub async fn bench_target(
-    config: &Config,
-    args: &BenchArgs,
-    progress: &Progress,
-) -> Result<Box<dyn BenchTarget>, Error> {
-    let adapter = match args.broker.as_deref() {
-        Some("discard") => return Ok(Box::new(DiscardTarget)),
-        Some(name) => by_name(name).ok_or_else(|| {
-            Error::config(format!(
-                "--broker {name:?}: expected one of {}, or discard",
-                available().join(", ")
-            ))
-        })?,
-        None => adapter(config.publisher.kind),
-    };
-    adapter.bench_target(config, args, progress).await
-}
-
-/// One publisher the binary can run: its section of the configuration, the publisher built from it,
-/// and the benchmark's own destination on its broker.
-#[async_trait]
-pub trait Adapter: Sync {
+/// An adapter as the table lists it, whatever its section: its name and whether this build
+/// includes it.
+pub trait Named: Sync {
     /// Its name in `publisher.type`, `--broker` and the configuration section.
     fn name(&self) -> &'static str;
 
@@ -131,23 +124,35 @@ pub trait Adapter: Sync {
     fn built(&self) -> bool {
         true
     }
+}
 
-    /// Checks its section of `config`.
+/// One publisher the binary can run: its section of the configuration, the publisher built from it,
+/// and the benchmark's own destination on its broker.
+#[async_trait]
+pub trait Adapter: Named {
+    /// Its section of the configuration (`[amqp]`...; `()` for one that has none).
+    type Section: Section;
+
+    /// Checks its section.
     ///
     /// # Errors
     /// A config error naming the key, or the missing feature for an adapter not built in.
-    fn validate(&self, config: &Config) -> Result<(), Error>;
+    fn validate(&self, section: &Self::Section) -> Result<(), Error>;
 
-    /// Hides the secrets of its section in `shown`, a copy of the configuration to be displayed.
-    fn redact(&self, shown: &mut Config) {
+    /// Hides the secrets of its section in `shown`, a copy to be displayed.
+    fn redact(&self, shown: &mut Self::Section) {
         let _ = shown;
     }
 
-    /// The publisher `config` describes.
+    /// The publisher `section` describes, shaping its messages with `format` (`[publisher]`).
     ///
     /// # Errors
     /// A config error for invalid settings; a connection error when it must reach the broker first.
-    async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error>;
+    async fn publisher(
+        &self,
+        section: &Self::Section,
+        format: Formatter,
+    ) -> Result<Arc<dyn Publisher>, Error>;
 
     /// A destination of the benchmark's own on this broker (created now, removed by
     /// [`BenchTarget::teardown`]), so a benchmark never publishes into a service's destinations.
@@ -156,18 +161,87 @@ pub trait Adapter: Sync {
     /// A config error when this adapter cannot be benchmarked; what the broker reports otherwise.
     async fn bench_target(
         &self,
-        config: &Config,
-        args: &BenchArgs,
+        section: &Self::Section,
+        options: &TargetOptions,
         progress: &Progress,
     ) -> Result<Box<dyn BenchTarget>, Error>;
 }
 
-/// Where the benchmark's progress lines go.
-pub type Progress = dyn for<'a> Fn(&'a str) + Send + Sync;
+/// An adapter with its section of a configuration, one type whatever the section's: what callers
+/// that choose the adapter at run time (`publisher.type`, `--broker`) use.
+#[async_trait]
+pub trait Configured: Named {
+    /// Checks the section ([`Adapter::validate`]).
+    ///
+    /// # Errors
+    /// A config error naming the key, or the missing feature for an adapter not built in.
+    fn validate(&self) -> Result<(), Error>;
+
+    /// The publisher the section describes ([`Adapter::publisher`]).
+    ///
+    /// # Errors
+    /// A config error for invalid settings; a connection error when it must reach the broker first.
+    async fn publisher(&self, format: Formatter) -> Result<Arc<dyn Publisher>, Error>;
+
+    /// The benchmark's own destination on this broker ([`Adapter::bench_target`]).
+    ///
+    /// # Errors
+    /// A config error when this adapter cannot be benchmarked; what the broker reports otherwise.
+    async fn bench_target(
+        &self,
+        options: &TargetOptions,
+        progress: &Progress,
+    ) -> Result<Box<dyn BenchTarget>, Error>;
+}
+
+/// An adapter bound to its section: its [`Configured`] form.
+#[derive(Debug)]
+pub struct Bound<'a, A: Adapter> {
+    adapter: &'a A,
+    section: &'a A::Section,
+}
+
+impl<'a, A: Adapter> Bound<'a, A> {
+    /// `adapter` with `section`.
+    pub fn new(adapter: &'a A, section: &'a A::Section) -> Self {
+        Bound { adapter, section }
+    }
+}
+
+impl<A: Adapter> Named for Bound<'_, A> {
+    fn name(&self) -> &'static str {
+        self.adapter.name()
+    }
+
+    fn built(&self) -> bool {
+        self.adapter.built()
+    }
+}
+
+#[async_trait]
+impl<'a, A: Adapter> Configured for Bound<'a, A> {
+    fn validate(&self) -> Result<(), Error> {
+        self.adapter.validate(self.section)
+    }
+
+    async fn publisher(&self, format: Formatter) -> Result<Arc<dyn Publisher>, Error> {
+        self.adapter.publisher(self.section, format).await
+    }
+
+    async fn bench_target(
+        &self,
+        options: &TargetOptions,
+        progress: &Progress,
+    ) -> Result<Box<dyn BenchTarget>, Error> {
+        self.adapter
+            .bench_target(self.section, options, progress)
+            .await
+    }
+}
 
 /// The configuration section of an adapter (its `Section` type).
 pub trait Section:
-    Serialize + DeserializeOwned + Default + Clone + PartialEq + std::fmt::Debug
+    Serialize + DeserializeOwned + Default + Clone + PartialEq + std::fmt::Debug + Send + Sync
 {
     /// True when the section is not worth showing (an absent adapter's section that was not given).
     fn is_unset(&self) -> bool {
@@ -181,6 +255,9 @@ impl Section for Option<Value> {
     }
 }
 
+/// The section of an adapter that has none.
+impl Section for () {}
+
 /// `skip_serializing_if` for adapter sections.
 pub(crate) fn is_unset<S: Section>(section: &S) -> bool {
     section.is_unset()
@@ -191,8 +268,6 @@ pub(crate) fn is_unset<S: Section>(section: &S) -> bool {
 pub struct Absent {
     /// The adapter's name (and feature).
     pub name: &'static str,
-    /// Its section of the configuration.
-    pub section: fn(&mut Config) -> &mut Option<Value>,
 }
 
 impl Absent {
@@ -225,8 +300,7 @@ fn redact_value(value: &mut Value) {
     }
 }
 
-#[async_trait]
-impl Adapter for Absent {
+impl Named for Absent {
     fn name(&self) -> &'static str {
         self.name
     }
@@ -234,25 +308,34 @@ impl Adapter for Absent {
     fn built(&self) -> bool {
         false
     }
+}
 
-    fn validate(&self, _config: &Config) -> Result<(), Error> {
+#[async_trait]
+impl Adapter for Absent {
+    type Section = Option<Value>;
+
+    fn validate(&self, _section: &Option<Value>) -> Result<(), Error> {
         Err(self.not_built())
     }
 
-    fn redact(&self, shown: &mut Config) {
-        if let Some(section) = (self.section)(shown) {
+    fn redact(&self, shown: &mut Option<Value>) {
+        if let Some(section) = shown {
             redact_value(section);
         }
     }
 
-    async fn publisher(&self, _config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+    async fn publisher(
+        &self,
+        _section: &Option<Value>,
+        _format: Formatter,
+    ) -> Result<Arc<dyn Publisher>, Error> {
         Err(self.not_built())
     }
 
     async fn bench_target(
         &self,
-        _config: &Config,
-        _args: &BenchArgs,
+        _section: &Option<Value>,
+        _options: &TargetOptions,
         _progress: &Progress,
     ) -> Result<Box<dyn BenchTarget>, Error> {
         Err(self.not_built())

@@ -4,13 +4,12 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use outbox_core::format::Formatter;
 use outbox_core::{Error, Publisher};
 use outbox_sqs::{admin, SqsConfig, SqsPublisher};
 
-use super::{Adapter, Progress};
-use crate::bench::engine::BenchTarget;
-use crate::bench::BenchArgs;
-use crate::config::Config;
+use super::{Adapter, Named};
+use crate::target::{BenchTarget, Progress, TargetOptions};
 
 /// `[sqs]`.
 pub type Section = SqsConfig;
@@ -27,31 +26,39 @@ pub static ADAPTER: Sqs = Sqs;
 /// The benchmark's queue.
 const QUEUE: &str = "outbox-bench";
 
-#[async_trait]
-impl Adapter for Sqs {
+impl Named for Sqs {
     fn name(&self) -> &'static str {
         "sqs"
     }
+}
 
-    fn validate(&self, config: &Config) -> Result<(), Error> {
-        config.sqs.validate().map(|_| ())
+#[async_trait]
+impl Adapter for Sqs {
+    type Section = SqsConfig;
+
+    fn validate(&self, section: &SqsConfig) -> Result<(), Error> {
+        section.validate().map(|_| ())
     }
 
-    async fn publisher(&self, config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+    async fn publisher(
+        &self,
+        section: &SqsConfig,
+        format: Formatter,
+    ) -> Result<Arc<dyn Publisher>, Error> {
         Ok(Arc::new(
-            SqsPublisher::new(config.sqs.clone())
+            SqsPublisher::new(section.clone())
                 .await?
-                .with_format(config.publisher.formatter()?),
+                .with_format(format),
         ))
     }
 
     async fn bench_target(
         &self,
-        config: &Config,
-        _args: &BenchArgs,
+        section: &SqsConfig,
+        _options: &TargetOptions,
         progress: &Progress,
     ) -> Result<Box<dyn BenchTarget>, Error> {
-        let mut c = config.sqs.clone();
+        let mut c = section.clone();
         c.queue = QUEUE.into();
         let admin = SqsPublisher::new(c.clone()).await?;
         let url = admin::create_queue(&admin, QUEUE).await?;

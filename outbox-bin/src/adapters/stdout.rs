@@ -4,13 +4,12 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use outbox_core::format::Formatter;
 use outbox_core::publishers::JsonLinesPublisher;
 use outbox_core::{Error, Publisher};
 
-use super::{Adapter, Progress};
-use crate::bench::engine::BenchTarget;
-use crate::bench::BenchArgs;
-use crate::config::Config;
+use super::{Adapter, Named};
+use crate::target::{BenchTarget, Progress, TargetOptions};
 
 /// The standard output adapter.
 #[derive(Debug, Clone, Copy)]
@@ -19,24 +18,33 @@ pub struct Stdout;
 /// The table's entry.
 pub static ADAPTER: Stdout = Stdout;
 
-#[async_trait]
-impl Adapter for Stdout {
+impl Named for Stdout {
     fn name(&self) -> &'static str {
         "stdout"
     }
+}
 
-    fn validate(&self, _config: &Config) -> Result<(), Error> {
+/// It has no section; each event is printed as a JSON line (`publisher.format` applies to brokers).
+#[async_trait]
+impl Adapter for Stdout {
+    type Section = ();
+
+    fn validate(&self, _section: &()) -> Result<(), Error> {
         Ok(())
     }
 
-    async fn publisher(&self, _config: &Config) -> Result<Arc<dyn Publisher>, Error> {
+    async fn publisher(
+        &self,
+        _section: &(),
+        _format: Formatter,
+    ) -> Result<Arc<dyn Publisher>, Error> {
         Ok(Arc::new(JsonLinesPublisher::stdout()))
     }
 
     async fn bench_target(
         &self,
-        _config: &Config,
-        _args: &BenchArgs,
+        _section: &(),
+        _options: &TargetOptions,
         _progress: &Progress,
     ) -> Result<Box<dyn BenchTarget>, Error> {
         let brokers: Vec<&str> = super::available()

@@ -1,7 +1,12 @@
-//! `outbox bench`: its options, and a destination run through [`engine`], which does the measuring.
-//! Each broker's adapter ([`crate::adapters::bench_target`]) gives it a destination of the
-//! benchmark's own (an exchange bound to a queue, a topic, a queue), so a benchmark never publishes
-//! into a service's topics or queues.
+//! `outbox bench`: its options, the destination it publishes to ([`target`]: `--broker`, else the
+//! configured publisher), and the run through [`engine`], which does the measuring. Each broker's
+//! adapter gives it a destination of the benchmark's own (an exchange bound to a queue, a topic, a
+//! queue), so a benchmark never publishes into a service's topics or queues.
+//!
+//! The phases each have a file: `writer.rs`, `drain.rs` (with the publisher alone), `reference.rs`
+//! (the classic relay), `latency.rs`, `wal.rs` (the WAL source) and `claim.rs`; they share
+//! `fill.rs` (backlogs), `instruments.rs` (counting and timing relays) and `rss.rs` (memory). The
+//! options are in `options.rs`, the figures in `report.rs`, their table in `table.rs`.
 
 use std::time::Duration;
 
@@ -11,9 +16,24 @@ use outbox_core::{Error, ErrorKind};
 
 pub mod engine;
 
+mod claim;
+mod drain;
+mod fill;
+mod instruments;
+mod latency;
+mod options;
+mod reference;
+mod report;
+mod rss;
+mod table;
+mod wal;
+mod writer;
+
 use engine::{self as bench, BenchOptions, BenchTarget, Phase};
 
+use crate::adapters;
 use crate::config::Config;
+use crate::target::{DiscardTarget, Progress, TargetOptions};
 
 /// `outbox bench` options. Sizes, rates and durations default to the figures the targets are stated
 /// for; relay settings (batch size, in-flight batches, polling) come from `[relay]` as for `outbox relay`.
@@ -106,6 +126,13 @@ impl BenchArgs {
             relay: config.relay.clone(),
         })
     }
+
+    /// What the broker's destination is made with.
+    fn target_options(&self) -> TargetOptions {
+        TargetOptions {
+            kafka_partitions: self.kafka_partitions,
+        }
+    }
 }
 
 /// The options of `outbox bench`, checked before any destination is created.
@@ -129,7 +156,34 @@ pub fn progress(line: &str) {
     eprintln!("[bench] {line}");
 }
 
-/// Runs the phases of `options` on `target` (the destination `crate::adapters::bench_target` made),
+/// The benchmark's destination: `--broker` (`discard`, the database's ceiling, or an adapter's
+/// name), else the configured publisher's.
+///
+/// # Errors
+/// A config error for an unknown broker, one not in this build, or the standard output; what the
+/// broker reports when the destination cannot be made.
+pub async fn target(
+    config: &Config,
+    args: &BenchArgs,
+    progress: &Progress,
+) -> Result<Box<dyn BenchTarget>, Error> {
+    let kind = match args.broker.as_deref() {
+        Some("discard") => return Ok(Box::new(DiscardTarget)),
+        Some(name) => adapters::by_name(name).ok_or_else(|| {
+            Error::config(format!(
+                "--broker {name:?}: expected one of {}, or discard",
+                adapters::available().join(", ")
+            ))
+        })?,
+        None => config.publisher.kind,
+    };
+    config
+        .adapter(kind)
+        .bench_target(&args.target_options(), progress)
+        .await
+}
+
+/// Runs the phases of `options` on `target` (the destination [`target`] made),
 /// removes the target's destination, and prints the report (a table, or JSON with `--json`).
 ///
 /// # Errors

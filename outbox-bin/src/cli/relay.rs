@@ -1,0 +1,237 @@
+//! `outbox relay`: builds the store and the publisher, runs the relay with its statistics, the
+//! operations endpoint, the automatic cleanup and the NOTIFY listener or the WAL source's reader,
+//! until a signal stops it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{error, info, warn};
+
+use outbox_core::{CancellationToken, Error, Relay, Store};
+use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
+use outbox_postgres::{notify, OutboxTable, PostgresStore, Source};
+
+use super::signals::{watch_signals, Signals};
+use super::status::held_back_under;
+use super::{build_publisher, store, Failure};
+use crate::config::Config;
+use crate::metrics::Metrics;
+
+pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
+    config.check_relay_pool()?;
+    // Signals are watched from the start: SIGTERM while connecting is a clean exit too.
+    let shutdown = CancellationToken::new();
+    tokio::spawn(watch_signals(Signals::install(), shutdown.clone()));
+    let wal_source = config.database.source == Source::Wal;
+    let start = async {
+        // Under the WAL source, the polling machinery works on the held table.
+        let pg = if wal_source {
+            let held = config.wal.held_table(&table)?;
+            let pg = store(&config, held).await?;
+            wal_preflight(&config, &table, &pg).await?;
+            pg
+        } else {
+            store(&config, table.clone()).await?
+        };
+        pg.check().await?;
+        let publisher = build_publisher(&config).await?;
+        Ok::<_, Failure>((pg, publisher))
+    };
+    let (pg, publisher) = tokio::select! {
+        started = start => started?,
+        _ = shutdown.cancelled() => {
+            info!("shutdown requested while starting; nothing was claimed");
+            return Ok(());
+        }
+    };
+    let wake = outbox_core::Wake::new();
+    let wal = if wal_source {
+        let slot = config.wal.slot(&table)?;
+        Some(
+            WalStore::new(
+                pg.pool().clone(),
+                &config.database.url,
+                slot,
+                pg.clone(),
+                &config.wal,
+            )
+            .with_wake(wake.clone())
+            .with_held_poll_interval(config.relay.poll_interval),
+        )
+    } else {
+        None
+    };
+    let store: Arc<dyn Store> = match &wal {
+        Some(w) => Arc::new(w.clone()),
+        None => Arc::new(pg.clone()),
+    };
+    let liveness = Arc::new(crate::health::Liveness::new(config.liveness_timeout()));
+    let metrics =
+        Arc::new(Metrics::new(config.http.max_event_type_labels).with_liveness(liveness.clone()));
+    let relay = Relay::new(store.clone(), publisher.clone(), config.relay.clone())?
+        .with_observer(metrics.clone())
+        .with_wake(wake);
+    let reader = wal.as_ref().map(|w| {
+        tokio::spawn(watch_wal(
+            w.clone(),
+            metrics.clone(),
+            config.wal.retained_wal_warning,
+            config.http.stats_interval,
+            shutdown.clone(),
+        ));
+        w.start()
+    });
+    {
+        let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
+        let every = config.http.stats_interval;
+        let ordering = config.relay.ordering;
+        tokio::spawn(async move {
+            loop {
+                metrics.stats_refreshing();
+                match store.stats().await {
+                    Ok(s) => metrics.record_stats(&held_back_under(ordering, s)),
+                    Err(e) => {
+                        metrics.stats_failed();
+                        warn!(error = %e, "cannot count the outbox for metrics");
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        });
+    }
+    let server = if config.http.enabled {
+        let ops = crate::http::Ops {
+            metrics: metrics.clone(),
+            liveness,
+            readiness: crate::health::Readiness::new(
+                store.clone(),
+                publisher.clone(),
+                config.http.ready_timeout,
+            ),
+        };
+        let serve = crate::http::serve(config.http.listen, ops, shutdown.clone()).await?;
+        info!(listen = %config.http.listen, "serving /metrics, /healthz and /readyz");
+        Some(tokio::spawn(serve))
+    } else {
+        None
+    };
+    if let (Some(older_than), true) = (
+        config.database.keep_processed_for,
+        config.database.auto_cleanup,
+    ) {
+        let schedule = crate::cleanup::CleanupSchedule {
+            older_than,
+            interval: config.database.cleanup_interval,
+            batch_size: config.database.cleanup_batch_size,
+        };
+        tokio::spawn(crate::cleanup::run(
+            pg.clone(),
+            schedule,
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+    }
+    // Under the WAL source, the slot's stream brings the events: no NOTIFY listener.
+    if config.database.notify && wal.is_none() {
+        let wake = relay.wake_handle();
+        let (pool, table, shutdown) = (pg.pool().clone(), table.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            if let Err(e) = notify::listen(&pool, &table, wake, shutdown).await {
+                warn!(error = %e, "LISTEN/NOTIFY unavailable; relying on polling");
+            }
+        });
+    }
+    info!(table = %table.qualified(), publisher = publisher.name(), "relay running; SIGTERM or Ctrl-C stops it");
+    // The relay logs its own summary when it stops.
+    relay.run(shutdown.clone()).await;
+    shutdown.cancel();
+    if let Some(reader) = reader {
+        // Settled batches are confirmed before the slot is let go.
+        reader.stop().await;
+    }
+    if let Some(server) = server {
+        let _ = server.await;
+    }
+    Ok(())
+}
+
+/// Before the WAL source starts: the server can decode, the held table is there.
+async fn wal_preflight(
+    config: &Config,
+    table: &OutboxTable,
+    held: &PostgresStore,
+) -> Result<(), Failure> {
+    config.wal.validate()?;
+    check_wal_level(&wal_level(held.pool()).await?)?;
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(held.table().qualified())
+        .fetch_one(held.pool())
+        .await
+        .map_err(|e| outbox_postgres::map_sqlx("wal", e))?;
+    if !exists {
+        return Err(Error::config(format!(
+            "database.source = \"wal\" but the held table {} does not exist: run `outbox wal setup` (it makes the publication, the slot and that table for {})",
+            held.table().qualified(),
+            table.qualified()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// The WAL source's gauges, refreshed every `every`; a loud warning while the slot keeps more
+/// WAL than `warning` bytes.
+async fn watch_wal(
+    wal: WalStore,
+    metrics: Arc<Metrics>,
+    warning: u64,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut warned_missing = false;
+    loop {
+        let progress = wal.progress();
+        let mut figures = crate::metrics::WalFigures {
+            active: progress.active,
+            unsettled: progress.unsettled as u64,
+            lag_seconds: progress.lag_seconds,
+            retained_warning: warning,
+            ..Default::default()
+        };
+        match wal.slot().positions(wal.held().pool()).await {
+            Ok(Some(p)) => {
+                warned_missing = false;
+                figures.slot_present = true;
+                figures.lag_bytes = p.lag_bytes;
+                figures.retained_bytes = p.retained_bytes;
+                if p.retains_too_much(warning) {
+                    warn!(
+                        slot = wal.slot().slot(),
+                        retained_bytes = p.retained_bytes,
+                        wal_status = p.wal_status.as_deref(),
+                        limit = warning,
+                        "the slot keeps more WAL than wal.retained_wal_warning (or is losing WAL): the relay is not keeping up, or the slot is not read; the database's disk fills until it is"
+                    );
+                }
+            }
+            Ok(None) => {
+                if !warned_missing {
+                    error!(
+                        slot = wal.slot().slot(),
+                        "the replication slot does not exist: run `outbox wal setup`; events committed while it is missing are not read"
+                    );
+                    warned_missing = true;
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot read the slot's positions for metrics"),
+        }
+        metrics.record_wal(&figures);
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! `outbox status`: pending events, the oldest pending age, dead letters and what they hold back,
+//! by event type, as text or JSON.
+
+use outbox_core::StoreStats;
+use outbox_postgres::OutboxTable;
+
+use super::{store, Failure};
+use crate::config::Config;
+
+/// `stats` as the relay's ordering sees them: without per-aggregate order a dead letter holds
+/// nothing back.
+pub(super) fn held_back_under(
+    ordering: outbox_core::OrderingPolicy,
+    mut stats: StoreStats,
+) -> StoreStats {
+    if ordering == outbox_core::OrderingPolicy::Unordered {
+        stats.held_back = 0;
+        stats.held_back_aggregates = 0;
+    }
+    stats
+}
+
+pub(super) async fn cmd_status(
+    config: &Config,
+    table: OutboxTable,
+    json: bool,
+) -> Result<(), Failure> {
+    let pg = store(config, table.clone()).await?;
+    let stats = held_back_under(config.relay.ordering, pg.stats_complete().await?);
+    if json {
+        let v = serde_json::json!({ "table": table.qualified(), "stats": stats });
+        println!("{v}");
+        return Ok(());
+    }
+    println!("outbox {}", table.qualified());
+    match stats.oldest_pending_age_seconds {
+        Some(age) => println!("pending:      {} (oldest {:.1} s)", stats.pending, age),
+        None => println!("pending:      {}", stats.pending),
+    }
+    println!("dead letters: {}", stats.dead_letters);
+    if stats.held_back > 0 {
+        println!(
+            "held back:    {} events of {} aggregates, behind their dead letters \
+             (outbox dead-letters retry or discard releases them)",
+            stats.held_back, stats.held_back_aggregates
+        );
+    }
+    if !stats.by_event_type.is_empty() {
+        println!();
+        println!(
+            "{:<40} {:>10} {:>10} {:>12}",
+            "event type", "pending", "dead", "oldest (s)"
+        );
+        for t in &stats.by_event_type {
+            let oldest = t
+                .oldest_pending_age_seconds
+                .map(|a| format!("{a:.1}"))
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "{:<40} {:>10} {:>10} {:>12}",
+                t.event_type, t.pending, t.dead_letters, oldest
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_per_aggregate_order_nothing_is_held_back() {
+        let stats = StoreStats {
+            held_back: 5,
+            held_back_aggregates: 2,
+            dead_letters: 2,
+            ..StoreStats::default()
+        };
+        let ordered = held_back_under(outbox_core::OrderingPolicy::PerAggregate, stats.clone());
+        assert_eq!((ordered.held_back, ordered.held_back_aggregates), (5, 2));
+        let unordered = held_back_under(outbox_core::OrderingPolicy::Unordered, stats);
+        assert_eq!(
+            (
+                unordered.held_back,
+                unordered.held_back_aggregates,
+                unordered.dead_letters
+            ),
+            (0, 0, 2)
+        );
+    }
+}

@@ -1,0 +1,271 @@
+//! Loading and checking the configuration: defaults, the environment over the file, errors that
+//! name the key, the relay's pool, the message format, redaction.
+
+use std::path::Path;
+
+use outbox_core::format::MessageFormat;
+
+use super::*;
+
+fn load_str(toml_text: &str, env: &[(&str, &str)]) -> Result<Config, Error> {
+    let dir = std::env::temp_dir().join(format!("outbox-config-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("outbox.toml");
+    std::fs::write(&path, toml_text).unwrap();
+    let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+    let r = Config::load(Some(&path), env);
+    let _ = std::fs::remove_dir_all(&dir);
+    r
+}
+
+#[test]
+fn the_liveness_timeout_follows_the_hold_time_unless_set() {
+    let c = Config::load(None, Vec::new()).unwrap();
+    assert_eq!(c.liveness_timeout(), Duration::from_secs(300));
+    // A long publish timeout (as a Kafka delivery timeout of 300 s needs) still loads.
+    let c = load_str("[relay]\npublish_timeout = \"320s\"\n", &[]).unwrap();
+    assert_eq!(c.liveness_timeout(), Duration::from_secs(650 + 60));
+    let e = load_str(
+        "[relay]\npublish_timeout = \"320s\"\n[http]\nliveness_timeout = \"10m\"\n",
+        &[],
+    )
+    .unwrap_err();
+    assert!(
+        e.message().contains("http.liveness_timeout = 10m")
+            && e.message().contains("hold time, 650s"),
+        "{e}"
+    );
+    let c = load_str("[http]\nliveness_timeout = \"20m\"\n", &[]).unwrap();
+    assert_eq!(c.liveness_timeout(), Duration::from_secs(1200));
+}
+
+#[test]
+fn no_file_means_defaults() {
+    let c = Config::load(None, Vec::new()).unwrap();
+    assert_eq!(c.publisher.kind, PublisherType::Stdout);
+    assert_eq!(c.relay.batch_size, 500);
+    assert_eq!(c.database.table, "outbox_events");
+}
+
+#[test]
+fn env_overrides_the_file() {
+    let c = load_str(
+        "[relay]\nbatch_size = 100\n[database]\nurl = \"postgres://a@h/db\"\n",
+        &[
+            ("OUTBOX_RELAY__BATCH_SIZE", "250"),
+            ("OUTBOX_RELAY__RETRY__MAX_ATTEMPTS", "3"),
+            ("OUTBOX_RELAY__POLL_INTERVAL", "2s"),
+            ("DATABASE_URL", "postgres://b@h/db"),
+            ("UNRELATED", "x"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.relay.batch_size, 250);
+    assert_eq!(c.relay.retry.max_attempts, 3);
+    assert_eq!(c.relay.poll_interval, Duration::from_secs(2));
+    assert_eq!(c.database.url, "postgres://b@h/db");
+    let c = load_str(
+        "[publisher]\ntype = \"kafka\"\n",
+        &[("OUTBOX_KAFKA__ALLOWED_DESTINATIONS", "audit.*, orders.v2")],
+    );
+    #[cfg(feature = "kafka")]
+    assert_eq!(
+        c.unwrap().kafka.allowed_destinations,
+        vec!["audit.*".to_string(), "orders.v2".to_string()],
+        "a list from the environment is comma-separated"
+    );
+    #[cfg(not(feature = "kafka"))]
+    drop(c);
+    let c = load_str(
+        "",
+        &[
+            ("DATABASE_URL", "postgres://b@h/db"),
+            ("OUTBOX_DATABASE__URL", "postgres://c@h/db"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        c.database.url, "postgres://c@h/db",
+        "OUTBOX_DATABASE__URL wins over DATABASE_URL"
+    );
+}
+
+#[test]
+fn digits_stay_text_where_text_is_expected() {
+    let c = load_str(
+        "",
+        &[
+            ("OUTBOX_DATABASE__SCHEMA", "s123"),
+            ("OUTBOX_LOG__LEVEL", "1234"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.log.level, "1234");
+}
+
+#[test]
+fn errors_name_the_key_the_value_and_the_source() {
+    let e = load_str("[relay]\nbatch_siz = 10\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("relay") && e.contains("unknown field `batch_siz`"),
+        "{e}"
+    );
+    let e = load_str("[relay]\nbatch_size = \"lots\"\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("relay.batch_size") && e.contains("invalid type"),
+        "{e}"
+    );
+    let e = load_str("", &[("OUTBOX_RELAY__BATCH_SIZE", "lots")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("relay.batch_size (from OUTBOX_RELAY__BATCH_SIZE)"),
+        "{e}"
+    );
+    let e = load_str("[relay]\nbatch_size = 0\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("relay.batch_size = 0: expected 1 to 100000"),
+        "{e}"
+    );
+    let e = load_str("[relay]\npoll_interval = \"soon\"\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("relay.poll_interval") && e.contains("not a duration"),
+        "{e}"
+    );
+    let e = load_str("[publisher]\ntype = \"carrier-pigeon\"\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("publisher.type") && e.contains("unknown variant"),
+        "{e}"
+    );
+    #[cfg(not(feature = "sqs"))]
+    {
+        let e = load_str("[publisher]\ntype = \"sqs\"\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("built without the `sqs` feature"), "{e}");
+    }
+    let e = load_str(
+        "[publisher]\ntype = \"sqs\"\n[sqs]\nmax_message_bytes = 1\n",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("sqs.max_message_bytes") || e.contains("built without the `sqs` feature"),
+        "{e}"
+    );
+    let e = load_str("not toml = = 1", &[]).unwrap_err().to_string();
+    assert!(e.contains("is not valid TOML"), "{e}");
+    let e = Config::load(Some(Path::new("/nonexistent/outbox.toml")), Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("cannot read the configuration file /nonexistent/outbox.toml"),
+        "{e}"
+    );
+    // Only the relay needs its whole pool: any other subcommand loads the same file.
+    let relay_pool = |toml: &str, env: &[(&str, &str)]| {
+        load_str(toml, env).and_then(|c| c.check_relay_pool().map(|()| c))
+    };
+    assert!(load_str(
+        "[database]\npool_size = 2\n[relay]\nmax_in_flight = 4\n",
+        &[]
+    )
+    .is_ok());
+    let e = relay_pool(
+        "[database]\npool_size = 2\n[relay]\nmax_in_flight = 4\n",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("database.pool_size = 2 is too small"), "{e}");
+    // One formula counts every user of the pool: batches, statistics, readiness, listener.
+    let ok = relay_pool(
+        "[database]\npool_size = 4\n[relay]\nmax_in_flight = 2\n",
+        &[],
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+    let e = relay_pool(
+        "[database]\npool_size = 4\nnotify = true\n[relay]\nmax_in_flight = 2\n",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("+ 1 (the NOTIFY listener, database.notify = true) = 5 connections"),
+        "{e}"
+    );
+    let e = relay_pool(
+        "[database]\npool_size = 3\n[relay]\nmax_in_flight = 2\n",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("set database.pool_size to at least 4"), "{e}");
+    // Kept rows cleaned by the relay: one more connection, named; none when cleaned by hand.
+    let keep =
+        "[database]\npool_size = 4\nkeep_processed_for = \"1d\"\n[relay]\nmax_in_flight = 2\n";
+    let e = relay_pool(keep, &[]).unwrap_err().to_string();
+    assert!(
+        e.contains("+ 1 (automatic cleanup, database.keep_processed_for with database.auto_cleanup = true) = 5 connections"),
+        "{e}"
+    );
+    let by_hand = keep.replace("[relay]", "auto_cleanup = false\n[relay]");
+    assert!(relay_pool(&by_hand, &[]).is_ok());
+}
+
+#[test]
+fn the_message_format_is_checked() {
+    let c = load_str(
+        "[publisher]\ntype = \"kafka\"\nformat = \"cloudevents-structured\"\n",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        c.publisher.formatter().unwrap().format(),
+        MessageFormat::CloudeventsStructured
+    );
+    let e = load_str("[publisher]\ntype = \"kafka\"\nformat = \"avro\"\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("publisher.format") && e.contains("cloudevents-binary"),
+        "{e}"
+    );
+    let e = load_str("", &[("OUTBOX_PUBLISHER__FORMAT", "debezium")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the stdout publisher prints each event as a JSON line"),
+        "{e}"
+    );
+    let e = load_str(
+        "[publisher]\ntype = \"sqs\"\nformat = \"cloudevents-binary\"\ncloudevents_source = \"/{tenant}\"\n",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("publisher.cloudevents_source"), "{e}");
+}
+
+#[test]
+fn secrets_never_show() {
+    let c = load_str(
+        "[database]\nurl = \"postgres://app:hunter2@db/shop\"\n",
+        &[],
+    )
+    .unwrap();
+    assert!(!format!("{c:?}").contains("hunter2"));
+    assert!(!c.to_redacted_toml().contains("hunter2"));
+    assert!(c.to_redacted_toml().contains("app:***@db"));
+}
