@@ -1,8 +1,18 @@
 //! The statements of a store, built once for its table and retention.
 
+use crate::row::EVENT_COLUMNS;
 use crate::table::OutboxTable;
 
-use super::{Retention, EVENT_COLUMNS};
+/// What happens to a row once its event is published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Retention {
+    /// Delete it in the settling statement (the default: cheapest, keeps the table small).
+    #[default]
+    Delete,
+    /// Keep it with `processed_at` set; remove it later with
+    /// [`PostgresStore::cleanup`](crate::PostgresStore::cleanup).
+    Keep,
+}
 
 pub(super) struct Sql {
     /// Takes the claim's partitions (see [`CLAIM_PARTITIONS`]).
