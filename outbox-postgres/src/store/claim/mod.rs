@@ -63,7 +63,7 @@ impl PostgresStore {
             OrderingPolicy::Unordered => self.claim_unordered(&mut tx, limit, max_bytes).await?,
             OrderingPolicy::PerAggregate => {
                 let (mut events, set) = self
-                    .claim_owned(&mut tx, limit, max_bytes, request.whole_runs)
+                    .claim_owned(&mut tx, limit, max_bytes, &request)
                     .await?;
                 to_keep = set;
                 // Every event once: a batch that held one twice would publish it twice.

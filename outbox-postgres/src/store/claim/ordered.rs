@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use sqlx::{Postgres, Row, Transaction};
 
-use outbox_core::{Error, Event};
+use outbox_core::{ClaimRequest, Error, Event};
 
 use crate::error::map_sqlx;
 use crate::row::decode_event;
@@ -96,8 +96,9 @@ impl PostgresStore {
         tx: &mut Transaction<'static, Postgres>,
         limit: i64,
         max_bytes: i64,
-        whole_runs: bool,
+        request: &ClaimRequest,
     ) -> Result<(Vec<Event>, Option<Kept>), Error> {
+        let whole_runs = request.whole_runs;
         let share = whole_runs && self.share_claims.load(Ordering::Relaxed) > 0;
         // A set of partitions that filled a recent batch is taken again as it is, when most of
         // it is free and it still fills a batch: no window to read and no walk.
@@ -192,11 +193,9 @@ impl PostgresStore {
             let beyond = chosen.window_rows >= window || scan_full;
             let contended = chosen.busy.is_some() && chosen.aggregates >= limit && !wait_ran_out;
             let bytes: i64 = events.iter().map(|e| e.payload.len() as i64).sum();
-            if (events.len() as i64) < limit
-                && beyond
-                && !contended
-                && (events.is_empty() || bytes < max_bytes)
-            {
+            // Whether the budget has room left: one more byte would still fit.
+            let room = request.fits(events.len(), bytes as usize, 1);
+            if (events.len() as i64) < limit && beyond && !contended && room {
                 // Aggregates already in the batch are not looked for again.
                 let keys: HashSet<(String, String)> = events
                     .iter()
