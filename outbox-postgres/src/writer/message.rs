@@ -19,9 +19,8 @@ pub const DEFAULT_MESSAGE_PREFIX: &str = "outbox";
 /// source only.
 ///
 /// [`MessageWriter::emit`] sends the message as a statement of its own, whose round trip is most
-/// of its cost to the writer (BENCHMARKS.md, seventh machine: 15% of a business transaction's
-/// throughput, against 2% in the business statement). For the lowest cost, write it in the business
-/// statement: bind [`MessageWriter::encode`]'s JSON as the message of a
+/// of its cost to the writer. For the lowest cost, write it in the business statement: bind
+/// [`MessageWriter::encode`]'s JSON as the message of a
 /// `pg_logical_emit_message(true, '<prefix>', $n)` there, for example
 /// `WITH o AS (INSERT INTO orders ... RETURNING id) SELECT o.id, pg_logical_emit_message(true, 'outbox', $4) FROM o`.
 #[derive(Debug, Clone)]

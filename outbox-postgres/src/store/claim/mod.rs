@@ -20,8 +20,8 @@ use crate::error::map_sqlx;
 /// Opens a claim's transaction (one round trip). Every statement of a claim and its settlement reads
 /// the outbox through an index; without sequential scans the planner has no plan left whose cost
 /// grows with the table. (A plan cached while the outbox was nearly empty, which is its usual state,
-/// would otherwise scan the whole backlog once per candidate head when a backlog builds up: seconds
-/// per claim, until the next ANALYZE of the table. Measured by `outbox bench`, latency phase.)
+/// would otherwise scan the whole backlog once per candidate head when a backlog builds up, until
+/// the next ANALYZE of the table.)
 ///
 /// The claim transaction is the lease: it stays open, idle, while the batch is published. Its own
 /// `idle_in_transaction_session_timeout` is the relay's hold time (`ClaimRequest::hold_for`), so a

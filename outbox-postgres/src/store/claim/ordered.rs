@@ -58,9 +58,9 @@ pub(super) const WINDOW_FACTOR_MAX: i64 = 8;
 /// How many full batches since the window last widened narrow it one step (a full batch whose
 /// choice met no other lease narrows it at once; one taken from a kept set only counts). While
 /// claims keep meeting other leases, the window stays as wide as it had to become for that many
-/// batches: narrowing it after every one made the next claims find a narrow window's partitions
-/// held again and wait. A burst shorter than that leaves the window wide for the next (at most
-/// [`WINDOW_FACTOR_MAX`] times the rows per choice; a kept set's claim does not choose).
+/// batches: narrowing it after every one would make the next claims find a narrow window's
+/// partitions held again and wait. A burst shorter than that leaves the window wide for the next
+/// (at most [`WINDOW_FACTOR_MAX`] times the rows per choice; a kept set's claim does not choose).
 pub(super) const CALM_CLAIMS: u32 = 64;
 
 /// How many claims in a row fill their batch from as few aggregates as they can (whole runs, for a
