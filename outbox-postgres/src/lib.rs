@@ -6,6 +6,8 @@ mod error;
 mod inbox;
 pub mod migrate;
 pub mod notify;
+mod pool;
+mod row;
 mod store;
 mod table;
 #[cfg(feature = "test-utils")]
@@ -20,84 +22,14 @@ pub use config::{
 pub use error::{classify_sqlstate, map_sqlx};
 pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATOR};
 pub use migrate::{migrate, schema_sql};
-pub use store::{
-    decode_event, CleanupBatch, CleanupLock, DeadLetter, DeadLetterDetail, DeadLetterFilter,
-    PostgresStore, Retention, DEFAULT_STATS_MAX_ROWS, EVENT_COLUMNS, HELD_BACK_SHOWN,
+pub use pool::{connect, connect_config};
+pub use row::{decode_event, EVENT_COLUMNS};
+pub use store::operator::{
+    CleanupBatch, CleanupLock, DeadLetter, DeadLetterDetail, DeadLetterFilter, HELD_BACK_SHOWN,
 };
+pub use store::{PostgresStore, Retention, DEFAULT_STATS_MAX_ROWS};
 pub use table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use writer::{Writer, DEFAULT_MAX_PAYLOAD_BYTES};
 
 /// Re-exported so users need not depend on sqlx versions by hand.
 pub use sqlx;
-
-/// Opens a connection pool to `url` with at most `max_connections` connections.
-///
-/// # Errors
-/// A connection error naming the host (the password is never shown) and how to fix it.
-pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, outbox_core::Error> {
-    connect_with(url, max_connections, std::time::Duration::from_secs(10)).await
-}
-
-/// Opens a pool as [`DatabaseConfig`] says (URL, pool size, acquire timeout).
-///
-/// # Errors
-/// As [`connect`].
-pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, outbox_core::Error> {
-    connect_with(&config.url, config.pool_size, config.acquire_timeout).await
-}
-
-/// Run on every new connection of a pool opened here (see `connect_with`). Keepalives find a peer
-/// gone while the connection is quiet; `tcp_user_timeout` (PostgreSQL 12 and later) one gone while
-/// the server still has data it sent unacknowledged (a cut in the middle of an answer, or right
-/// after one whose acknowledgement was lost with it), where keepalives do not apply and the
-/// kernel's retransmissions would keep the session, and its locks, for about 15 minutes.
-pub(crate) const KEEPALIVES: &str =
-    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3;
-     SELECT set_config('tcp_user_timeout', '25000', false)
-     WHERE EXISTS (SELECT 1 FROM pg_settings WHERE name = 'tcp_user_timeout')";
-
-async fn connect_with(
-    url: &str,
-    max_connections: u32,
-    acquire_timeout: std::time::Duration,
-) -> Result<sqlx::PgPool, outbox_core::Error> {
-    use sqlx::postgres::PgPoolOptions;
-    let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| {
-        outbox_core::Error::new(
-            outbox_core::ErrorKind::Config,
-            "database.url is not a valid PostgreSQL URL: expected postgres://user[:password]@host[:port]/database",
-        )
-        .with_source(e)
-    })?;
-    let where_ = format!(
-        "{}:{}/{}",
-        options.get_host(),
-        options.get_port(),
-        options.get_database().unwrap_or("")
-    );
-    PgPoolOptions::new()
-        .max_connections(max_connections.max(1))
-        // Server-side TCP keepalives and user timeout: when the relay's host or network vanishes,
-        // the server notices within about 25 s and ends the session, so the partitions its batches
-        // held are claimable again (with the kernel's defaults a dead peer's session, and its
-        // locks, last about two hours). Set once per connection (startup options are refused by some poolers). They guard the
-        // server's own socket: behind a session pooler that is the pooler's connection, whose own
-        // keepalives then guard the relay's side.
-        .after_connect(|conn, _meta| {
-            Box::pin(async move {
-                use sqlx::Executor;
-                conn.execute(sqlx::raw_sql(KEEPALIVES)).await.map(|_| ())
-            })
-        })
-        .acquire_timeout(acquire_timeout)
-        .connect_with(options)
-        .await
-        .map_err(|e| {
-            let base = map_sqlx("connect", e);
-            outbox_core::Error::new(
-                base.kind(),
-                format!("cannot connect to PostgreSQL at {where_}: is the server running and the database created?"),
-            )
-            .with_source(base)
-        })
-}

@@ -10,7 +10,12 @@ use uuid::Uuid;
 use outbox_core::testkit::{EventState, EventStatus, StoreFixture, TestStore};
 use outbox_core::{Error, NewEvent};
 
-use crate::{connect, migrate, OutboxTable, PostgresStore, Retention, Writer};
+use crate::error::map_sqlx;
+use crate::migrate::migrate;
+use crate::pool::connect;
+use crate::store::{PostgresStore, Retention};
+use crate::table::OutboxTable;
+use crate::writer::Writer;
 
 /// The default test database.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -110,7 +115,7 @@ impl TestStore for PgTestStore {
             .pool()
             .begin()
             .await
-            .map_err(|e| crate::map_sqlx("begin", e))?;
+            .map_err(|e| map_sqlx("begin", e))?;
         self.writer.enqueue_many(&mut tx, events).await?;
         self.writer.commit(tx).await
     }
@@ -124,7 +129,7 @@ impl TestStore for PgTestStore {
             .bind(id)
             .fetch_optional(self.store.pool())
             .await
-            .map_err(|e| crate::map_sqlx("state", e))?;
+            .map_err(|e| map_sqlx("state", e))?;
         Ok(row.map(|r| {
             let processed: bool = r.get("processed");
             let dead: bool = r.get("dead");

@@ -1,7 +1,8 @@
 //! Ordered claims where the claimable events are not among the first ready rows: the oldest ready
 //! rows belong to partitions other leases hold or to one aggregate's held-back backlog, and the skip
-//! scan over the aggregates must find the rest; batches over backlogs written in runs (the real
-//! server; each test in its own table).
+//! scan over the aggregates must find the rest; batches over backlogs written in runs; the claim
+//! statements' byte budget against its rule, under both policies (the real server; each test in
+//! its own table).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::collections::BTreeSet;
@@ -711,4 +712,117 @@ async fn four_claimers_sharing_the_aggregates_out_keep_every_aggregates_order() 
     next.take(&published_events);
     assert!(next.0.values().all(|n| *n == per as u32 + 1), "{next:?}");
     assert_eq!(next.0.len(), aggs as usize);
+}
+
+/// `n` aggregate ids (of type `order`) whose claim partitions differ (the partition is the
+/// server's hash of the aggregate, as the claim statements compute it): an ordered claim chooses
+/// partitions until the bytes of their aggregates fill the budget, so aggregates sharing one
+/// partition would be chosen, or passed over, together.
+async fn aggregates_apart(pool: &PgPool, n: i64) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT id FROM (
+             SELECT DISTINCT ON (part) id, g FROM (
+                 SELECT g, 'a' || g AS id,
+                        (hashtextextended('a' || g, hashtextextended('order', 0)) & 255)::int AS part
+                 FROM generate_series(0, 999) g) c
+             ORDER BY part, g) d
+         ORDER BY g LIMIT $1",
+    )
+    .bind(n)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// What the byte budget's rule takes from `claimable` (ids and payload sizes, in seq order): the
+/// events [`ClaimRequest::fits`] lets join one after the other, up to `request.limit`.
+fn by_the_rule(request: &ClaimRequest, claimable: &[(uuid::Uuid, usize)]) -> Vec<uuid::Uuid> {
+    let (mut taken, mut bytes) = (Vec::new(), 0usize);
+    for (id, size) in claimable {
+        if taken.len() >= request.limit || !request.fits(taken.len(), bytes, *size) {
+            break;
+        }
+        bytes += size;
+        taken.push(*id);
+    }
+    taken
+}
+
+/// The claim statements apply the byte budget in SQL; each batch they return is what the budget's
+/// rule ([`ClaimRequest::fits`]) takes from the claimable events in seq order: a first event larger
+/// than the budget alone, events up to the budget exactly, none past it. Both ordering policies,
+/// payloads of varied sizes spread over three aggregates (interleaved), each batch published
+/// before the next claim. Empty payloads under unordered claims only: an ordered claim chooses
+/// partitions until their bytes reach the budget, so after an exact fit an empty event of a
+/// partition not yet chosen waits for the next claim (in its order all the same).
+#[tokio::test]
+async fn every_batch_is_what_the_byte_budget_rule_takes_in_seq_order() {
+    use outbox_core::NewEvent;
+    use outbox_postgres::Writer;
+    const BUDGET: usize = 100;
+    let scenarios: [(&str, &[usize]); 4] = [
+        ("a first event over the budget", &[150, 10, 20, 101, 5]),
+        ("exact fits", &[60, 40, 1, 99, 100, 30, 70]),
+        (
+            "events over what is left",
+            &[30, 80, 20, 100, 101, 5, 50, 51, 49],
+        ),
+        ("one byte over, then one under", &[50, 51, 50, 49, 1, 100]),
+    ];
+    let empty_payloads: (&str, &[usize]) = ("empty payloads", &[60, 40, 0, 0, 100, 0, 5, 0]);
+    let pool = pool(4).await;
+    let aggs = aggregates_apart(&pool, 3).await;
+    assert_eq!(aggs.len(), 3);
+    for ordering in [OrderingPolicy::PerAggregate, OrderingPolicy::Unordered] {
+        let unordered = (ordering == OrderingPolicy::Unordered).then_some(empty_payloads);
+        for (name, sizes) in scenarios.into_iter().chain(unordered) {
+            let table = fresh_table(&pool).await;
+            let events: Vec<NewEvent> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, size)| {
+                    let agg = &aggs[i % aggs.len()];
+                    NewEvent::binary(
+                        "order",
+                        agg.as_str(),
+                        format!("e{i}"),
+                        "x/y",
+                        vec![7u8; *size],
+                    )
+                })
+                .collect();
+            let mut claimable: Vec<(uuid::Uuid, usize)> = events
+                .iter()
+                .map(|e| e.id)
+                .zip(sizes.iter().copied())
+                .collect();
+            let writer = Writer::new(table.clone());
+            let mut tx = pool.begin().await.unwrap();
+            writer.enqueue_many(&mut tx, events).await.unwrap();
+            tx.commit().await.unwrap();
+            let store = PostgresStore::new(pool.clone(), table.clone());
+            let request = ClaimRequest::new(50, ordering).with_max_bytes(BUDGET);
+            let mut batches = 0;
+            while !claimable.is_empty() {
+                let batch = store.claim(request).await.unwrap();
+                let expected = by_the_rule(&request, &claimable);
+                let got: Vec<uuid::Uuid> = batch.events.iter().map(|e| e.id).collect();
+                assert_eq!(
+                    got, expected,
+                    "{ordering:?}, {name}: batch {batches} of {sizes:?}"
+                );
+                for e in &batch.events {
+                    let size = claimable.iter().find(|(id, _)| *id == e.id).unwrap().1;
+                    assert_eq!(e.payload.len(), size);
+                }
+                claimable.retain(|(id, _)| !got.contains(id));
+                let settled = published(&batch.events);
+                batch.lease.settle(settled).await.unwrap();
+                batches += 1;
+            }
+            let last = store.claim(request).await.unwrap();
+            assert!(last.events.is_empty(), "{ordering:?}, {name}: all claimed");
+            last.lease.release().await.unwrap();
+        }
+    }
 }

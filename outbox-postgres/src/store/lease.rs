@@ -11,7 +11,8 @@ use outbox_core::{Action, Error, ErrorKind, Lease, OrderingPolicy, Settlement};
 
 use crate::error::map_sqlx;
 
-use super::*;
+use super::kept::{keep, Kept, KeptSets};
+use super::sql::Sql;
 
 /// The lease of an empty batch: nothing to settle or release.
 pub(crate) struct EmptyLease;
@@ -38,11 +39,8 @@ pub(super) struct PgLease {
     pub(super) ordering: OrderingPolicy,
     /// The batch's partitions, offered to later claims once the lease has been settled or
     /// released (not after an error: then they are simply chosen again).
-    pub(super) keep: Option<(KeptSets, super::claim::Kept)>,
+    pub(super) keep: Option<(KeptSets, Kept)>,
 }
-
-/// A store's kept sets of partitions (see `claim::KEPT_SETS`).
-pub(super) type KeptSets = Arc<std::sync::Mutex<Vec<super::claim::Kept>>>;
 
 /// The settlement statement's arguments.
 #[derive(Default)]
@@ -151,10 +149,10 @@ impl SettleArgs {
     }
 }
 
-/// Offers a lease's partitions to later claims (see `claim::keep`).
-fn offer(keep: Option<(KeptSets, super::claim::Kept)>) {
-    if let Some((kept, set)) = keep {
-        super::claim::keep(&kept, set);
+/// Offers a lease's partitions to later claims (see [`keep`]).
+fn offer(to_keep: Option<(KeptSets, Kept)>) {
+    if let Some((kept, set)) = to_keep {
+        keep(&kept, set);
     }
 }
 

@@ -1,52 +1,35 @@
 //! The relay's store: claim what no other lease holds (partitions of the aggregates for ordered
 //! claims, rows for unordered ones), settle a batch in one statement.
 //!
-//! [`PostgresStore`] is put together from one module per job: the statements ([`sql`]), the claim
-//! algorithm ([`claim`]), the lease and its settlement ([`lease`]), the bounded statistics
-//! ([`stats`]), and the operator's tools over dead letters and kept rows ([`operator`]).
+//! [`PostgresStore`] is put together from one module per job: the statements (`sql`), the claim
+//! algorithm (`claim`: `ordered`, `skip`, `unordered`), the kept sets of partitions later claims
+//! take again (`kept`), the lease and its settlement (`lease`), the bounded statistics (`stats`,
+//! over `count` passes), and the operator's tools over dead letters and kept rows (`operator`).
 
 mod claim;
+mod count;
+mod kept;
 mod lease;
-mod operator;
+pub(crate) mod operator;
 mod sql;
 mod stats;
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 
-use outbox_core::{Batch, ClaimRequest, Error, Event, Store, StoreStats};
+use outbox_core::{Batch, ClaimRequest, Error, Store, StoreStats};
 
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;
 
-pub use operator::{
-    CleanupBatch, CleanupLock, DeadLetter, DeadLetterDetail, DeadLetterFilter, HELD_BACK_SHOWN,
-};
+use count::CountPass;
+use kept::KeptSets;
+use sql::Sql;
 
 pub(crate) use lease::EmptyLease;
-use sql::Sql;
-use stats::CountPass;
-
-/// What happens to a row once its event is published.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Retention {
-    /// Delete it in the settling statement (the default: cheapest, keeps the table small).
-    #[default]
-    Delete,
-    /// Keep it with `processed_at` set; remove it later with [`PostgresStore::cleanup`].
-    Keep,
-}
-
-/// The select list that [`decode_event`] reads: every column of an event, over the outbox table
-/// aliased `e` (`SELECT {EVENT_COLUMNS} FROM <table> e WHERE ...`), the payload as bytes whatever
-/// its column.
-pub const EVENT_COLUMNS: &str = "e.id, e.aggregate_type, e.aggregate_id, e.event_type,
-    CASE WHEN e.payload_bytes IS NOT NULL THEN e.payload_bytes ELSE convert_to(e.payload::text, 'UTF8') END AS payload,
-    e.content_type, e.headers::text AS headers, e.destination, e.created_at, e.attempts";
+pub use sql::Retention;
 
 /// The PostgreSQL implementation of [`Store`], plus the operator's tools (dead letters, cleanup).
 #[derive(Clone)]
@@ -63,17 +46,18 @@ pub struct PostgresStore {
     /// do not keep walking the aggregates (the window still runs on every claim).
     skip_rest_until: Arc<Mutex<Option<std::time::Instant>>>,
     /// Whether ordered claims use the wide form of the owned read: set while the backlog comes in
-    /// runs (see `claim::WIDE_ABOVE`).
+    /// runs (see `claim::ordered::WIDE_ABOVE`).
     wide: Arc<std::sync::atomic::AtomicBool>,
     /// The factor of the window ordered claims choose their partitions from (see
-    /// `claim::WINDOW_FACTOR_MAX`).
+    /// `claim::ordered::WINDOW_FACTOR_MAX`).
     window_factor: Arc<std::sync::atomic::AtomicI64>,
-    /// Full batches since the window last widened, modulo `claim::CALM_CLAIMS`.
+    /// Full batches since the window last widened, modulo `claim::ordered::CALM_CLAIMS`.
     calm_claims: Arc<std::sync::atomic::AtomicU32>,
     /// Sets of partitions that filled recent batches, for later claims to take again (see
-    /// `claim::KEPT_SETS`).
-    kept: lease::KeptSets,
-    /// How many more ordered claims fill their batch with whole runs (see `claim::SHARE_CLAIMS`).
+    /// `kept::KEPT_SETS`).
+    kept: KeptSets,
+    /// How many more ordered claims fill their batch with whole runs (see
+    /// `claim::ordered::SHARE_CLAIMS`).
     share_claims: Arc<std::sync::atomic::AtomicU32>,
     /// The most rows of each kind one statistics call reads (see [`PostgresStore::with_stats_max_rows`]).
     stats_max_rows: i64,
@@ -91,45 +75,6 @@ impl std::fmt::Debug for PostgresStore {
             .field("table", &self.table.qualified())
             .field("retention", &self.retention)
             .finish_non_exhaustive()
-    }
-}
-
-/// An [`Event`] from a row selected with [`EVENT_COLUMNS`] (for tools that read the outbox
-/// themselves, such as a benchmark's reference relay).
-///
-/// # Errors
-/// A database error naming the column when the row lacks one or holds another type.
-pub fn decode_event(row: &PgRow) -> Result<Event, Error> {
-    let get = |e: sqlx::Error| map_sqlx("claim", e);
-    let headers_text: String = row.try_get("headers").map_err(get)?;
-    let headers = parse_headers(&headers_text);
-    let attempts: i32 = row.try_get("attempts").map_err(get)?;
-    Ok(Event {
-        id: row.try_get("id").map_err(get)?,
-        aggregate_type: row.try_get("aggregate_type").map_err(get)?,
-        aggregate_id: row.try_get("aggregate_id").map_err(get)?,
-        event_type: row.try_get("event_type").map_err(get)?,
-        payload: row.try_get("payload").map_err(get)?,
-        content_type: row.try_get("content_type").map_err(get)?,
-        headers,
-        destination: row.try_get("destination").map_err(get)?,
-        created_at: row.try_get("created_at").map_err(get)?,
-        attempts: u32::try_from(attempts).unwrap_or(0),
-    })
-}
-
-/// Headers as stored: a JSON object. Non-string values (from plain-SQL writers) keep their JSON text;
-/// anything that is not an object yields no headers rather than a failure.
-pub(crate) fn parse_headers(text: &str) -> BTreeMap<String, String> {
-    match serde_json::from_str::<serde_json::Value>(text) {
-        Ok(serde_json::Value::Object(map)) => map
-            .into_iter()
-            .map(|(k, v)| match v {
-                serde_json::Value::String(s) => (k, s),
-                other => (k, other.to_string()),
-            })
-            .collect(),
-        _ => BTreeMap::new(),
     }
 }
 
@@ -208,23 +153,5 @@ impl Store for PostgresStore {
             .await
             .map_err(|e| map_sqlx("check", e))?;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn headers_parse_leniently() {
-        assert_eq!(
-            parse_headers(r#"{"a":"x","n":3}"#),
-            BTreeMap::from([
-                ("a".to_string(), "x".to_string()),
-                ("n".to_string(), "3".to_string())
-            ])
-        );
-        assert!(parse_headers("[1,2]").is_empty());
-        assert!(parse_headers("not json").is_empty());
     }
 }

@@ -1,14 +1,15 @@
 //! The operator's tools: dead letters (list, retry, discard) and the cleanup of kept rows.
 
 use chrono::{DateTime, Utc};
-use sqlx::{FromRow, Postgres};
+use sqlx::{FromRow, Postgres, Row};
 use uuid::Uuid;
 
-use outbox_core::{Error, ErrorKind};
+use outbox_core::{Error, ErrorKind, Event};
 
 use crate::error::map_sqlx;
+use crate::row::{decode_event, EVENT_COLUMNS};
 
-use super::*;
+use super::PostgresStore;
 
 /// Which dead letters an operation applies to.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,8 +1,73 @@
-//! The statements of a store, built once for its table and retention.
+//! The statements of a store, built once for its table and retention ([`Retention`] picks the
+//! form of the settling statement).
+//!
+//! # Ordered claims
+//! Ordered claims own partitions of the aggregates (see [`CLAIM_PARTITIONS`]): a claim first takes
+//! partitions (`claim_partitions`), then reads the oldest ready events of the partitions it holds
+//! (`claim_owned`, a new statement and so a fresh snapshot taken after the locks: a lease that held
+//! one of them and has just committed is seen settled). Every ordered lease holds the partitions of
+//! its events until it ends, so an event read under the lock is in no other lease, nor is any
+//! earlier event of its aggregate: the claim needs no row lock and no per-event check that the
+//! event is its aggregate's oldest, only that no earlier event of its aggregate is held back
+//! (`held_back`).
+//!
+//! Which partitions `claim_partitions` takes: those of the aggregates of the first $2 ready events
+//! in seq order (the window) that are not held back, in the order of their first event, each tried
+//! with `pg_try_advisory_xact_lock` (one taken by another lease is passed over), until those taken
+//! hold $1 aggregates of the window (a batch of one event of each: the fewest publisher calls) or
+//! about $3 bytes (counting one event per aggregate); with $4 (a sharing claim, for a publisher
+//! that takes an aggregate's run in one call), $1 events of the window and their bytes instead: a
+//! batch from as few aggregates as fill it. A claim thus takes what fills a batch with the oldest
+//! events it can have, and leaves the rest to other leases (a relay's next batch, other relays);
+//! held-back aggregates count for nothing. The statement returns how many events the window held,
+//! the partitions taken, the first partition with a claimable aggregate that another lease holds
+//! (the one to wait for when none could be taken), and how many claimable aggregates the window
+//! held.
+//!
+//! # The owned read
+//! Among the first $3 ready events in seq order (a bound on the rows read, whatever the backlog;
+//! the scan stops as soon as the batch is full), the owned read takes those of the claim's
+//! partitions ($1) not held back, the first $2 of them, cut to the byte budget ($4) by their
+//! recorded sizes before any payload is read (the first event always: an event larger than the
+//! budget goes alone). Seq order keeps each aggregate's events a prefix of its run. The first
+//! column tells, when the batch is not full, whether the scan reached its bound (so events may lie
+//! beyond it: the skip scan's case).
+//!
+//! The wide form, for backlogs written in runs (several events of an aggregate one after another,
+//! or one busy aggregate): it looks at twice as many events and cuts the batch by position in the
+//! runs (every aggregate's first event, then every second one...), so a batch spreads over as many
+//! aggregates as it can (a publisher that sends an aggregate's later events one call apart then
+//! needs few calls); it also returns the longest run among the events it looked at, for the store
+//! to choose the form of the next claim.
+//!
+//! # The runs behind the skip scans' heads
+//! Each aggregate's run is read from its index in seq order and cut at $4 rows, so the cost of a
+//! claim follows the batch size, not the length of the backlog behind each head. The batch is cut
+//! at $3 rows by position in the run first (every head's first row, then every second row...), so
+//! every aggregate found has its turn, and a batch spreads over as many aggregates as it can (a
+//! publisher that sends an aggregate's later events one call apart then sends most batches in one
+//! call). The store puts the rows back in seq order.
+//!
+//! The byte budget ($5) is applied before any payload is read: the rows are first chosen by their
+//! recorded sizes (`PAYLOAD_SIZE`), then only the chosen ones are fetched by address. The cut keeps
+//! the rows up to the last whose running total stays within the budget (the first row always when
+//! $6: an event larger than the budget goes alone; not when the owned read already filled part of
+//! the batch, whose budget this is the rest of), in the batch's order, so each aggregate keeps a
+//! prefix of its run.
 
+use crate::row::EVENT_COLUMNS;
 use crate::table::OutboxTable;
 
-use super::{Retention, EVENT_COLUMNS};
+/// What happens to a row once its event is published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Retention {
+    /// Delete it in the settling statement (the default: cheapest, keeps the table small).
+    #[default]
+    Delete,
+    /// Keep it with `processed_at` set; remove it later with
+    /// [`PostgresStore::cleanup`](crate::PostgresStore::cleanup).
+    Keep,
+}
 
 pub(super) struct Sql {
     /// Takes the claim's partitions (see [`CLAIM_PARTITIONS`]).
@@ -98,26 +163,8 @@ impl Sql {
         let key = partition_lock_key(table);
         let part_e = partition_of("e");
         let part_w = partition_of("w");
-        // Ordered claims own partitions of the aggregates (see `CLAIM_PARTITIONS`): a claim first
-        // takes partitions (this statement), then reads the oldest ready events of the partitions
-        // it holds (`claim_owned`, a new statement and so a fresh snapshot taken after the locks:
-        // a lease that held one of them and has just committed is seen settled). Every ordered
-        // lease holds the partitions of its events until it ends, so an event read under the
-        // lock is in no other lease, nor is any earlier event of its aggregate: the claim needs no
-        // row lock and no per-event check that the event is its aggregate's oldest, only that no
-        // earlier event of its aggregate is held back (`held_back`).
-        // Which partitions: those of the aggregates of the first $2 ready events in seq order (the
-        // window) that are not held back, in the order of their first event, each tried with
-        // `pg_try_advisory_xact_lock` (one taken by another lease is passed over), until those
-        // taken hold $1 aggregates of the window (a batch of one event of each: the fewest
-        // publisher calls) or about $3 bytes (counting one event per aggregate); with $4 (a
-        // sharing claim, for a publisher that takes an aggregate's run in one call), $1 events of
-        // the window and their bytes instead: a batch from as few aggregates as fill it. A claim thus
-        // takes what fills a batch with the oldest events it can have, and leaves the rest to
-        // other leases (a relay's next batch, other relays); held-back aggregates count for
-        // nothing. Returns how many events the window held, the partitions taken, the first
-        // partition with a claimable aggregate that another lease holds (the one to wait for
-        // when none could be taken), and how many claimable aggregates the window held.
+        // Takes the claim's partitions: those of the window's oldest claimable events, until they
+        // fill a batch (see the module's documentation, "Ordered claims").
         let claim_partitions = format!(
             "WITH RECURSIVE w AS MATERIALIZED (
                 SELECT e.seq, e.aggregate_type, e.aggregate_id, {part_e} AS part, {PAYLOAD_SIZE} AS size
@@ -150,19 +197,8 @@ impl Sql {
                    (SELECT COALESCE(sum(n), 0)::bigint FROM ord, unnest(ord.ns) n) AS aggregates",
             held_w = held_back(&t, "w"),
         );
-        // The owned read: among the first $3 ready events in seq order (a bound on the rows read,
-        // whatever the backlog; the scan stops as soon as the batch is full), those of the claim's
-        // partitions ($1) not held back, the first $2 of them, cut to the byte budget ($4) by their
-        // recorded sizes before any payload is read (the first event always: an event larger than
-        // the budget goes alone). Seq order keeps each aggregate's events a prefix of its run. The
-        // first column tells, when the batch is not full, whether the scan reached its bound (so
-        // events may lie beyond it: the skip scan's case).
-        // The wide form, for backlogs written in runs (several events of an aggregate one after
-        // another, or one busy aggregate): it looks at twice as many events and cuts the batch by
-        // position in the runs (every aggregate's first event, then every second one...), so a
-        // batch spreads over as many aggregates as it can (a publisher that sends an aggregate's
-        // later events one call apart then needs few calls); it also returns the longest run
-        // among the events it looked at, for the store to choose the form of the next claim.
+        // The owned read, narrow or wide (see the module's documentation, "The owned read"); the
+        // first column tells whether its scan reached its bound (events may lie beyond it).
         let owned = |wide: bool| {
             let (take, pos, order, longest) = if wide {
                 (
@@ -264,19 +300,8 @@ impl Sql {
         };
         let claim_skip_first = skip("");
         let claim_skip_after = skip("AND (a.aggregate_type, a.aggregate_id) > ($5, $6)");
-        // The runs behind the skip scans' heads. Each aggregate's run is read from its index in seq
-        // order and cut at $4 rows, so the cost of a claim follows the batch size, not the length
-        // of the backlog behind each head. The batch is cut at $3 rows by position in the run first
-        // (every head's first row, then every second row...), so every aggregate found has its turn,
-        // and a batch spreads over as many aggregates as it can (a publisher that sends an aggregate's later
-        // events one call apart then sends most batches in one call). The store puts the rows back
-        // in seq order.
-        // The byte budget ($5) is applied before any payload is read: the rows are first chosen by
-        // their recorded sizes (`PAYLOAD_SIZE`), then only the chosen ones are fetched by address.
-        // The cut keeps the rows up to the last whose running total stays within the budget (the
-        // first row always when $6: an event larger than the budget goes alone; not when the owned
-        // read already filled part of the batch, whose budget this is the rest of), in the batch's
-        // order, so each aggregate keeps a prefix of its run.
+        // The runs behind the skip scans' heads, cut to the batch by position in the runs and to
+        // the byte budget by recorded sizes (see the module's documentation).
         let claim_runs = format!(
             "WITH m AS MATERIALIZED (
                 SELECT r.tid, r.seq, r.ready, r.run_pos, r.size

@@ -28,18 +28,26 @@ use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
 use pg_walstream::protocol::{LogicalReplicationMessage, LogicalReplicationParser, TupleData};
 use serde_json::Value;
-use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use outbox_core::format::{base64, base64_decode};
-use outbox_core::{Error, ErrorKind, Event, NewEvent, Payload, JSON_CONTENT_TYPE};
+use outbox_core::format::base64_decode;
+use outbox_core::{Error, ErrorKind, Event, JSON_CONTENT_TYPE};
 
-use super::{postgres_time, WalSlot, PROTO_VERSION};
+use super::slot::WalSlot;
 use crate::error::map_sqlx;
-use crate::store::parse_headers;
+use crate::row::{event_from_text, parse_headers};
 
-/// The default prefix of table-less events' messages.
-pub const DEFAULT_MESSAGE_PREFIX: &str = "outbox";
+/// The pgoutput protocol version read (1: whole transactions only, no streaming of transactions in
+/// progress, so a peek never returns part of one).
+pub const PROTO_VERSION: &str = "1";
+
+/// A PostgreSQL timestamp (microseconds since 2000-01-01 UTC) as a UTC time.
+pub fn postgres_time(micros: i64) -> DateTime<Utc> {
+    const POSTGRES_EPOCH_SECS: i64 = 946_684_800;
+    DateTime::from_timestamp_micros(micros.saturating_add(POSTGRES_EPOCH_SECS * 1_000_000))
+        .unwrap_or_default()
+}
 
 /// One committed transaction's events, in the order they were written.
 #[derive(Debug, Clone, PartialEq)]
@@ -431,68 +439,8 @@ fn row_event(lsn: u64, names: &[String], tuple: &TupleData) -> WalItem {
             .collect();
         format!("{shown:?}")
     };
-    let bytes = |k: &str| values.get(k).copied().flatten();
-    let text = |k: &str| bytes(k).map(|b| String::from_utf8_lossy(b).into_owned());
-    let required = |k: &str| text(k).ok_or_else(|| format!("the row has no {k}"));
-    let event = (|| -> Result<Event, String> {
-        let id: Uuid = required("id")?
-            .parse()
-            .map_err(|e| format!("id is not a UUID: {e}"))?;
-        let payload = match bytes("payload_bytes") {
-            Some(hex) => decode_bytea(hex).ok_or("payload_bytes is not bytea hex text")?,
-            None => bytes("payload").ok_or("the row has no payload")?.to_vec(),
-        };
-        let created_at = match text("created_at") {
-            // Filled with the commit time below.
-            None => DateTime::<Utc>::default(),
-            Some(t) => parse_timestamptz(&t).ok_or_else(|| {
-                format!("created_at {t:?} is not a timestamp this relay can carry")
-            })?,
-        };
-        Ok(Event {
-            id,
-            aggregate_type: required("aggregate_type")?,
-            aggregate_id: required("aggregate_id")?,
-            event_type: required("event_type")?,
-            payload,
-            content_type: text("content_type").unwrap_or_else(|| JSON_CONTENT_TYPE.into()),
-            headers: text("headers")
-                .map(|h| parse_headers(&h))
-                .unwrap_or_default(),
-            destination: text("destination"),
-            created_at,
-            attempts: 0,
-        })
-    })();
+    let event = event_from_text(|k: &str| values.get(k).copied().flatten());
     WalItem::new(lsn, event, raw)
-}
-
-/// `\x0102...` (bytea's hex output) as bytes.
-fn decode_bytea(text: &[u8]) -> Option<Vec<u8>> {
-    let hex = text.strip_prefix(b"\\x")?;
-    if hex.len() % 2 != 0 {
-        return None;
-    }
-    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
-    hex.chunks_exact(2)
-        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
-        .collect()
-}
-
-/// timestamptz's ISO output (`2026-12-04 10:11:12.345678+00`, any offset, historical ones with
-/// seconds) as UTC; `None` for what a relay cannot carry (`infinity`, BC dates).
-fn parse_timestamptz(text: &str) -> Option<DateTime<Utc>> {
-    let i = text.rfind(['+', '-']).filter(|i| *i > 10)?;
-    let (local, offset) = text.split_at(i);
-    let sign = if offset.starts_with('-') { -1 } else { 1 };
-    let mut parts = offset[1..].split(':').map(str::parse::<i32>);
-    let hours = parts.next()?.ok()?;
-    let minutes = parts.next().transpose().ok()?.unwrap_or(0);
-    let seconds = parts.next().transpose().ok()?.unwrap_or(0);
-    let local = chrono::NaiveDateTime::parse_from_str(local, "%Y-%m-%d %H:%M:%S%.f").ok()?;
-    let offset =
-        chrono::Duration::seconds(i64::from(sign * (hours * 3600 + minutes * 60 + seconds)));
-    Some((local - offset).and_utc())
 }
 
 /// Where the WAL comes from: the server's system identifier and timeline, which with a position
@@ -578,94 +526,22 @@ fn derived_id(origin: Origin, lsn: u64) -> Uuid {
     uuid::Builder::from_custom_bytes(bytes).into_uuid()
 }
 
-/// Writes table-less events: a transactional logical decoding message in the caller's transaction,
-/// nothing in the outbox table (no index entries, no rows to delete, no vacuum debt). Read by the WAL
-/// source only.
-///
-/// [`MessageWriter::emit`] sends the message as a statement of its own, whose round trip is most
-/// of its cost to the writer (BENCHMARKS.md, seventh machine: 15% of a business transaction's
-/// throughput, against 2% in the business statement). For the lowest cost, write it in the business
-/// statement: bind [`MessageWriter::encode`]'s JSON as the message of a
-/// `pg_logical_emit_message(true, '<prefix>', $n)` there, for example
-/// `WITH o AS (INSERT INTO orders ... RETURNING id) SELECT o.id, pg_logical_emit_message(true, 'outbox', $4) FROM o`.
-#[derive(Debug, Clone)]
-pub struct MessageWriter {
-    prefix: String,
-}
-
-impl Default for MessageWriter {
-    fn default() -> Self {
-        MessageWriter {
-            prefix: DEFAULT_MESSAGE_PREFIX.into(),
-        }
-    }
-}
-
-impl MessageWriter {
-    /// A writer of messages with `prefix` (the reader's `wal.message_prefix`).
-    pub fn new(prefix: impl Into<String>) -> Self {
-        MessageWriter {
-            prefix: prefix.into(),
-        }
-    }
-
-    /// The JSON content of `event`'s message.
-    pub fn encode(event: &NewEvent) -> String {
-        let mut map = serde_json::Map::new();
-        map.insert("id".into(), event.id.to_string().into());
-        map.insert("aggregate_type".into(), event.aggregate_type.clone().into());
-        map.insert("aggregate_id".into(), event.aggregate_id.clone().into());
-        map.insert("event_type".into(), event.event_type.clone().into());
-        match &event.payload {
-            Payload::Json(v) => {
-                map.insert("payload".into(), v.clone());
-            }
-            Payload::Binary { content_type, data } => {
-                map.insert("payload_base64".into(), base64(data).into());
-                map.insert("content_type".into(), content_type.clone().into());
-            }
-        }
-        if !event.headers.is_empty() {
-            map.insert(
-                "headers".into(),
-                Value::Object(
-                    event
-                        .headers
-                        .iter()
-                        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-                        .collect(),
-                ),
-            );
-        }
-        if let Some(d) = &event.destination {
-            map.insert("destination".into(), d.clone().into());
-        }
-        Value::Object(map).to_string()
-    }
-
-    /// Emits `event` in `tx`: it exists only if `tx` commits, and comes out of the slot in commit
-    /// order. Returns its id.
-    ///
-    /// # Errors
-    /// A database error.
-    pub async fn emit(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        event: NewEvent,
-    ) -> Result<Uuid, Error> {
-        sqlx::query("SELECT pg_logical_emit_message(true, $1, $2)")
-            .bind(&self.prefix)
-            .bind(Self::encode(&event))
-            .execute(&mut **tx)
-            .await
-            .map_err(|e| map_sqlx("wal emit", e))?;
-        Ok(event.id)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::row::{decode_bytea, parse_timestamptz};
+    use crate::writer::message::MessageWriter;
+    use outbox_core::format::base64;
+    use outbox_core::NewEvent;
+
+    #[test]
+    fn postgres_timestamps_count_from_2000() {
+        assert_eq!(postgres_time(0).to_rfc3339(), "2000-01-01T00:00:00+00:00");
+        assert_eq!(
+            postgres_time(86_400_000_001).timestamp_micros(),
+            946_771_200_000_001
+        );
+    }
 
     #[test]
     fn column_texts_decode() {

@@ -1,14 +1,19 @@
-//! The writer: enqueues events inside the caller's transaction.
+//! The writers: [`Writer`] enqueues events as rows of the outbox table inside the caller's
+//! transaction; [`message::MessageWriter`] writes table-less events as logical decoding messages,
+//! for the WAL source only.
 
 use std::sync::Arc;
 
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
-use outbox_core::{Error, ErrorKind, NewEvent, Payload, Wake};
+use outbox_core::{Error, ErrorKind, NewEvent, Wake};
 
 use crate::error::map_sqlx;
+use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED, INSERT_VALUES};
 use crate::table::OutboxTable;
+
+pub(crate) mod message;
 
 /// Enqueues events in the caller's transaction, so each event commits or rolls back with the business
 /// data written next to it.
@@ -45,18 +50,18 @@ impl Writer {
     /// A writer for `table`.
     pub fn new(table: OutboxTable) -> Self {
         let insert_sql = format!(
-            "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type, headers, destination)
-             SELECT u.id, u.aggregate_type, u.aggregate_id, u.event_type, u.payload::jsonb, u.payload_bytes, u.content_type, u.headers::jsonb, u.destination
-             FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[], $7::text[], $8::text[], $9::text[])
-                  WITH ORDINALITY AS u(id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type, headers, destination, ord)
+            "INSERT INTO {} ({INSERT_COLUMNS})
+             SELECT {INSERT_UNNESTED}
+             FROM UNNEST({INSERT_ARRAYS})
+                  WITH ORDINALITY AS u({INSERT_COLUMNS}, ord)
              ORDER BY u.ord",
             table.qualified()
         );
         // One event (the common case): plain VALUES, cheaper for the server than building and
         // unnesting nine one-element arrays.
         let insert_one_sql = format!(
-            "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, payload_bytes, content_type, headers, destination)
-             VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8::jsonb, $9)",
+            "INSERT INTO {} ({INSERT_COLUMNS})
+             VALUES ({INSERT_VALUES})",
             table.qualified()
         );
         Writer {
@@ -135,15 +140,7 @@ impl Writer {
             return Ok(Vec::new());
         }
         let n = events.len();
-        let mut ids = Vec::with_capacity(n);
-        let mut aggregate_types = Vec::with_capacity(n);
-        let mut aggregate_ids = Vec::with_capacity(n);
-        let mut event_types = Vec::with_capacity(n);
-        let mut payloads = Vec::with_capacity(n);
-        let mut payload_bytes: Vec<Option<Vec<u8>>> = Vec::with_capacity(n);
-        let mut content_types = Vec::with_capacity(n);
-        let mut headers = Vec::with_capacity(n);
-        let mut destinations = Vec::with_capacity(n);
+        let mut columns = Columns::with_capacity(n);
         for e in events {
             #[cfg(feature = "opentelemetry")]
             let e = {
@@ -152,50 +149,20 @@ impl Writer {
                 e
             };
             e.validate()?;
-            ids.push(e.id);
-            content_types.push(e.payload.content_type().to_string());
-            let (text, data) = match e.payload {
-                Payload::Json(v) => (v.to_string(), None),
-                Payload::Binary { data, .. } => ("null".to_string(), Some(data)),
-            };
-            let size = data.as_ref().map_or(text.len(), Vec::len);
-            self.check_size(size, e.id, &e.event_type)?;
-            payloads.push(text);
-            payload_bytes.push(data);
-            headers.push(serde_json::to_string(&e.headers).unwrap_or_else(|_| "{}".into()));
-            aggregate_types.push(e.aggregate_type);
-            aggregate_ids.push(e.aggregate_id);
-            event_types.push(e.event_type);
-            destinations.push(e.destination);
+            columns.push_new(e, |size, id, event_type| {
+                self.check_size(size, id, event_type)
+            })?;
         }
         let query = if n == 1 {
-            sqlx::query(&self.insert_one_sql)
-                .bind(ids[0])
-                .bind(aggregate_types.pop())
-                .bind(aggregate_ids.pop())
-                .bind(event_types.pop())
-                .bind(payloads.pop())
-                .bind(payload_bytes.pop().flatten())
-                .bind(content_types.pop())
-                .bind(headers.pop())
-                .bind(destinations.pop().flatten())
+            columns.bind_one(sqlx::query(&self.insert_one_sql))
         } else {
-            sqlx::query(&self.insert_sql)
-                .bind(&ids)
-                .bind(&aggregate_types)
-                .bind(&aggregate_ids)
-                .bind(&event_types)
-                .bind(&payloads)
-                .bind(&payload_bytes)
-                .bind(&content_types)
-                .bind(&headers)
-                .bind(&destinations)
+            columns.bind(sqlx::query(&self.insert_sql))
         };
         query
             .execute(&mut **tx)
             .await
             .map_err(|e| map_sqlx("enqueue", e))?;
-        Ok(ids)
+        Ok(columns.into_ids())
     }
 
     /// Commits `tx`, then wakes the in-process relay (if one was given with [`Writer::with_wake`]).

@@ -1,0 +1,353 @@
+//! The hand-over to the held table: failed events (with the later events of their aggregates),
+//! events of aggregates that still wait there, and changes that are not events (as dead letters)
+//! are written to it, in commit order, in one statement per hand-over.
+
+use std::collections::HashSet;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use tracing::{debug, warn};
+use uuid::Uuid;
+
+use outbox_core::{Action, Error, Event};
+
+use super::buffer::{aggregate_key, Entry, EntryState, Inner, Txn};
+use super::decode::{WalItem, WalTransaction};
+use crate::error::map_sqlx;
+use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED};
+
+/// Events the reader could not read as events are dead-lettered under this aggregate type.
+pub const UNDECODABLE_AGGREGATE_TYPE: &str = "(undecodable)";
+
+/// One row for the held table.
+struct HeldRow {
+    event: Event,
+    attempts: i32,
+    retry_in: Option<f64>,
+    error: Option<String>,
+    dead: bool,
+}
+
+impl HeldRow {
+    fn waiting(event: Event) -> Self {
+        HeldRow {
+            event,
+            attempts: 0,
+            retry_in: None,
+            error: None,
+            dead: false,
+        }
+    }
+
+    fn failed(event: Event, action: &Action) -> Self {
+        match action {
+            Action::Retry {
+                attempts,
+                delay,
+                error,
+            } => HeldRow {
+                event,
+                attempts: i32::try_from(*attempts).unwrap_or(i32::MAX),
+                retry_in: Some(delay.as_secs_f64()),
+                error: Some(error.clone()),
+                dead: false,
+            },
+            Action::DeadLetter { attempts, error } => HeldRow {
+                event,
+                attempts: i32::try_from(*attempts).unwrap_or(i32::MAX),
+                retry_in: None,
+                error: Some(error.clone()),
+                dead: true,
+            },
+            Action::Published | Action::Release => HeldRow::waiting(event),
+        }
+    }
+}
+
+/// Writes `rows` to the held table, in order, in one statement (events already there are left as
+/// they are: a replay after a crash).
+async fn insert_held(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    rows: &[HeldRow],
+) -> Result<(), Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let n = rows.len();
+    let mut columns = Columns::with_capacity(n);
+    let mut created = Vec::with_capacity(n);
+    let mut attempts = Vec::with_capacity(n);
+    let mut retry_in: Vec<Option<f64>> = Vec::with_capacity(n);
+    let mut errors: Vec<Option<String>> = Vec::with_capacity(n);
+    let mut dead = Vec::with_capacity(n);
+    for r in rows {
+        columns.push_event(&r.event);
+        created.push(r.event.created_at);
+        attempts.push(r.attempts);
+        retry_in.push(r.retry_in);
+        errors.push(r.error.clone());
+        dead.push(r.dead);
+    }
+    let sql = format!(
+        "INSERT INTO {} ({INSERT_COLUMNS}, created_at, attempts, retry_after, last_error, dead_lettered_at)
+         SELECT {INSERT_UNNESTED}, u.c, u.n,
+                CASE WHEN u.r IS NULL THEN NULL ELSE now() + u.r * interval '1 second' END,
+                u.err, CASE WHEN u.dead THEN now() END
+         FROM UNNEST({INSERT_ARRAYS},
+                     $10::timestamptz[], $11::int4[], $12::float8[], $13::text[], $14::bool[])
+              WITH ORDINALITY AS u({INSERT_COLUMNS}, c, n, r, err, dead, ord)
+         ORDER BY u.ord
+         ON CONFLICT (id) DO NOTHING",
+        inner.held.table().qualified()
+    );
+    columns
+        .bind(sqlx::query(&sql))
+        .bind(&created)
+        .bind(&attempts)
+        .bind(&retry_in)
+        .bind(&errors)
+        .bind(&dead)
+        .execute(&mut *conn)
+        .await
+        .map_err(|e| map_sqlx("wal move to the held table", e))?;
+    Ok(())
+}
+
+/// Moves each failed event, with the later events of its aggregate in hand, to the held table.
+pub(super) async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<bool, Error> {
+    // Under the lock: pick the groups and mark them moving (claims skip them).
+    let (rows, moved, previous) = {
+        let mut st = inner.state();
+        if st.failed == 0 {
+            return Ok(false);
+        }
+        let mut failed_aggs: Vec<(String, String)> = Vec::new();
+        for t in &st.txns {
+            for e in &t.entries {
+                if let EntryState::Failed(_) = e.state {
+                    let a = (e.event.aggregate_type.clone(), e.event.aggregate_id.clone());
+                    if !failed_aggs.contains(&a) {
+                        failed_aggs.push(a);
+                    }
+                }
+            }
+        }
+        if failed_aggs.is_empty() {
+            return Ok(false);
+        }
+        let mut rows = Vec::new();
+        let mut moved = Vec::new();
+        let mut previous = Vec::new();
+        for (at, ai) in &failed_aggs {
+            let mut group = Vec::new();
+            let mut busy = false;
+            let mut started = false;
+            for t in &st.txns {
+                for (i, e) in t.entries.iter().enumerate() {
+                    if &e.event.aggregate_type != at || &e.event.aggregate_id != ai {
+                        continue;
+                    }
+                    match &e.state {
+                        EntryState::Done => {}
+                        EntryState::Failed(_) => {
+                            started = true;
+                            group.push((t.end_lsn, i));
+                        }
+                        EntryState::InFlight(_) | EntryState::Moving => busy = true,
+                        EntryState::Ready => {
+                            if started {
+                                group.push((t.end_lsn, i));
+                            }
+                        }
+                    }
+                }
+            }
+            if busy {
+                // Another batch still holds some of it: next round.
+                continue;
+            }
+            for (end, i) in group {
+                let Some(e) = st.entry_mut(end, i) else {
+                    continue;
+                };
+                let row = match &e.state {
+                    EntryState::Failed(a) => HeldRow::failed(e.event.clone(), a),
+                    _ => HeldRow::waiting(e.event.clone()),
+                };
+                previous.push(e.state.clone());
+                st.set_state(end, i, EntryState::Moving);
+                rows.push(row);
+                moved.push((end, i));
+            }
+        }
+        (rows, moved, previous)
+    };
+    if rows.is_empty() {
+        return Ok(false);
+    }
+    let result = insert_held(inner, conn, &rows).await;
+    let mut st = inner.state();
+    match result {
+        Ok(()) => {
+            for (end, i) in &moved {
+                st.set_state(*end, *i, EntryState::Done);
+            }
+            drop(st);
+            debug!(events = rows.len(), "moved to the held table");
+            inner
+                .held_poll
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .dirty = true;
+            inner.wake_relay();
+            Ok(true)
+        }
+        Err(e) => {
+            for ((end, i), state) in moved.iter().zip(previous) {
+                st.set_state(*end, *i, state);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Takes newly read transactions in: events of aggregates with events in the held table go there
+/// (after them), so do changes that are not events (as dead letters); the rest wait in memory.
+pub(super) async fn take_in(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    new: Vec<WalTransaction>,
+    check_held: bool,
+) -> Result<bool, Error> {
+    let mut keys_t = Vec::new();
+    let mut keys_i = Vec::new();
+    let mut seen = HashSet::new();
+    let mut ids = Vec::new();
+    for t in &new {
+        for item in &t.items {
+            if let WalItem::Event(e) = item {
+                ids.push(e.id);
+                if seen.insert((e.aggregate_type.as_str(), e.aggregate_id.as_str())) {
+                    keys_t.push(e.aggregate_type.clone());
+                    keys_i.push(e.aggregate_id.clone());
+                }
+            }
+        }
+    }
+    let held = inner.held.table().qualified();
+    let found: Vec<(String, String)> = if ids.is_empty() || !check_held {
+        Vec::new()
+    } else {
+        sqlx::query_as(&format!(
+            "SELECT 'a', k.t || chr(31) || k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)
+             WHERE EXISTS (SELECT 1 FROM {held} h
+                           WHERE h.aggregate_type = k.t AND h.aggregate_id = k.i AND h.processed_at IS NULL)
+             UNION ALL
+             SELECT 'i', h.id::text FROM {held} h WHERE h.id = ANY($3)"
+        ))
+        .bind(&keys_t)
+        .bind(&keys_i)
+        .bind(&ids)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| map_sqlx("wal read", e))?
+    };
+    let mut held_aggs: HashSet<String> = HashSet::new();
+    let mut held_ids: HashSet<Uuid> = HashSet::new();
+    for (kind, value) in found {
+        if kind == "a" {
+            held_aggs.insert(value);
+        } else if let Ok(id) = value.parse() {
+            held_ids.insert(id);
+        }
+    }
+    let mut to_held = Vec::new();
+    let mut txns = Vec::with_capacity(new.len());
+    for t in new {
+        let mut entries = Vec::with_capacity(t.items.len());
+        for item in t.items {
+            let event = match item {
+                WalItem::Event(e) => e,
+                WalItem::Undecodable {
+                    id,
+                    lsn,
+                    error,
+                    raw,
+                } => {
+                    if !held_ids.contains(&id) {
+                        warn!(lsn = format!("{lsn:X}"), error = %error, "a change of the slot is not an event: dead-lettered");
+                        to_held.push(HeldRow {
+                            event: undecodable_event(id, lsn, raw, t.commit_time),
+                            attempts: 0,
+                            retry_in: None,
+                            error: Some(error),
+                            dead: true,
+                        });
+                    }
+                    continue;
+                }
+            };
+            if held_ids.contains(&event.id) {
+                // Moved there before a restart: its fate is the held table's.
+                continue;
+            }
+            let agg = format!("{}\u{1f}{}", event.aggregate_type, event.aggregate_id);
+            if held_aggs.contains(&agg) {
+                to_held.push(HeldRow::waiting(event));
+                continue;
+            }
+            entries.push(Entry {
+                key: aggregate_key(&event.aggregate_type, &event.aggregate_id),
+                event,
+                state: EntryState::Ready,
+            });
+        }
+        txns.push(Txn {
+            end_lsn: t.end_lsn,
+            commit_time: t.commit_time,
+            entries,
+            row_ids: t.row_ids,
+        });
+    }
+    // Into the held table first: a transaction is confirmed only once it is in hand.
+    insert_held(inner, conn, &to_held).await?;
+    if !to_held.is_empty() {
+        inner
+            .held_poll
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .dirty = true;
+    }
+    let mut st = inner.state();
+    let mut claimable = false;
+    for t in txns {
+        for e in &t.entries {
+            st.unsettled += 1;
+            st.unsettled_bytes += e.event.payload.len();
+        }
+        claimable |= !t.entries.is_empty();
+        st.txns.push_back(t);
+    }
+    drop(st);
+    if claimable || !to_held.is_empty() {
+        inner.wake_relay();
+    }
+    Ok(!to_held.is_empty())
+}
+
+/// The dead letter of a change that is not an event.
+fn undecodable_event(id: Uuid, lsn: u64, raw: String, commit_time: DateTime<Utc>) -> Event {
+    Event {
+        id,
+        aggregate_type: UNDECODABLE_AGGREGATE_TYPE.into(),
+        aggregate_id: format!("{:X}/{:X}", lsn >> 32, lsn & 0xFFFF_FFFF),
+        event_type: UNDECODABLE_AGGREGATE_TYPE.into(),
+        payload: raw.into_bytes(),
+        content_type: "text/plain; charset=utf-8".into(),
+        headers: Default::default(),
+        destination: None,
+        created_at: commit_time,
+        attempts: 0,
+    }
+}

@@ -1,0 +1,363 @@
+//! The reader task: one per slot, holding the slot's reader lock (a session advisory lock; other
+//! relays stand by and take over when its session ends), and, while it holds it, streaming the
+//! slot into the buffer, moving failed events to the held table and confirming what is settled.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sqlx::{Connection, PgConnection};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use outbox_core::Error;
+
+use super::buffer::{Inner, State};
+use super::confirm::confirm_settled;
+use super::decode::{Origin, WalItem};
+use super::held::{move_failed, take_in};
+use super::stream::{open_stream, Stream, CONFIRM_EVERY};
+use crate::error::map_sqlx;
+use crate::pool::KEEPALIVES;
+
+/// How often a standby tries to take the reader lock.
+pub const STANDBY_RETRY: Duration = Duration::from_millis(500);
+
+/// How often the reader runs a statement on its lock connection at least (a dead one ends the
+/// reading spell, so that a reader that lost its lock stops).
+const LOCK_PING: Duration = Duration::from_secs(10);
+
+/// How often the reader looks whether the held table is empty again, while it may not be.
+const HELD_EMPTY_CHECK: Duration = Duration::from_secs(1);
+
+/// How long the reader waits between two looks at what it holds while the relay does not claim.
+const PAUSED_WAIT: Duration = Duration::from_secs(1);
+
+/// How long the reader waits before connecting again after its connection failed.
+const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+
+/// The reader: waits for the lock, reads while it holds it, reconnects after failures.
+pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
+    let slot = inner.reader.slot().slot().to_string();
+    if let Err(e) = runtime_supported() {
+        tracing::error!(error = %e, slot = %slot, "the WAL reader does not read");
+        return;
+    }
+    let mut waiting_logged = false;
+    let mut failures = RepeatedWarning::default();
+    loop {
+        if stop.is_cancelled() {
+            return;
+        }
+        let conn = tokio::select! {
+            c = connect(&inner) => c,
+            _ = stop.cancelled() => return,
+        };
+        let mut conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                if failures.should_log(&e.to_string()) {
+                    warn!(error = %e, slot = %slot, "the WAL reader cannot connect; trying again (a failure that repeats is logged once a minute)");
+                }
+                if pause(&stop, RECONNECT_PAUSE).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        // Standby until the lock is ours.
+        let locked = loop {
+            match try_lock(&mut conn, &slot).await {
+                Ok(true) => break Ok(()),
+                Ok(false) => {
+                    if !waiting_logged {
+                        info!(slot = %slot, "another relay reads the slot; standing by to take over");
+                        waiting_logged = true;
+                    }
+                    if pause(&stop, STANDBY_RETRY).await {
+                        return;
+                    }
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        if let Err(e) = locked {
+            warn!(error = %e, slot = %slot, "the WAL reader lost its connection while standing by; reconnecting");
+            if pause(&stop, RECONNECT_PAUSE).await {
+                return;
+            }
+            continue;
+        }
+        waiting_logged = false;
+        {
+            let mut st = inner.state();
+            *st = State {
+                generation: st.generation + 1,
+                active: true,
+                next_lease: st.next_lease,
+                ..State::default()
+            };
+        }
+        info!(slot = %slot, "reading the slot");
+        let result = read_slot(&inner, &mut conn, &stop).await;
+        {
+            let mut st = inner.state();
+            *st = State {
+                generation: st.generation + 1,
+                active: false,
+                next_lease: st.next_lease,
+                confirmed: st.confirmed,
+                ..State::default()
+            };
+        }
+        match result {
+            Ok(()) => {
+                let _ = conn.close().await;
+                info!(slot = %slot, "stopped reading the slot");
+                return;
+            }
+            Err(e) => {
+                if failures.should_log(&e.to_string()) {
+                    warn!(error = %e, slot = %slot, "the WAL reader stopped reading; what it held is read again once it holds the slot (a failure that repeats is logged once a minute)");
+                }
+                drop(conn);
+                if pause(&stop, RECONNECT_PAUSE).await {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The WAL source reads on a multi-thread tokio runtime only (see
+/// [`WalStore::start`](crate::wal::WalStore::start)).
+pub(super) fn runtime_supported() -> Result<(), Error> {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => Ok(()),
+        _ => Err(Error::config(
+            "the WAL source needs a multi-thread tokio runtime (#[tokio::main] or \
+             #[tokio::test(flavor = \"multi_thread\")])",
+        )),
+    }
+}
+
+/// Logs a failure that repeats once a minute rather than at every retry.
+#[derive(Default)]
+struct RepeatedWarning {
+    last: Option<(String, Instant)>,
+}
+
+impl RepeatedWarning {
+    fn should_log(&mut self, message: &str) -> bool {
+        match &self.last {
+            Some((m, at)) if m == message && at.elapsed() < Duration::from_secs(60) => false,
+            _ => {
+                self.last = Some((message.to_string(), Instant::now()));
+                true
+            }
+        }
+    }
+}
+
+/// Waits `d` or until `stop`; true when stopped.
+async fn pause(stop: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => false,
+        _ = stop.cancelled() => true,
+    }
+}
+
+/// The reader's own connection (the pool's settings), with no statement or idle timeouts of the
+/// role's: it waits on the slot and must outlive an idle spell.
+async fn connect(inner: &Inner) -> Result<PgConnection, Error> {
+    let options = inner.pool.connect_options();
+    let mut conn = PgConnection::connect_with(&options)
+        .await
+        .map_err(|e| map_sqlx("wal reader connect", e))?;
+    sqlx::query(
+        "SELECT set_config('statement_timeout', '0', false), set_config('idle_session_timeout', '0', false)
+         WHERE current_setting('server_version_num')::int >= 140000
+         UNION ALL SELECT set_config('statement_timeout', '0', false), ''
+         WHERE current_setting('server_version_num')::int < 140000",
+    )
+    .execute(&mut conn)
+    .await
+    .map_err(|e| map_sqlx("wal reader connect", e))?;
+    // The pool's server-side TCP keepalives: a reader whose host vanished loses its session, and
+    // the lock with it, within about 25 s instead of the kernel's two hours.
+    {
+        use sqlx::Executor;
+        conn.execute(sqlx::raw_sql(KEEPALIVES))
+            .await
+            .map_err(|e| map_sqlx("wal reader connect", e))?;
+    }
+    Ok(conn)
+}
+
+/// Takes the slot's reader lock if it is free (a session lock: freed when the session ends).
+async fn try_lock(conn: &mut PgConnection, slot: &str) -> Result<bool, Error> {
+    sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('outbox-wal-reader'), hashtext($1))")
+        .bind(slot)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| map_sqlx("wal reader lock", e))
+}
+
+/// The server's identity, for the ids of messages written without one.
+async fn origin(conn: &mut PgConnection) -> Result<Origin, Error> {
+    let (system, timeline): (i64, i32) = sqlx::query_as(
+        "SELECT (SELECT system_identifier FROM pg_control_system()),
+                (SELECT timeline_id FROM pg_control_checkpoint())",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal read", e))?;
+    Ok(Origin {
+        system: system as u64,
+        timeline: timeline as u32,
+    })
+}
+
+/// Reads, moves and confirms while the lock is held; returns on `stop` (after a last round) or
+/// on a database or stream error.
+async fn read_slot(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    stop: &CancellationToken,
+) -> Result<(), Error> {
+    // The replication library would make a missing slot (at the stream's current position,
+    // skipping what was committed meanwhile): a missing slot is the operator's to set up.
+    let slot = inner.reader.slot();
+    let exists: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",
+    )
+    .bind(slot.slot())
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal read", e))?;
+    if !exists {
+        return Err(Error::config(format!(
+            "the replication slot {} does not exist: run `outbox wal setup`",
+            slot.slot()
+        )));
+    }
+    let origin = origin(conn).await?;
+    let mut stream = open_stream(inner, origin).await?;
+    let result = read_stream(inner, conn, &mut stream, stop).await;
+    stream.close().await;
+    result
+}
+
+async fn read_stream(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    stream: &mut Stream,
+    stop: &CancellationToken,
+) -> Result<(), Error> {
+    let mut last_confirm = Instant::now();
+    // Whether the held table may hold unpublished events: until it is seen empty, every event
+    // read is checked against it (its aggregate may wait there; a replayed event may be there).
+    // Only this reader adds to it.
+    let mut held_may_have_rows = true;
+    let mut held_checked = Instant::now();
+    loop {
+        if move_failed(inner, conn).await? {
+            held_may_have_rows = true;
+        }
+        let stopping = stop.is_cancelled();
+        confirm_settled(inner, conn, stream, &mut last_confirm, stopping).await?;
+        if stopping {
+            return Ok(());
+        }
+        if (held_may_have_rows && held_checked.elapsed() >= HELD_EMPTY_CHECK)
+            || held_checked.elapsed() >= LOCK_PING
+        {
+            // Also proves the lock's session alive now and then (a reader of table-less events
+            // only may run no other statement on it).
+            held_checked = Instant::now();
+            held_may_have_rows = sqlx::query_scalar(&format!(
+                "SELECT EXISTS (SELECT 1 FROM {} WHERE processed_at IS NULL)",
+                inner.held.table().qualified()
+            ))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| map_sqlx("wal read", e))?;
+        }
+        // Take in while fewer than `read_ahead` events wait to be claimed: a relay that does not
+        // claim (its broker is down) stops the reading, and the server waits.
+        let room = {
+            let st = inner.state();
+            let claiming = inner
+                .last_claim
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .elapsed()
+                < inner.settings.claims_paused_after();
+            claiming
+                && st.unsettled - st.in_flight < inner.settings.read_ahead
+                && st.unsettled_bytes < inner.settings.read_ahead_bytes
+        };
+        let mut new = Vec::new();
+        if room {
+            // Whatever is decoded already, without waiting, within the read-ahead.
+            let (mut events, mut bytes) = {
+                let st = inner.state();
+                (st.unsettled - st.in_flight, st.unsettled_bytes)
+            };
+            while events < inner.settings.read_ahead && bytes < inner.settings.read_ahead_bytes {
+                match stream.rx.try_recv() {
+                    Ok(t) => {
+                        let t = stream.taken(t)?;
+                        for item in &t.items {
+                            if let WalItem::Event(e) = item {
+                                events += 1;
+                                bytes += e.payload.len();
+                            }
+                        }
+                        new.push(t);
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        if !new.is_empty() {
+            if take_in(inner, conn, new, held_may_have_rows).await? {
+                held_may_have_rows = true;
+            }
+            continue;
+        }
+        // Nothing in hand: wait for a transaction, a settled batch, a confirm due (only while a
+        // settled transaction waits for it), or the stop.
+        let settled_waiting = inner.state().txns.front().is_some_and(|t| t.settled());
+        let wait = if !room {
+            PAUSED_WAIT
+        } else if settled_waiting {
+            CONFIRM_EVERY
+                .saturating_sub(last_confirm.elapsed())
+                .max(Duration::from_millis(1))
+        } else {
+            PAUSED_WAIT
+        };
+        if room {
+            tokio::select! {
+                t = stream.rx.recv() => match t {
+                    Some(t) => {
+                        let t = stream.taken(t)?;
+                        if take_in(inner, conn, vec![t], held_may_have_rows).await? {
+                            held_may_have_rows = true;
+                        }
+                    }
+                    None => return Err(Error::new(outbox_core::ErrorKind::Connection, "the WAL stream ended")),
+                },
+                _ = inner.reader_wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+                _ = stop.cancelled() => {}
+            }
+        } else {
+            tokio::select! {
+                _ = inner.reader_wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+                _ = stop.cancelled() => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! The slot's replication stream (`START_REPLICATION` over a replication connection, with the
+//! `pg_walstream` crate): a task of its own decodes whole transactions and hands them to the
+//! reader over a bounded channel, and reports the confirmed position to the server.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pg_walstream::stream::{LogicalReplicationStream, ReplicationStreamConfig};
+use pg_walstream::SharedLsnFeedback;
+use tokio::sync::{mpsc, Notify};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use outbox_core::Error;
+
+use super::buffer::Inner;
+use super::decode::{Decoder, Origin, WalItem, WalTransaction};
+
+/// The longest the reader waits to confirm settled transactions (see `confirm::confirm_settled`);
+/// the stream sends the server its confirmed position within this too while data flows.
+pub(super) const CONFIRM_EVERY: Duration = Duration::from_millis(50);
+
+/// The replication stream of one reading spell: decoded transactions come over `rx`; `feedback`
+/// carries the confirmed position to the server; `settled` counts the transactions confirmed (the
+/// stream's task reports its whole received position while every transaction it delivered is).
+pub(super) struct Stream {
+    pub(super) rx: mpsc::Receiver<Result<WalTransaction, Error>>,
+    pub(super) feedback: Arc<SharedLsnFeedback>,
+    /// Makes the stream's task send the confirmed position now.
+    pub(super) feedback_now: Arc<Notify>,
+    pub(super) settled: Arc<AtomicU64>,
+    /// Payload bytes of the transactions in the channel (the task waits while they pass
+    /// `wal.read_ahead_bytes`).
+    pub(super) channel_bytes: Arc<AtomicU64>,
+    pub(super) cancel: CancellationToken,
+    pub(super) task: JoinHandle<()>,
+}
+
+impl Stream {
+    /// A transaction taken from the channel: its bytes leave the channel's count.
+    pub(super) fn taken(&self, t: Result<WalTransaction, Error>) -> Result<WalTransaction, Error> {
+        let t = t?;
+        self.channel_bytes
+            .fetch_sub(transaction_bytes(&t), Ordering::SeqCst);
+        Ok(t)
+    }
+
+    pub(super) async fn close(self) {
+        self.cancel.cancel();
+        // The task may be waiting to hand over a transaction or an error: no one takes them now.
+        drop(self.rx);
+        let _ = self.task.await;
+    }
+}
+
+/// Transactions decoded ahead of the reader (the stream's task waits beyond: backpressure).
+const STREAM_CHANNEL: usize = 64;
+
+/// How often the stream's task sends the server its position while no data arrives, and reports
+/// the whole received position when everything it delivered is confirmed (an idle outbox on a busy
+/// database: the slot still moves on).
+const STREAM_FEEDBACK: Duration = Duration::from_secs(1);
+
+fn stream_error(what: &str, e: pg_walstream::ReplicationError) -> Error {
+    // Retryable: the reader connects again (a walsender still holding the slot for a reader
+    // that just died answers 55006 for a moment).
+    Error::new(outbox_core::ErrorKind::Connection, format!("{what}: {e}"))
+}
+
+/// Opens the slot's replication stream from its confirmed position, with a task of its own that
+/// decodes whole transactions and hands them over.
+pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream, Error> {
+    let slot = inner.reader.slot();
+    let mut config = ReplicationStreamConfig::builder(slot.slot(), slot.publication())
+        .with_protocol_version(1)
+        .with_messages(true)
+        // Confirms reach the server within this while data flows (the stream checks every 128
+        // messages): a new reader replays from there.
+        .with_feedback_interval(CONFIRM_EVERY)
+        .with_connection_timeout(Duration::from_secs(30));
+    config.retry_config.max_attempts = 1;
+    let mut stream = LogicalReplicationStream::new(&inner.replication_url, config)
+        .await
+        .map_err(|e| stream_error("wal stream connect", e))?;
+    // From the slot's confirmed position.
+    stream
+        .start(None)
+        .await
+        .map_err(|e| stream_error("wal stream start", e))?;
+    let feedback = stream.shared_lsn_feedback.clone();
+    let settled = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = mpsc::channel(STREAM_CHANNEL);
+    let cancel = CancellationToken::new();
+    let decoder = Decoder::new(slot, origin);
+    let feedback_now = Arc::new(Notify::new());
+    let channel_bytes = Arc::new(AtomicU64::new(0));
+    let task = tokio::spawn(stream_task(
+        stream,
+        decoder,
+        StreamShared {
+            tx,
+            feedback: feedback.clone(),
+            feedback_now: feedback_now.clone(),
+            settled: settled.clone(),
+            channel_bytes: channel_bytes.clone(),
+            max_bytes: inner.settings.read_ahead_bytes as u64,
+        },
+        cancel.clone(),
+    ));
+    Ok(Stream {
+        rx,
+        feedback,
+        feedback_now,
+        settled,
+        channel_bytes,
+        cancel,
+        task,
+    })
+}
+
+/// What the stream's task shares with the reader.
+struct StreamShared {
+    pub(super) tx: mpsc::Sender<Result<WalTransaction, Error>>,
+    pub(super) feedback: Arc<SharedLsnFeedback>,
+    pub(super) feedback_now: Arc<Notify>,
+    pub(super) settled: Arc<AtomicU64>,
+    pub(super) channel_bytes: Arc<AtomicU64>,
+    pub(super) max_bytes: u64,
+}
+
+/// The payload bytes of a transaction's events.
+fn transaction_bytes(t: &WalTransaction) -> u64 {
+    t.items
+        .iter()
+        .map(|item| match item {
+            WalItem::Event(e) => e.payload.len() as u64,
+            WalItem::Undecodable { raw, .. } => raw.len() as u64,
+        })
+        .sum()
+}
+
+async fn stream_task(
+    mut stream: LogicalReplicationStream,
+    mut decoder: Decoder,
+    shared: StreamShared,
+    cancel: CancellationToken,
+) {
+    let StreamShared {
+        tx,
+        feedback,
+        feedback_now,
+        settled,
+        channel_bytes,
+        max_bytes,
+    } = shared;
+    let mut delivered = 0u64;
+    let mut last_answer = Instant::now();
+    let mut period = cancel.child_token();
+    let mut period_timer = spawn_period(period.clone(), feedback_now.clone());
+    loop {
+        let raw = match stream.next_raw_event(&period).await {
+            Ok(raw) => raw,
+            Err(e) if e.is_cancelled() => {
+                if cancel.is_cancelled() {
+                    period_timer.abort();
+                    let _ = stream.stop().await;
+                    return;
+                }
+                // A quiet second: report the whole received position (keepalives included:
+                // everything committed below it was sent before) when all delivered is settled.
+                if settled.load(Ordering::SeqCst) == delivered && !decoder.in_transaction() {
+                    let at = stream.current_lsn();
+                    feedback.update_flushed_lsn(at);
+                    feedback.update_applied_lsn(at);
+                }
+                let _ = stream.send_feedback().await;
+                period = cancel.child_token();
+                period_timer = spawn_period(period.clone(), feedback_now.clone());
+                continue;
+            }
+            Err(e) => {
+                hand_over_error(&tx, &cancel, stream_error("wal stream", e)).await;
+                return;
+            }
+        };
+        let decoded = decoder.feed(raw.wal_start.value(), &raw.data);
+        let transaction = match decoded {
+            Ok(Some(t)) => t,
+            Ok(None) => continue,
+            Err(e) => {
+                hand_over_error(&tx, &cancel, e).await;
+                return;
+            }
+        };
+        delivered += 1;
+        let bytes = transaction_bytes(&transaction);
+        let mut transaction = Some(transaction);
+        // Wait for room (a place in the channel, and its bytes under the read-ahead unless it is
+        // empty), answering the server meanwhile (it ends a silent connection).
+        while let Some(t) = transaction.take() {
+            let full = channel_bytes.load(Ordering::SeqCst) > 0
+                && channel_bytes.load(Ordering::SeqCst) + bytes > max_bytes;
+            if full {
+                transaction = Some(t);
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                    _ = cancel.cancelled() => {
+                        let _ = stream.stop().await;
+                        return;
+                    }
+                }
+                if last_answer.elapsed() >= Duration::from_secs(10) {
+                    last_answer = Instant::now();
+                    let _ = stream.send_feedback().await;
+                }
+                continue;
+            }
+            tokio::select! {
+                permit = tx.reserve() => match permit {
+                    Ok(p) => {
+                        channel_bytes.fetch_add(bytes, Ordering::SeqCst);
+                        p.send(Ok(t));
+                    }
+                    Err(_) => return,
+                },
+                _ = tokio::time::sleep(Duration::from_secs(10)) => {
+                    transaction = Some(t);
+                    let _ = stream.send_feedback().await;
+                }
+                _ = cancel.cancelled() => {
+                    let _ = stream.stop().await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Gives the reader the stream's error, unless it stops first.
+async fn hand_over_error(
+    tx: &mpsc::Sender<Result<WalTransaction, Error>>,
+    cancel: &CancellationToken,
+    e: Error,
+) {
+    tokio::select! {
+        _ = tx.send(Err(e)) => {}
+        _ = cancel.cancelled() => {}
+    }
+}
+
+/// Ends the stream task's wait for data after [`STREAM_FEEDBACK`], or at once when the reader
+/// confirmed something (so that a new reader replays as little as can be).
+fn spawn_period(token: CancellationToken, now: Arc<Notify>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = tokio::time::sleep(STREAM_FEEDBACK) => {}
+            _ = now.notified() => {}
+            _ = token.cancelled() => {}
+        }
+        token.cancel();
+    })
+}
