@@ -172,6 +172,7 @@ pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
         && !env
             .iter()
             .any(|(k, _)| k == "RUST_LOG" || k == "OUTBOX_LOG__LEVEL");
+    let env_names: Vec<String> = env.iter().map(|(k, _)| k.clone()).collect();
     let mut config = match Config::load(cli.config.as_deref(), env) {
         Ok(c) => c,
         Err(e) => {
@@ -184,6 +185,13 @@ pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
         config.log.level = "warn,sqlx::query=error".into();
     }
     init_logging(&config);
+    for name in crate::config::ignored(env_names.iter().map(String::as_str)) {
+        tracing::debug!(
+            variable = name,
+            "ignored: not of the form OUTBOX_<SECTION>__<KEY> (a Kubernetes service link, or \
+             another program's)"
+        );
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -11,9 +11,28 @@ use outbox_core::Error;
 
 use super::{Config, DEFAULT_CONFIG_FILE, ENV_PREFIX};
 
+/// The part after `OUTBOX_` of a variable of the form `OUTBOX_<SECTION>__<KEY>`, the only form
+/// that configures the binary; `None` for any other variable. Other `OUTBOX_*` variables are not
+/// this binary's: Kubernetes, for one, gives every container `<SERVICE>_PORT=tcp://...` and the
+/// like for each Service of its namespace, and a Service named `outbox-relay` makes them
+/// `OUTBOX_RELAY_PORT`, `OUTBOX_RELAY_SERVICE_HOST`, ...
+pub fn setting(name: &str) -> Option<&str> {
+    name.strip_prefix(ENV_PREFIX)
+        .filter(|rest| rest.contains("__"))
+}
+
+/// The `OUTBOX_*` variables of `env` that do not configure the binary (see [`setting`]), for a
+/// debug line saying they were ignored.
+pub fn ignored<'a>(env: impl IntoIterator<Item = &'a str>) -> Vec<&'a str> {
+    env.into_iter()
+        .filter(|name| name.starts_with(ENV_PREFIX) && setting(name).is_none())
+        .collect()
+}
+
 impl Config {
     /// Loads the configuration: `path` (or `outbox.toml` when it exists and `path` is `None`), then
-    /// the overrides in `env` (`OUTBOX_*` and `DATABASE_URL`), then validation.
+    /// the overrides in `env` (`OUTBOX_<SECTION>__<KEY>` and `DATABASE_URL`; other variables are
+    /// ignored), then validation.
     ///
     /// # Errors
     /// A config error naming the file or variable, the key, the bad value and what is expected.
@@ -39,7 +58,7 @@ impl Config {
                 database_url = Some(raw);
                 continue;
             }
-            let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+            let Some(rest) = setting(&name) else {
                 continue;
             };
             let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();

@@ -22,6 +22,8 @@ mod sections;
 #[cfg(test)]
 mod tests;
 
+pub use load::{ignored, setting};
+
 pub use crate::adapters::PublisherType;
 pub use sections::{HttpConfig, LogConfig, LogFormat, PublisherSection};
 

@@ -269,3 +269,44 @@ fn secrets_never_show() {
     assert!(!c.to_redacted_toml().contains("hunter2"));
     assert!(c.to_redacted_toml().contains("app:***@db"));
 }
+
+#[test]
+fn only_outbox_section_key_variables_configure_others_are_ignored() {
+    // What Kubernetes gives every container for a Service named outbox-relay (and outbox).
+    let links = [
+        ("OUTBOX_RELAY_SERVICE_HOST", "10.96.12.34"),
+        ("OUTBOX_RELAY_SERVICE_PORT", "9464"),
+        ("OUTBOX_RELAY_SERVICE_PORT_HTTP", "9464"),
+        ("OUTBOX_RELAY_PORT", "tcp://10.96.12.34:9464"),
+        ("OUTBOX_RELAY_PORT_9464_TCP", "tcp://10.96.12.34:9464"),
+        ("OUTBOX_RELAY_PORT_9464_TCP_PROTO", "tcp"),
+        ("OUTBOX_RELAY_PORT_9464_TCP_PORT", "9464"),
+        ("OUTBOX_RELAY_PORT_9464_TCP_ADDR", "10.96.12.34"),
+        ("OUTBOX_PORT", "tcp://10.96.40.2:8080"),
+    ];
+    let mut env = links.to_vec();
+    env.push(("OUTBOX_RELAY__BATCH_SIZE", "250"));
+    let c = load_str("", &env).unwrap();
+    assert_eq!(c.relay.batch_size, 250, "the documented form still applies");
+    assert_eq!(c, {
+        let mut d = load_str("", &[]).unwrap();
+        d.relay.batch_size = 250;
+        d
+    });
+    let names: Vec<&str> = env.iter().map(|(k, _)| *k).collect();
+    let ignored = ignored(names.iter().copied());
+    assert_eq!(ignored, links.iter().map(|(k, _)| *k).collect::<Vec<_>>());
+    assert_eq!(
+        setting("OUTBOX_RELAY__BATCH_SIZE"),
+        Some("RELAY__BATCH_SIZE")
+    );
+    assert_eq!(setting("OUTBOX_RELAY_PORT"), None);
+    assert_eq!(setting("DATABASE_URL"), None);
+    // A variable of the form with an empty part is still a mistake named as one.
+    let e = load_str("", &[("OUTBOX_RELAY____BATCH_SIZE", "1")]).unwrap_err();
+    assert!(
+        e.message().contains("expected OUTBOX_<SECTION>__<KEY>"),
+        "{}",
+        e.message()
+    );
+}
