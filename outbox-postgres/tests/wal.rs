@@ -359,10 +359,16 @@ async fn setup_repairs_or_refuses_a_broken_pair_and_runs_twice_at_once() {
     let table = fresh_table(&pool).await;
     let slot = WalSlot::new(table.clone(), None, None).unwrap();
     let _guard = Dropped(slot.clone(), pool.clone());
-    let (a, b) = tokio::join!(slot.setup(&pool), slot.setup(&pool));
-    let (a, b) = (a.unwrap(), b.unwrap());
-    assert!(a.slot ^ b.slot, "one of them made the slot: {a:?} {b:?}");
-    assert!(slot.status(&pool).await.unwrap().covers_table);
+    // Several rounds: the two setups interleave differently each time.
+    for round in 0..5 {
+        if round > 0 {
+            slot.drop(&pool).await.unwrap();
+        }
+        let (a, b) = tokio::join!(slot.setup(&pool), slot.setup(&pool));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert!(a.slot ^ b.slot, "one of them made the slot: {a:?} {b:?}");
+        assert!(slot.status(&pool).await.unwrap().covers_table);
+    }
 
     sqlx::query(&format!(
         "ALTER PUBLICATION \"{}\" DROP TABLE {}",

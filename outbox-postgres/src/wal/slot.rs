@@ -97,8 +97,10 @@ impl WalSlot {
         check_wal_level(&wal_level(pool).await?)?;
         let map = |e| map_sqlx("wal setup", e);
         let mut created = WalSetup::default();
-        let has_publication = !self.publication_missing(pool).await?;
+        // The slot first: a setup makes the publication before the slot, so a slot seen here has
+        // its publication visible to the read after it, even while another setup is making both.
         let slot = self.slot_here(pool).await?;
+        let has_publication = !self.publication_missing(pool).await?;
         if !has_publication && slot.is_some() {
             // A slot older than its publication cannot decode the changes in between.
             return Err(Error::config(format!(
