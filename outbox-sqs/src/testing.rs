@@ -366,6 +366,7 @@ impl Fixture {
 
     /// Reads messages again.
     pub fn resume(&self) {
+        self.holding.store(false, Ordering::SeqCst);
         self.paused.store(false, Ordering::SeqCst);
     }
 

@@ -186,11 +186,18 @@ pub fn run(cli: Cli, env: Vec<(String, String)>) -> ExitCode {
     }
     init_logging(&config);
     for name in crate::config::ignored(env_names.iter().map(String::as_str)) {
-        tracing::debug!(
-            variable = name,
-            "ignored: not of the form OUTBOX_<SECTION>__<KEY> (a Kubernetes service link, or \
-             another program's)"
-        );
+        if crate::config::service_link(name) {
+            tracing::debug!(
+                variable = name,
+                "ignored: a Kubernetes service link, not of the form OUTBOX_<SECTION>__<KEY>"
+            );
+        } else {
+            tracing::warn!(
+                variable = name,
+                "ignored: not of the form OUTBOX_<SECTION>__<KEY> (two underscores between the \
+                 section and the key, such as OUTBOX_RELAY__BATCH_SIZE)"
+            );
+        }
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

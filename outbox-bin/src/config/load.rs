@@ -22,11 +22,29 @@ pub fn setting(name: &str) -> Option<&str> {
 }
 
 /// The `OUTBOX_*` variables of `env` that do not configure the binary (see [`setting`]), for a
-/// debug line saying they were ignored.
+/// line saying they were ignored.
 pub fn ignored<'a>(env: impl IntoIterator<Item = &'a str>) -> Vec<&'a str> {
     env.into_iter()
         .filter(|name| name.starts_with(ENV_PREFIX) && setting(name).is_none())
         .collect()
+}
+
+/// Whether `name` has the shape of a variable Kubernetes sets for a Service of the namespace
+/// (`<SERVICE>_SERVICE_HOST`, `<SERVICE>_SERVICE_PORT[_<NAME>]`, `<SERVICE>_PORT`,
+/// `<SERVICE>_PORT_<N>_<PROTOCOL>[_PROTO|_PORT|_ADDR]`): an ignored variable of another shape is
+/// more likely a mistyped setting (`OUTBOX_RELAY_BATCH_SIZE`), worth a warning.
+pub fn service_link(name: &str) -> bool {
+    if name.ends_with("_SERVICE_HOST") || name.contains("_SERVICE_PORT") || name.ends_with("_PORT")
+    {
+        return true;
+    }
+    let parts: Vec<&str> = name.split('_').collect();
+    parts.windows(3).any(|w| {
+        w[0] == "PORT"
+            && !w[1].is_empty()
+            && w[1].bytes().all(|b| b.is_ascii_digit())
+            && matches!(w[2], "TCP" | "UDP" | "SCTP")
+    })
 }
 
 impl Config {

@@ -22,7 +22,7 @@ mod sections;
 #[cfg(test)]
 mod tests;
 
-pub use load::{ignored, setting};
+pub use load::{ignored, service_link, setting};
 
 pub use crate::adapters::PublisherType;
 pub use sections::{HttpConfig, LogConfig, LogFormat, PublisherSection};

@@ -296,6 +296,17 @@ fn only_outbox_section_key_variables_configure_others_are_ignored() {
     let names: Vec<&str> = env.iter().map(|(k, _)| *k).collect();
     let ignored = ignored(names.iter().copied());
     assert_eq!(ignored, links.iter().map(|(k, _)| *k).collect::<Vec<_>>());
+    assert!(
+        links.iter().all(|(k, _)| service_link(k)),
+        "every link variable is known as one"
+    );
+    for typo in [
+        "OUTBOX_RELAY_BATCH_SIZE",
+        "OUTBOX_DATABASE_URL",
+        "OUTBOX_KAFKA_BROKERS",
+    ] {
+        assert!(!service_link(typo), "{typo} is warned of as a likely typo");
+    }
     assert_eq!(
         setting("OUTBOX_RELAY__BATCH_SIZE"),
         Some("RELAY__BATCH_SIZE")
@@ -306,6 +317,25 @@ fn only_outbox_section_key_variables_configure_others_are_ignored() {
     let e = load_str("", &[("OUTBOX_RELAY____BATCH_SIZE", "1")]).unwrap_err();
     assert!(
         e.message().contains("expected OUTBOX_<SECTION>__<KEY>"),
+        "{}",
+        e.message()
+    );
+}
+
+#[cfg(feature = "kafka")]
+#[test]
+fn the_kafka_size_key_is_max_message_bytes_from_the_environment_too() {
+    let c = load_str("", &[("OUTBOX_KAFKA__MAX_MESSAGE_BYTES", "2000000")]).unwrap();
+    assert_eq!(c.kafka.max_message_bytes, 2_000_000);
+    let e = load_str("", &[("OUTBOX_KAFKA__MESSAGE_MAX_BYTES", "2000000")]).unwrap_err();
+    assert!(
+        e.message().contains("use kafka.max_message_bytes"),
+        "{}",
+        e.message()
+    );
+    let e = load_str("[kafka]\nmessage_max_bytes = 2000000\n", &[]).unwrap_err();
+    assert!(
+        e.message().contains("use kafka.max_message_bytes"),
         "{}",
         e.message()
     );
