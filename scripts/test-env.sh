@@ -99,6 +99,11 @@ ensure_postgres() {
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \
       "SELECT format('DROP SCHEMA IF EXISTS %I CASCADE;', nspname) FROM pg_namespace WHERE nspname LIKE 'outbox\_t\_%'" \
       | PGOPTIONS="-c client_min_messages=warning" psql -h 127.0.0.1 -U postgres -d test -q -v ON_ERROR_STOP=1 -f - >/dev/null
+    # Roles of the DBA-settings tests that stopped early (errors ignored: a role still in use by a
+    # running test is left alone).
+    psql -h 127.0.0.1 -U postgres -d test -q -tAc \
+      "SELECT format('DROP ROLE IF EXISTS %I;', rolname) FROM pg_roles WHERE rolname LIKE 'outbox\_dba\_%'" \
+      | psql -h 127.0.0.1 -U postgres -d test -q -f - >/dev/null 2>&1 || true
   fi
 }
 
