@@ -441,6 +441,10 @@ impl RelayObserver for Metrics {
     }
 
     fn event_failed(&self, event: &Event, _error: &Error, decision: FailureDecision) {
+        // Back-pressure is a wait, not a failure: the event goes back unchanged.
+        if decision == FailureDecision::Backpressure {
+            return;
+        }
         self.failed
             .get_or_create(&EventTypeLabel {
                 event_type: self.failed_label(&event.event_type),

@@ -509,3 +509,56 @@ async fn an_event_written_twice_is_published_twice_and_wedges_nothing() {
     let ids: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
     assert_eq!(ids, vec![twice.id, twice.id, after.id]);
 }
+
+/// Back-pressure from the publisher is a reason to wait: under the WAL source the events it pushed
+/// back stay in the reader's buffer (nothing is moved to the held table, no attempt is counted),
+/// and are published in order once it takes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backpressure_moves_nothing_to_the_held_table() {
+    let Fixture {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
+    let committed = write_rounds(&table, 20, 5).await;
+    let pushed: Vec<Uuid> = committed
+        .iter()
+        .filter(|(a, _)| a == "agg-3")
+        .map(|(_, id)| *id)
+        .collect();
+    for id in &pushed {
+        publisher.on_event(*id, Behavior::Backpressure);
+    }
+    let (_store, task) = spawn(&wal, &publisher, &shutdown).await;
+    wait_until(
+        Duration::from_secs(60),
+        "the publisher pushed back on the first event of agg-3 three times",
+        || async { publisher.tries(pushed[0]) >= 3 },
+    )
+    .await;
+    let held = wal.held.qualified();
+    let held_rows = || async {
+        sqlx::query_scalar::<_, i64>(&format!("SELECT count(*) FROM {held}"))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    // While it goes on pushing back (each settle would have moved the events and the rest of their
+    // aggregate at once).
+    for _ in 0..20 {
+        assert_eq!(held_rows().await, 0, "events moved to the held table");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    publisher.clear_rules();
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    assert_eq!(held_rows().await, 0, "events moved to the held table");
+    shutdown.cancel();
+    let summary = task.await.unwrap();
+    assert_eq!(summary.retried, 0, "{summary:?}");
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!("WAL source, back-pressure on one aggregate: {verdict}");
+    assert_clean_verdict(&verdict);
+}

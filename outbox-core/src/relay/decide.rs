@@ -2,7 +2,6 @@
 //! retried after a backoff, dead-lettered, or released behind an earlier failure of its aggregate.
 
 use std::collections::HashSet;
-use std::time::Duration;
 
 use tracing::{debug, error, warn};
 
@@ -54,7 +53,16 @@ pub(super) fn decide(
                             "event dead-lettered"
                         );
                     }
-                    FailureDecision::Retry | FailureDecision::Backpressure => {
+                    FailureDecision::Backpressure => {
+                        report.backpressured += 1;
+                        debug!(
+                            event_id = %event.id,
+                            aggregate_id = %event.aggregate_id,
+                            error = %err,
+                            "the publisher pushed back; the event goes back unchanged"
+                        );
+                    }
+                    FailureDecision::Retry => {
                         report.retried += 1;
                         // One warning per batch (below), however many events failed: a broker
                         // outage must not flood the log. Each event is at debug level.
@@ -96,14 +104,8 @@ pub(super) fn decide(
 
 fn failure_action(event: &Event, err: &Error, retry: &RetryPolicy) -> (Action, FailureDecision) {
     if err.kind() == ErrorKind::Backpressure && err.is_retryable() {
-        return (
-            Action::Retry {
-                attempts: event.attempts,
-                delay: retry.initial_backoff.min(Duration::from_secs(1)),
-                error: err.to_string(),
-            },
-            FailureDecision::Backpressure,
-        );
+        // A reason to wait, not a failure: the event goes back as it was (the claim loop pauses).
+        return (Action::Release, FailureDecision::Backpressure);
     }
     let attempts = event.attempt();
     if err.is_retryable() && retry.may_retry(attempts) {
@@ -235,6 +237,6 @@ mod tests {
         let e = Error::new(ErrorKind::Backpressure, "queue full");
         let (a, d) = failure_action(&event("a", 4), &e, &RetryPolicy::default());
         assert_eq!(d, FailureDecision::Backpressure);
-        assert!(matches!(a, Action::Retry { attempts: 4, .. }));
+        assert_eq!(a, Action::Release, "the event goes back unchanged");
     }
 }

@@ -19,18 +19,22 @@
 //!   still unreachable counts no attempt and waits a pause, so the next probe takes another event.
 //!   Events written meanwhile keep their attempts (a long outage does not dead-letter them), and the
 //!   relay neither spins nor floods its log (a warning a minute).
+//! - **Back-pressure**: an event the publisher cannot take right now (`ErrorKind::Backpressure`) goes
+//!   back unchanged, counting no attempt and moving nothing, and claiming pauses (50 ms, doubling to
+//!   1 s while the publisher keeps pushing back).
 //! - **Graceful shutdown**: on cancellation the relay stops claiming, lets in-flight batches finish
 //!   until `shutdown_timeout`, then aborts the rest (their events are released, not lost).
 //!
 //! Where each part lives: `config` (the settings and their validation), `wake` (the wake-up
 //! handle), `observer` (batch reports, observer hooks, run totals), `outage` (the broker outage
-//! state machine), `run` (the claim loop and each batch's task), `publish` (a batch's publish
+//! state machine), `pressure` (the pause after back-pressure), `run` (the claim loop and each batch's task), `publish` (a batch's publish
 //! calls), `decide` (retry, dead-letter or release for each outcome).
 
 mod config;
 mod decide;
 mod observer;
 mod outage;
+mod pressure;
 mod publish;
 mod run;
 #[cfg(test)]
@@ -48,6 +52,7 @@ pub use wake::Wake;
 
 use observer::Totals;
 use outage::Outage;
+use pressure::Pressure;
 
 /// What the claim loop and its batch tasks share.
 struct Shared {
@@ -58,6 +63,8 @@ struct Shared {
     totals: Totals,
     /// Whether the broker was found unreachable, and how long to wait before checking it again.
     outage: Outage,
+    /// Whether the publisher pushed back, and until when claiming waits.
+    pressure: Pressure,
 }
 
 /// The relay: moves events from a [`Store`] to a [`Publisher`].
@@ -103,6 +110,7 @@ impl Relay {
                 observer: Arc::new(NoopObserver),
                 totals: Totals::default(),
                 outage: Outage::new(&config.retry),
+                pressure: Pressure::default(),
                 config,
             }),
             wake: Wake::new(),
@@ -118,6 +126,7 @@ impl Relay {
             observer,
             totals: Totals::default(),
             outage: Outage::new(&self.shared.config.retry),
+            pressure: Pressure::default(),
         };
         Relay {
             shared: Arc::new(shared),

@@ -23,6 +23,8 @@ pub struct BatchReport {
     pub dead_lettered: usize,
     /// Events given back unattempted (the rest of an aggregate's run after a failure).
     pub released: usize,
+    /// Events given back unchanged because the publisher pushed back (no attempt counted).
+    pub backpressured: usize,
     /// Time spent in the publisher.
     pub publish_duration: Duration,
     /// Time spent settling the outcomes in the store.
@@ -40,7 +42,7 @@ pub enum FailureDecision {
     Retry,
     /// Dead-lettered.
     DeadLetter,
-    /// Back-pressure: retried shortly without counting an attempt.
+    /// Back-pressure: given back unchanged, without counting an attempt; claiming pauses.
     Backpressure,
 }
 

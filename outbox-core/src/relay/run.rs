@@ -25,7 +25,8 @@ impl Relay {
     }
 
     /// Publishes until no event is publishable (the outbox is empty, or what is left is backing off,
-    /// held back or dead), then returns. For tests, benchmarks and one-shot jobs.
+    /// held back or dead), then returns. For tests, benchmarks and one-shot jobs. Events a
+    /// publisher pushes back on are still publishable: a drain waits for it as long as it does.
     pub async fn drain(&self) -> RelaySummary {
         self.run_inner(CancellationToken::new(), true).await
     }
@@ -114,6 +115,14 @@ impl Relay {
                     break;
                 }
             }
+            // After back-pressure: a pause before the next claim (a wake-up does not end it).
+            if let Some(pause) = self.shared.pressure.remaining() {
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = shutdown.cancelled() => break,
+                }
+                continue;
+            }
             let permit = tokio::select! {
                 p = permits.clone().acquire_owned() => match p {
                     Ok(p) => p,
@@ -121,8 +130,11 @@ impl Relay {
                 },
                 _ = shutdown.cancelled() => break,
             };
-            // A batch in flight may have found the broker unreachable while this one waited.
-            if !until_idle && !probe && self.shared.outage.is_down() {
+            // A batch in flight may have found the broker unreachable, or met back-pressure, while
+            // this one waited.
+            if (!until_idle && !probe && self.shared.outage.is_down())
+                || self.shared.pressure.remaining().is_some()
+            {
                 drop(permit);
                 continue;
             }
@@ -289,6 +301,16 @@ async fn process_batch(
             &mut report,
         )
     };
+    if report.backpressured > 0 {
+        let pause = shared.pressure.pushed_back();
+        debug!(
+            events = report.backpressured,
+            pause_ms = pause.as_millis() as u64,
+            "the publisher pushed back; claiming pauses"
+        );
+    } else if report.published > 0 {
+        shared.pressure.relieved();
+    }
     let settle_started = Instant::now();
     let result = lease.settle(settlements).await;
     drop(permit);

@@ -8,7 +8,9 @@ use async_trait::async_trait;
 
 use super::{assert_complete_and_ordered, config, fill};
 use crate::testkit::{Behavior, EventStatus, MemoryStore, ScriptedPublisher};
-use crate::{Error, Event, OrderingPolicy, PublishOutcome, Publisher, Relay, RelayConfig};
+use crate::{
+    CancellationToken, Error, Event, OrderingPolicy, PublishOutcome, Publisher, Relay, RelayConfig,
+};
 
 #[tokio::test(start_paused = true)]
 async fn drains_everything_in_aggregate_order() {
@@ -149,23 +151,37 @@ async fn unordered_mode_does_not_hold_back() {
     );
 }
 
+/// Back-pressure is a reason to wait: the event goes back unchanged (no attempt, no error kept)
+/// and claiming pauses, from 50 ms doubling to 1 s, instead of trying again at once.
 #[tokio::test(start_paused = true)]
-async fn backpressure_does_not_count_attempts() {
+async fn backpressure_counts_no_attempt_and_pauses_claims() {
     let store = MemoryStore::new();
     let written = fill(&store, 1, 1);
     let publisher = ScriptedPublisher::new();
     publisher.on_event(written[0], Behavior::Backpressure);
-    let relay = Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap();
-    for _ in 0..5 {
-        relay.drain().await;
-        tokio::time::advance(Duration::from_secs(2)).await;
-    }
+    let relay = Arc::new(Relay::new(Arc::new(store.clone()), publisher.clone(), config()).unwrap());
+    let shutdown = CancellationToken::new();
+    let run = {
+        let (relay, shutdown) = (relay.clone(), shutdown.clone());
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    tokio::time::sleep(Duration::from_secs(10)).await;
     let st = store.get(written[0]).unwrap();
-    assert_eq!((st.status, st.attempts), (EventStatus::Pending, 0));
-    assert!(publisher.tries(written[0]) >= 5);
+    assert_eq!(
+        (st.status, st.attempts, st.last_error),
+        (EventStatus::Pending, 0, None),
+        "the event is as it was written"
+    );
+    // Pauses of 50, 100, 200, 400, 800 ms, then 1 s: about 13 tries in 10 s; without the pause,
+    // thousands.
+    let tries = publisher.tries(written[0]);
+    assert!((5..=20).contains(&tries), "{tries} tries in 10 s");
     publisher.clear_rules();
-    relay.drain().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(store.pending(), 0);
+    shutdown.cancel();
+    let summary = run.await.unwrap();
+    assert_eq!((summary.published, summary.retried), (1, 0), "{summary:?}");
 }
 
 struct WrongCount;
