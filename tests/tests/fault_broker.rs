@@ -113,7 +113,11 @@ async fn broker_down(broker: Broker, wal: bool) {
     let pending_late = backlog(&pg, &table, source.as_ref()).await;
     let (attempts, dead) = attempts_and_dead(&pg, &table, source.as_ref()).await;
     let cpu = relay.cpu_time() - cpu_before;
-    let claims_during = claims(&http).await - claims_before;
+    let claims_after = claims(&http).await;
+    let (claims_during, batches_during) = (
+        claims_after.0 - claims_before.0,
+        claims_after.1 - claims_before.1,
+    );
     let lines = log_lines(&log_path) - log_before;
     // What the relay said while the broker was down, most frequent first.
     let mut said: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
@@ -133,7 +137,7 @@ async fn broker_down(broker: Broker, wal: bool) {
     }
     println!(
         "  broker {} down {:.1}s: unpublished {pending_early} -> {pending_late}, relay CPU {:.2}s, \
-         {claims_during} claims, {lines} log lines, /readyz {:?}",
+         {claims_during} claims ({batches_during} with events), {lines} log lines, /readyz {:?}",
         broker.name(),
         elapsed.as_secs_f64(),
         cpu.as_secs_f64(),
@@ -164,11 +168,21 @@ async fn broker_down(broker: Broker, wal: bool) {
     // time, which depends on the machine and, under the WAL source, includes decoding what the
     // writers go on committing. While the broker is unreachable the relay claims one probe per
     // readiness check, the checks spaced by the documented schedule; before the outage is noticed,
-    // at most the batches its permits allow. The bound is twice that plus those batches: a relay
-    // that kept claiming and failing batches claims and logs one per failure, over a hundred here.
-    let in_flight = outbox_core::RelayConfig::default().max_in_flight;
-    let bound = 2 * outage_rounds(elapsed, Duration::from_millis(200), Duration::from_secs(2))
-        + 2 * in_flight
+    // at most the batches its permits allow. Claims with events are bounded by twice that plus
+    // those batches: a relay that kept claiming and failing batches claims and logs one per
+    // failure, over a hundred here. Empty claims (an idle poll, where the source has nothing
+    // claimable) come at most one per poll interval once backed off, after a short ramp.
+    let config = outbox_core::RelayConfig::default();
+    let batches_bound =
+        2 * outage_rounds(elapsed, Duration::from_millis(200), Duration::from_secs(2))
+            + 2 * config.max_in_flight
+            + 2;
+    let ramp = (config.poll_interval.as_secs_f64() / config.min_poll_interval.as_secs_f64())
+        .log2()
+        .ceil() as usize;
+    let claims_bound = batches_bound
+        + (elapsed.as_secs_f64() / config.poll_interval.as_secs_f64()).ceil() as usize
+        + ramp
         + 2;
     // A task spinning without claiming (a loop in the reader, the statistics, the endpoints)
     // keeps a core busy: half a core is far above what waiting costs on any machine, and far below
@@ -178,9 +192,10 @@ async fn broker_down(broker: Broker, wal: bool) {
         "the relay used {cpu:?} of CPU in {elapsed:?} with the broker down: a task spins"
     );
     assert!(
-        claims_during <= bound as f64,
-        "the relay claimed {claims_during} times in {elapsed:?} with the broker down (at most \
-         {bound}: one probe per readiness check, backing off from 200 ms to 2 s): it spins; its log: {}",
+        batches_during <= batches_bound as f64 && claims_during <= claims_bound as f64,
+        "the relay claimed {claims_during} times, {batches_during} with events, in {elapsed:?} \
+         with the broker down (at most {claims_bound} and {batches_bound}: one probe per \
+         readiness check, backing off from 200 ms to 2 s, and idle polls): it spins; its log: {}",
         log_path.display()
     );
     assert!(
@@ -273,16 +288,20 @@ async fn attempts_and_dead(
     .unwrap()
 }
 
-/// The relay's claims so far (empty ones included), from its `/metrics`.
-async fn claims(addr: &str) -> f64 {
+/// The relay's claims so far, and those of them that returned events, from its `/metrics`.
+async fn claims(addr: &str) -> (f64, f64) {
     let addr = addr.to_string();
     let metrics = tokio::task::spawn_blocking(move || http_get(&addr, "/metrics"))
         .await
         .unwrap()
         .expect("the relay's /metrics answers")
         .1;
-    sample(&metrics, "outbox_claim_duration_seconds_count")
-        .unwrap_or_else(|| panic!("no outbox_claim_duration_seconds_count in:\n{metrics}"))
+    let get =
+        |name: &str| sample(&metrics, name).unwrap_or_else(|| panic!("no {name} in:\n{metrics}"));
+    (
+        get("outbox_claim_duration_seconds_count"),
+        get("outbox_batch_size_count"),
+    )
 }
 
 /// The most readiness checks of an unreachable broker the relay makes in `elapsed`: the first after
