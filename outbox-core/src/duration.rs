@@ -1,5 +1,5 @@
-//! Human-readable durations for configuration: `250ms`, `5s`, `2m`, `1h`, `7d` (units ms, s, m, h, d;
-//! a bare number is seconds).
+//! Human-readable durations for configuration: `250ms`, `5s`, `2m`, `1h`, `7d` (units ms, s, m, h, d).
+//! A number without a unit is refused (is `500` milliseconds or seconds?), except `0`.
 
 use std::time::Duration;
 
@@ -19,8 +19,14 @@ pub fn parse(text: &str) -> Result<Duration, String> {
         format!("`{text}` is not a duration: expected a number with a unit, such as 250ms, 5s, 2m, 1h or 7d")
     })?;
     let factor = match unit.trim() {
+        "" if value == 0.0 => 1.0,
+        "" => {
+            return Err(format!(
+                "`{text}` has no unit: expected {number}ms, {number}s, {number}m, {number}h or {number}d"
+            ))
+        }
         "ms" => 0.001,
-        "" | "s" => 1.0,
+        "s" => 1.0,
         "m" | "min" => 60.0,
         "h" => 3600.0,
         "d" => 86400.0,
@@ -63,7 +69,8 @@ pub mod serde_str {
         s.serialize_str(&format(*d))
     }
 
-    /// Deserialises from text (`5s`) or a number of seconds.
+    /// Deserialises from text with a unit (`5s`); a number is refused, naming the forms to write
+    /// instead (`0` alone is accepted).
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         #[derive(Deserialize)]
         #[serde(untagged)]
@@ -86,7 +93,11 @@ mod tests {
     fn parses_units() {
         assert_eq!(parse("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse("5s").unwrap(), Duration::from_secs(5));
-        assert_eq!(parse("5").unwrap(), Duration::from_secs(5));
+        assert!(
+            parse("500").unwrap_err().contains("expected 500ms, 500s"),
+            "a number without a unit is refused"
+        );
+        assert_eq!(parse("0").unwrap(), Duration::ZERO);
         assert_eq!(parse("1.5s").unwrap(), Duration::from_millis(1500));
         assert_eq!(parse("2m").unwrap(), Duration::from_secs(120));
         assert_eq!(parse("1h").unwrap(), Duration::from_secs(3600));

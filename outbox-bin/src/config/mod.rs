@@ -78,6 +78,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), Error> {
         self.database.validate()?;
         self.relay.validate()?;
+        self.log.validate()?;
         if self.http.max_event_type_labels == 0 {
             return Err(Error::config(
                 "http.max_event_type_labels = 0: expected at least 1 (event types past it count as \"other\")",

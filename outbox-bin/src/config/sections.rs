@@ -126,6 +126,39 @@ pub struct LogConfig {
     pub level: String,
 }
 
+impl LogConfig {
+    /// Checks `level`: each comma-separated directive is a level (`trace`, `debug`, `info`, `warn`,
+    /// `error`, `off`) alone or for a target (`outbox_core=debug`). Anything else would be read as
+    /// the name of a target to trace, leaving every other target silent.
+    ///
+    /// # Errors
+    /// A config error naming the directive and the forms expected.
+    pub fn validate(&self) -> Result<(), Error> {
+        const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+        for directive in self
+            .level
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+        {
+            let level = directive
+                .rsplit_once('=')
+                .map_or(directive, |(_, l)| l)
+                .trim();
+            let known = LEVELS.iter().any(|l| l.eq_ignore_ascii_case(level))
+                || matches!(level, "0" | "1" | "2" | "3" | "4" | "5");
+            if !known {
+                return Err(Error::config(format!(
+                    "log.level = {:?}: {directive:?} is not a level: expected trace, debug, info, \
+                     warn, error or off, alone or for a target (such as \"outbox_core=debug,info\")",
+                    self.level
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig {

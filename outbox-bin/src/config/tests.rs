@@ -96,11 +96,11 @@ fn digits_stay_text_where_text_is_expected() {
         "",
         &[
             ("OUTBOX_DATABASE__SCHEMA", "s123"),
-            ("OUTBOX_LOG__LEVEL", "1234"),
+            ("OUTBOX_LOG__LEVEL", "3"),
         ],
     )
     .unwrap();
-    assert_eq!(c.log.level, "1234");
+    assert_eq!(c.log.level, "3");
 }
 
 #[test]
@@ -339,4 +339,41 @@ fn the_kafka_size_key_is_max_message_bytes_from_the_environment_too() {
         "{}",
         e.message()
     );
+}
+
+#[test]
+fn durations_need_a_unit_and_log_levels_must_be_levels() {
+    for (toml, env) in [
+        ("[relay]\npoll_interval = 500\n", vec![]),
+        ("", vec![("OUTBOX_RELAY__POLL_INTERVAL", "500")]),
+    ] {
+        let e = load_str(toml, &env).unwrap_err().to_string();
+        assert!(
+            e.contains("poll_interval") && e.contains("no unit") && e.contains("500ms, 500s"),
+            "{e}"
+        );
+    }
+    let c = load_str("[relay]\npoll_interval = \"500ms\"\n", &[]).unwrap();
+    assert_eq!(c.relay.poll_interval, Duration::from_millis(500));
+    let e = load_str("[log]\nlevel = \"verbose\"\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("log.level") && e.contains("\"verbose\" is not a level"),
+        "{e}"
+    );
+    let e = load_str("", &[("OUTBOX_LOG__LEVEL", "outbox_core=loud,info")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"outbox_core=loud\""), "{e}");
+    for ok in [
+        "info",
+        "DEBUG",
+        "outbox_core=debug,info",
+        "warn,sqlx::query=error",
+        "off",
+    ] {
+        let c = load_str("", &[("OUTBOX_LOG__LEVEL", ok)]).unwrap();
+        assert_eq!(c.log.level, ok);
+    }
 }
