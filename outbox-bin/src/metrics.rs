@@ -80,6 +80,7 @@ pub struct Metrics {
     published: Counter,
     failed: Family<EventTypeLabel, Counter>,
     retried: Counter,
+    backpressured: Counter,
     dead_lettered_total: Counter,
     store_errors: Family<OperationLabel, Counter>,
     pending: Gauge,
@@ -122,6 +123,7 @@ impl Metrics {
         let published = Counter::default();
         let failed = Family::<EventTypeLabel, Counter>::default();
         let retried = Counter::default();
+        let backpressured = Counter::default();
         let dead_lettered_total = Counter::default();
         let store_errors = Family::<OperationLabel, Counter>::default();
         let pending = Gauge::default();
@@ -154,6 +156,11 @@ impl Metrics {
             "outbox_events_retried",
             "Failed events scheduled for another attempt",
             retried.clone(),
+        );
+        registry.register(
+            "outbox_events_backpressured",
+            "Events the publisher pushed back on (given back unchanged, no attempt counted; claims pause)",
+            backpressured.clone(),
         );
         registry.register(
             "outbox_events_dead_lettered",
@@ -259,6 +266,7 @@ impl Metrics {
             published,
             failed,
             retried,
+            backpressured,
             dead_lettered_total,
             store_errors,
             pending,
@@ -443,6 +451,7 @@ impl RelayObserver for Metrics {
     fn event_failed(&self, event: &Event, _error: &Error, decision: FailureDecision) {
         // Back-pressure is a wait, not a failure: the event goes back unchanged.
         if decision == FailureDecision::Backpressure {
+            self.backpressured.inc();
             return;
         }
         self.failed
@@ -522,6 +531,22 @@ mod tests {
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }
+    }
+
+    #[test]
+    fn backpressure_is_counted_apart_from_failures() {
+        let m = Metrics::default();
+        let event = outbox_core::testkit::publisher_suite::event("a", 1);
+        let full = Error::new(outbox_core::ErrorKind::Backpressure, "queue full");
+        m.event_failed(&event, &full, FailureDecision::Backpressure);
+        m.event_failed(&event, &full, FailureDecision::Backpressure);
+        let text = m.render();
+        assert!(
+            text.contains("outbox_events_backpressured_total 2"),
+            "{text}"
+        );
+        assert!(text.contains("outbox_events_retried_total 0"), "{text}");
+        assert!(!text.contains("outbox_events_failed_total{"), "{text}");
     }
 
     #[test]

@@ -55,6 +55,9 @@ pub(super) fn decide(
                     }
                     FailureDecision::Backpressure => {
                         report.backpressured += 1;
+                        if report.backpressure.is_none() {
+                            report.backpressure = Some(err.to_string());
+                        }
                         debug!(
                             event_id = %event.id,
                             aggregate_id = %event.aggregate_id,

@@ -25,6 +25,8 @@ pub struct BatchReport {
     pub released: usize,
     /// Events given back unchanged because the publisher pushed back (no attempt counted).
     pub backpressured: usize,
+    /// What the publisher said when it first pushed back in this batch.
+    pub backpressure: Option<String>,
     /// Time spent in the publisher.
     pub publish_duration: Duration,
     /// Time spent settling the outcomes in the store.

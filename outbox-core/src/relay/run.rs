@@ -302,12 +302,24 @@ async fn process_batch(
         )
     };
     if report.backpressured > 0 {
-        let pause = shared.pressure.pushed_back();
-        debug!(
-            events = report.backpressured,
-            pause_ms = pause.as_millis() as u64,
-            "the publisher pushed back; claiming pauses"
-        );
+        let (pause, lasting) = shared.pressure.pushed_back();
+        let error = report.backpressure.as_deref().unwrap_or_default();
+        if lasting {
+            warn!(
+                publisher = shared.publisher.name(),
+                events = report.backpressured,
+                error,
+                pause_ms = pause.as_millis() as u64,
+                "the publisher keeps pushing back; claiming pauses between tries"
+            );
+        } else {
+            debug!(
+                events = report.backpressured,
+                error,
+                pause_ms = pause.as_millis() as u64,
+                "the publisher pushed back; claiming pauses"
+            );
+        }
     } else if report.published > 0 {
         shared.pressure.relieved();
     }
