@@ -16,11 +16,7 @@ use common::*;
 use outbox_postgres::testing::{database_url, fresh_table, pool};
 
 fn kubernetes() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/kubernetes")
-}
-
-fn yaml(path: &Path) -> serde_yaml::Value {
-    serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    deploy().join("kubernetes")
 }
 
 /// A Service as its link variables name it: its name, cluster IP and ports (name, port, protocol).

@@ -17,10 +17,6 @@ use common::*;
 use outbox_amqp::testing::Fixture;
 use outbox_postgres::testing::{fresh_table, pool};
 
-fn deploy() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy")
-}
-
 /// A checker installed by `scripts/test-env.sh` into `.tools/bin` (or named by `env_var`).
 fn tool(name: &str, env_var: &str) -> PathBuf {
     if let Ok(path) = std::env::var(env_var) {
@@ -45,10 +41,6 @@ fn check(mut c: Command, what: &str) -> String {
     let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{what} failed:\n{all}");
     all
-}
-
-fn yaml(path: &Path) -> serde_yaml::Value {
-    serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 fn rules_file() -> PathBuf {

@@ -248,3 +248,13 @@ pub fn wait_handles_sigterm(pid: u32) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The deployment kit, `outbox-bin/deploy/`.
+pub fn deploy() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy")
+}
+
+/// A YAML file of the kit, parsed.
+pub fn yaml(path: &std::path::Path) -> serde_yaml::Value {
+    serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
