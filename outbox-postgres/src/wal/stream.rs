@@ -1,13 +1,11 @@
-//! The slot's replication stream (`START_REPLICATION` over a replication connection, with the
-//! `pg_walstream` crate): a task of its own decodes whole transactions and hands them to the
-//! reader over a bounded channel, and reports the confirmed position to the server.
+//! The slot's replication stream (see `replication`): a task of its own decodes whole transactions
+//! and hands them to the reader over a bounded channel, and reports the confirmed position to the
+//! server.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pg_walstream::stream::{LogicalReplicationStream, ReplicationStreamConfig};
-use pg_walstream::SharedLsnFeedback;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -16,17 +14,19 @@ use outbox_core::Error;
 
 use super::buffer::Inner;
 use super::decode::{Decoder, Origin, WalItem, WalTransaction};
+use super::replication::Replication;
 
 /// The longest the reader waits to confirm settled transactions (see `confirm::confirm_settled`);
 /// the stream sends the server its confirmed position within this too while data flows.
 pub(super) const CONFIRM_EVERY: Duration = Duration::from_millis(50);
 
-/// The replication stream of one reading spell: decoded transactions come over `rx`; `feedback`
-/// carries the confirmed position to the server; `settled` counts the transactions confirmed (the
-/// stream's task reports its whole received position while every transaction it delivered is).
+/// The replication stream of one reading spell: decoded transactions come over `rx`; `confirmed`
+/// carries the confirmed position to the stream's task, which reports it to the server; `settled`
+/// counts the transactions confirmed (the task reports its whole received position while every
+/// transaction it delivered is).
 pub(super) struct Stream {
     pub(super) rx: mpsc::Receiver<Result<WalTransaction, Error>>,
-    pub(super) feedback: Arc<SharedLsnFeedback>,
+    pub(super) confirmed: Arc<AtomicU64>,
     /// Makes the stream's task send the confirmed position now.
     pub(super) feedback_now: Arc<Notify>,
     pub(super) settled: Arc<AtomicU64>,
@@ -44,6 +44,12 @@ impl Stream {
         self.channel_bytes
             .fetch_sub(transaction_bytes(&t), Ordering::SeqCst);
         Ok(t)
+    }
+
+    /// Everything before `lsn` is settled: the stream's task reports it to the server now.
+    pub(super) fn confirm(&self, lsn: u64) {
+        self.confirmed.fetch_max(lsn, Ordering::SeqCst);
+        self.feedback_now.notify_one();
     }
 
     pub(super) async fn close(self) {
@@ -72,23 +78,16 @@ fn stream_error(what: &str, e: pg_walstream::ReplicationError) -> Error {
 /// decodes whole transactions and hands them over.
 pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream, Error> {
     let slot = inner.reader.slot();
-    let mut config = ReplicationStreamConfig::builder(slot.slot(), slot.publication())
-        .with_protocol_version(1)
-        .with_messages(true)
-        // Confirms reach the server within this while data flows (the stream checks every 128
-        // messages): a new reader replays from there.
-        .with_feedback_interval(CONFIRM_EVERY)
-        .with_connection_timeout(Duration::from_secs(30));
-    config.retry_config.max_attempts = 1;
-    let mut stream = LogicalReplicationStream::new(&inner.replication_url, config)
-        .await
-        .map_err(|e| stream_error("wal stream connect", e))?;
-    // From the slot's confirmed position.
-    stream
-        .start(None)
-        .await
-        .map_err(|e| stream_error("wal stream start", e))?;
-    let feedback = stream.shared_lsn_feedback.clone();
+    // Confirms reach the server within CONFIRM_EVERY while data flows: a new reader replays from
+    // there.
+    let replication = Replication::start(
+        &inner.replication_url,
+        slot.slot(),
+        slot.publication(),
+        CONFIRM_EVERY,
+    )
+    .map_err(|e| stream_error("wal stream start", e))?;
+    let confirmed = Arc::new(AtomicU64::new(0));
     let settled = Arc::new(AtomicU64::new(0));
     let (tx, rx) = mpsc::channel(STREAM_CHANNEL);
     let cancel = CancellationToken::new();
@@ -96,11 +95,11 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
     let feedback_now = Arc::new(Notify::new());
     let channel_bytes = Arc::new(AtomicU64::new(0));
     let task = tokio::spawn(stream_task(
-        stream,
+        replication,
         decoder,
         StreamShared {
             tx,
-            feedback: feedback.clone(),
+            confirmed: confirmed.clone(),
             feedback_now: feedback_now.clone(),
             settled: settled.clone(),
             channel_bytes: channel_bytes.clone(),
@@ -110,7 +109,7 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
     ));
     Ok(Stream {
         rx,
-        feedback,
+        confirmed,
         feedback_now,
         settled,
         channel_bytes,
@@ -122,7 +121,7 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
 /// What the stream's task shares with the reader.
 struct StreamShared {
     pub(super) tx: mpsc::Sender<Result<WalTransaction, Error>>,
-    pub(super) feedback: Arc<SharedLsnFeedback>,
+    pub(super) confirmed: Arc<AtomicU64>,
     pub(super) feedback_now: Arc<Notify>,
     pub(super) settled: Arc<AtomicU64>,
     pub(super) channel_bytes: Arc<AtomicU64>,
@@ -141,14 +140,14 @@ fn transaction_bytes(t: &WalTransaction) -> u64 {
 }
 
 async fn stream_task(
-    mut stream: LogicalReplicationStream,
+    mut stream: Replication,
     mut decoder: Decoder,
     shared: StreamShared,
     cancel: CancellationToken,
 ) {
     let StreamShared {
         tx,
-        feedback,
+        confirmed,
         feedback_now,
         settled,
         channel_bytes,
@@ -159,22 +158,22 @@ async fn stream_task(
     let mut period = cancel.child_token();
     let mut period_timer = spawn_period(period.clone(), feedback_now.clone());
     loop {
-        let raw = match stream.next_raw_event(&period).await {
+        stream.confirm(confirmed.load(Ordering::SeqCst));
+        let raw = match stream.next(&period).await {
             Ok(raw) => raw,
             Err(e) if e.is_cancelled() => {
                 if cancel.is_cancelled() {
                     period_timer.abort();
-                    let _ = stream.stop().await;
+                    stream.confirm(confirmed.load(Ordering::SeqCst));
+                    let _ = stream.report().await;
                     return;
                 }
                 // A quiet second: report the whole received position (keepalives included:
                 // everything committed below it was sent before) when all delivered is settled.
                 if settled.load(Ordering::SeqCst) == delivered && !decoder.in_transaction() {
-                    let at = stream.current_lsn();
-                    feedback.update_flushed_lsn(at);
-                    feedback.update_applied_lsn(at);
+                    stream.confirm(stream.received());
                 }
-                let _ = stream.send_feedback().await;
+                let _ = stream.report().await;
                 period = cancel.child_token();
                 period_timer = spawn_period(period.clone(), feedback_now.clone());
                 continue;
@@ -184,7 +183,7 @@ async fn stream_task(
                 return;
             }
         };
-        let decoded = decoder.feed(raw.wal_start.value(), &raw.data);
+        let decoded = decoder.feed(raw.wal_start, &raw.data);
         let transaction = match decoded {
             Ok(Some(t)) => t,
             Ok(None) => continue,
@@ -206,13 +205,15 @@ async fn stream_task(
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(5)) => {}
                     _ = cancel.cancelled() => {
-                        let _ = stream.stop().await;
+                        stream.confirm(confirmed.load(Ordering::SeqCst));
+                        let _ = stream.report().await;
                         return;
                     }
                 }
                 if last_answer.elapsed() >= Duration::from_secs(10) {
                     last_answer = Instant::now();
-                    let _ = stream.send_feedback().await;
+                    stream.confirm(confirmed.load(Ordering::SeqCst));
+                    let _ = stream.report().await;
                 }
                 continue;
             }
@@ -226,10 +227,12 @@ async fn stream_task(
                 },
                 _ = tokio::time::sleep(Duration::from_secs(10)) => {
                     transaction = Some(t);
-                    let _ = stream.send_feedback().await;
+                    stream.confirm(confirmed.load(Ordering::SeqCst));
+                    let _ = stream.report().await;
                 }
                 _ = cancel.cancelled() => {
-                    let _ = stream.stop().await;
+                    stream.confirm(confirmed.load(Ordering::SeqCst));
+                    let _ = stream.report().await;
                     return;
                 }
             }
