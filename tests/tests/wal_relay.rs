@@ -562,3 +562,92 @@ async fn backpressure_moves_nothing_to_the_held_table() {
     println!("WAL source, back-pressure on one aggregate: {verdict}");
     assert_clean_verdict(&verdict);
 }
+
+/// A transaction larger than the reader holds in memory (here `wal.read_ahead = 20`: parts of 200
+/// events) comes in parts, which go to the held table after the events still in memory: every
+/// event once, each aggregate's in commit order, with transactions before and after it and a
+/// publisher slow enough that batches are in flight when the parts come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_larger_than_the_read_ahead_goes_through_the_held_table_in_order() {
+    large_transaction(false).await;
+}
+
+/// As above, the reader's session ending while the transaction's parts are handed over: the
+/// reader reads it again from its start and skips what the held table has (published or not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_ending_in_the_middle_of_a_large_transaction_does_not_hand_it_over_twice() {
+    large_transaction(true).await;
+}
+
+async fn large_transaction(end_session: bool) {
+    let Fixture {
+        pool,
+        table,
+        mut wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
+    wal.config.read_ahead = 20;
+    publisher.set_latency(Duration::from_millis(20));
+    let (_store, task) = spawn(&wal, &publisher, &shutdown).await;
+    let mut committed = write_rounds(&table, 10, 3).await;
+    // One transaction of 2,050 events over 10 aggregates.
+    let writer = outbox_postgres::Writer::new(table.clone());
+    let mut tx = pool.begin().await.unwrap();
+    let events: Vec<_> = (0..2_050)
+        .map(|n| sample_event(&format!("agg-{}", n % 10), 100 + n))
+        .collect();
+    let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
+    let rows: Vec<(String, Uuid)> = sqlx::query_as(&format!(
+        "SELECT aggregate_id, id FROM {} WHERE id = ANY($1) ORDER BY seq",
+        table.qualified()
+    ))
+    .bind(&ids)
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    writer.commit(tx).await.unwrap();
+    committed.extend(rows);
+    committed.extend(write_rounds(&table, 10, 3).await);
+    // The held table deletes what it published: its sequence counts what went in (two values a
+    // row: the identity column's default, then the writer-order trigger's).
+    let held_in = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence($1, 'seq')), 0) / 2",
+        )
+        .bind(wal.held.qualified())
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    if end_session {
+        wait_until(
+            Duration::from_secs(60),
+            "four parts in the held table",
+            || async { held_in().await >= 800 },
+        )
+        .await;
+        assert_eq!(end_reader_session(&pool, &wal).await, 1);
+    }
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    let held = held_in().await;
+    // Each part once (and the mark), even when read twice.
+    assert!(
+        (2_050..=2_050 + 30 + 30 + 20).contains(&held),
+        "the large transaction went through the held table once ({held} rows went in)"
+    );
+    shutdown.cancel();
+    task.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!(
+        "WAL source, a transaction of 2,050 events in parts of 200{}: {verdict} held_rows_in={held}",
+        if end_session { ", the reader's session ended in the middle" } else { "" }
+    );
+    if end_session {
+        // What the buffer had in flight at the end (2 batches of 50, and one settling).
+        outbox_tests::harness::assert_crash_verdict(&verdict, 1, 50, 3);
+    } else {
+        assert_clean_verdict(&verdict);
+    }
+}

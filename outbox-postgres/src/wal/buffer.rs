@@ -34,6 +34,12 @@ pub(super) struct Settings {
 }
 
 impl Settings {
+    /// A transaction with more events than this (or more payload bytes than `read_ahead_bytes`)
+    /// is not held in memory whole: it comes in parts, which go to the held table.
+    pub(super) fn part_events(&self) -> usize {
+        self.read_ahead.saturating_mul(10)
+    }
+
     pub(super) fn claims_paused_after(&self) -> Duration {
         CLAIMS_PAUSED_AFTER.max(self.held_poll_interval * 2)
     }

@@ -60,6 +60,40 @@ pub struct WalTransaction {
     pub items: Vec<WalItem>,
     /// The ids of its events that are rows of the outbox table (the others are table-less).
     pub row_ids: Vec<Uuid>,
+    /// Whether this is the whole transaction or a part of one too large to hold whole.
+    pub piece: Piece,
+}
+
+/// Whether a [`WalTransaction`] is a whole transaction or a part of one: a transaction larger
+/// than the reader holds in memory comes in parts (the changes are committed already: a slot sends
+/// a transaction once it committed), each at most the part limit the decoder was given. A part
+/// names its transaction by `commit_lsn`, the position of its commit record (the same on every
+/// read of it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Piece {
+    /// The whole transaction.
+    #[default]
+    Whole,
+    /// Its changes so far; more parts follow. `end_lsn` is 0 (the commit is not read yet).
+    Part {
+        /// The position of the transaction's commit record.
+        commit_lsn: u64,
+    },
+    /// Its last changes, after one or more parts; `end_lsn` is its commit's.
+    Last {
+        /// The position of the transaction's commit record.
+        commit_lsn: u64,
+    },
+}
+
+impl Piece {
+    /// The position of the commit record of the transaction a part belongs to.
+    pub fn commit_lsn(&self) -> Option<u64> {
+        match self {
+            Piece::Whole => None,
+            Piece::Part { commit_lsn } | Piece::Last { commit_lsn } => Some(*commit_lsn),
+        }
+    }
 }
 
 /// A change of a transaction.
@@ -279,6 +313,15 @@ pub(crate) struct Decoder {
     relations: HashMap<u32, (String, String, Vec<String>)>,
     open: Option<(DateTime<Utc>, Vec<WalItem>)>,
     row_ids: Vec<Uuid>,
+    /// The payload bytes of the open transaction's items not yet handed over.
+    open_bytes: usize,
+    /// Whether the open transaction was handed over in parts already.
+    parted: bool,
+    /// The position of the open transaction's commit record (from its Begin message).
+    open_commit_lsn: u64,
+    /// A transaction is handed over in parts of at most this many items or payload bytes.
+    part_events: usize,
+    part_bytes: usize,
 }
 
 impl Decoder {
@@ -291,7 +334,21 @@ impl Decoder {
             relations: HashMap::new(),
             open: None,
             row_ids: Vec::new(),
+            open_bytes: 0,
+            parted: false,
+            open_commit_lsn: 0,
+            part_events: usize::MAX,
+            part_bytes: usize::MAX,
         }
+    }
+
+    /// Hands a transaction over in parts ([`Piece::Part`], then [`Piece::Last`]) once it has
+    /// `events` items or `bytes` payload bytes not handed over: the memory one transaction takes
+    /// is bounded whatever its size.
+    pub(crate) fn with_part_limit(mut self, events: usize, bytes: usize) -> Decoder {
+        self.part_events = events.max(1);
+        self.part_bytes = bytes.max(1);
+        self
     }
 
     /// Whether a transaction is open (begun, not yet committed).
@@ -319,9 +376,16 @@ impl Decoder {
             })?
             .message;
         match message {
-            LogicalReplicationMessage::Begin { timestamp, .. } => {
+            LogicalReplicationMessage::Begin {
+                timestamp,
+                final_lsn,
+                ..
+            } => {
                 self.open = Some((postgres_time(timestamp), Vec::new()));
+                self.open_commit_lsn = final_lsn;
                 self.row_ids.clear();
+                self.open_bytes = 0;
+                self.parted = false;
             }
             LogicalReplicationMessage::Relation {
                 relation_id,
@@ -351,6 +415,7 @@ impl Decoder {
                         if let WalItem::Event(e) = &item {
                             self.row_ids.push(e.id);
                         }
+                        self.open_bytes += item_bytes(&item);
                         items.push(item);
                     }
                     None => items.push(WalItem::Undecodable {
@@ -370,7 +435,9 @@ impl Decoder {
                 content,
             } if prefix == self.prefix => match self.open.as_mut() {
                 Some((commit_time, items)) if flags & 1 == 1 => {
-                    items.push(message_event(message_lsn, &content, *commit_time, origin));
+                    let item = message_event(message_lsn, &content, *commit_time, origin);
+                    self.open_bytes += item_bytes(&item);
+                    items.push(item);
                 }
                 // A non-transactional message: emitted even when its transaction rolls back,
                 // so not an event of a committed transaction.
@@ -379,6 +446,7 @@ impl Decoder {
                         end_lsn: message_lsn,
                         commit_time: Utc::now(),
                         row_ids: Vec::new(),
+                        piece: Piece::Whole,
                         items: vec![WalItem::Undecodable {
                             id: derived_id(origin, message_lsn),
                             lsn: message_lsn,
@@ -395,28 +463,83 @@ impl Decoder {
             } => {
                 if let Some((_, mut items)) = self.open.take() {
                     let commit_time = postgres_time(timestamp);
-                    for item in &mut items {
-                        match item {
-                            WalItem::Event(e) if e.created_at == DateTime::<Utc>::default() => {
-                                e.created_at = commit_time;
-                            }
-                            WalItem::Undecodable { id, lsn, .. } => {
-                                *id = derived_id(origin, *lsn);
-                            }
-                            WalItem::Event(_) => {}
+                    finish(&mut items, commit_time, origin);
+                    let piece = if self.parted {
+                        Piece::Last {
+                            commit_lsn: self.open_commit_lsn,
                         }
-                    }
+                    } else {
+                        Piece::Whole
+                    };
+                    self.parted = false;
+                    self.open_bytes = 0;
                     return Ok(Some(WalTransaction {
                         end_lsn,
                         commit_time,
                         items,
                         row_ids: std::mem::take(&mut self.row_ids),
+                        piece,
                     }));
                 }
             }
             _ => {}
         }
-        Ok(None)
+        Ok(self.part_due().then(|| self.take_part()))
+    }
+
+    /// Whether the open transaction's items not handed over reached the part limit.
+    fn part_due(&self) -> bool {
+        self.open.as_ref().is_some_and(|(_, items)| {
+            !items.is_empty()
+                && (items.len() >= self.part_events || self.open_bytes >= self.part_bytes)
+        })
+    }
+
+    /// The open transaction's items so far, as a part.
+    fn take_part(&mut self) -> WalTransaction {
+        let origin = self.origin;
+        let (commit_time, items) = match self.open.as_mut() {
+            Some((commit_time, items)) => (*commit_time, std::mem::take(items)),
+            None => (DateTime::<Utc>::default(), Vec::new()),
+        };
+        let mut items = items;
+        // The Begin message carries the commit time already.
+        finish(&mut items, commit_time, origin);
+        self.parted = true;
+        self.open_bytes = 0;
+        WalTransaction {
+            end_lsn: 0,
+            commit_time,
+            items,
+            row_ids: std::mem::take(&mut self.row_ids),
+            piece: Piece::Part {
+                commit_lsn: self.open_commit_lsn,
+            },
+        }
+    }
+}
+
+/// Completes a transaction's items once its commit time is known: rows written without a creation
+/// time take it, and changes that are not events get their ids.
+fn finish(items: &mut [WalItem], commit_time: DateTime<Utc>, origin: Origin) {
+    for item in items {
+        match item {
+            WalItem::Event(e) if e.created_at == DateTime::<Utc>::default() => {
+                e.created_at = commit_time;
+            }
+            WalItem::Undecodable { id, lsn, .. } => {
+                *id = derived_id(origin, *lsn);
+            }
+            WalItem::Event(_) => {}
+        }
+    }
+}
+
+/// The payload bytes an item holds (its content's, for a change that is not an event).
+pub(crate) fn item_bytes(item: &WalItem) -> usize {
+    match item {
+        WalItem::Event(e) => e.payload.len(),
+        WalItem::Undecodable { raw, .. } => raw.len(),
     }
 }
 

@@ -12,7 +12,7 @@ use uuid::Uuid;
 use outbox_core::{Action, Error, Event};
 
 use super::buffer::{aggregate_key, Entry, EntryState, Inner, Txn};
-use super::decode::{WalItem, WalTransaction};
+use super::decode::{Piece, WalItem, WalTransaction};
 use crate::error::map_sqlx;
 use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED};
 
@@ -36,6 +36,18 @@ impl HeldRow {
             retry_in: None,
             error: None,
             dead: false,
+        }
+    }
+
+    /// The dead letter of a change that is not an event.
+    fn undecodable(id: Uuid, lsn: u64, error: String, raw: String, at: DateTime<Utc>) -> Self {
+        warn!(lsn = format!("{lsn:X}"), error = %error, "a change of the slot is not an event: dead-lettered");
+        HeldRow {
+            event: undecodable_event(id, lsn, raw, at),
+            attempts: 0,
+            retry_in: None,
+            error: Some(error),
+            dead: true,
         }
     }
 
@@ -65,8 +77,43 @@ impl HeldRow {
 }
 
 /// Writes `rows` to the held table, in order, in one statement (events already there are left as
-/// they are: a replay after a crash).
+/// they are: a replay after a crash), and deletes the outbox rows `delete` in the same transaction.
+/// The held table's writer-order lock is off for it: this reader is the table's only writer, and a
+/// lock per aggregate for tens of thousands of aggregates would exhaust the server's lock table.
 async fn insert_held(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    rows: &[HeldRow],
+    delete: &[Uuid],
+    handed: Option<SpillMark>,
+) -> Result<(), Error> {
+    if rows.is_empty() && delete.is_empty() && handed.is_none() {
+        return Ok(());
+    }
+    let map = |e| map_sqlx("wal move to the held table", e);
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(map)?;
+    sqlx::query("SELECT set_config('outbox.writer_order', 'off', true)")
+        .execute(&mut *tx)
+        .await
+        .map_err(map)?;
+    insert_rows(inner, &mut tx, rows).await?;
+    if !delete.is_empty() {
+        sqlx::query(&format!(
+            "DELETE FROM {} WHERE id = ANY($1)",
+            inner.source.qualified()
+        ))
+        .bind(delete)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| map_sqlx("wal delete published rows", e))?;
+    }
+    if let Some(mark) = handed {
+        mark.save(inner, &mut tx).await?;
+    }
+    tx.commit().await.map_err(map)
+}
+
+async fn insert_rows(
     inner: &Inner,
     conn: &mut PgConnection,
     rows: &[HeldRow],
@@ -186,7 +233,7 @@ pub(super) async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Resul
     if rows.is_empty() {
         return Ok(false);
     }
-    let result = insert_held(inner, conn, &rows).await;
+    let result = insert_held(inner, conn, &rows, &[], None).await;
     let mut st = inner.state();
     match result {
         Ok(()) => {
@@ -210,6 +257,187 @@ pub(super) async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Resul
             Err(e)
         }
     }
+}
+
+/// How far a transaction handed over in parts is in the held table: `handed` of its items, counted
+/// in the order the slot sends them. Kept in the held table (one row per table, already
+/// processed, never claimed), written with each part, so that a reader that stopped in the middle
+/// and reads the transaction again skips what was handed over, published or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SpillMark {
+    commit_lsn: u64,
+    handed: u64,
+}
+
+/// The id of the held table's [`SpillMark`] row.
+const SPILL_MARK_ID: Uuid = Uuid::from_u128(0x6f75_7462_6f78_2d77_616c_2d73_7069_6c6c);
+
+impl SpillMark {
+    /// The mark of the held table (a mark of another transaction counts nothing for this one).
+    async fn load(inner: &Inner, conn: &mut PgConnection, commit_lsn: u64) -> Result<u64, Error> {
+        let mark: Option<serde_json::Value> = sqlx::query_scalar(&format!(
+            "SELECT payload FROM {} WHERE id = $1",
+            inner.held.table().qualified()
+        ))
+        .bind(SPILL_MARK_ID)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(|e| map_sqlx("wal read", e))?;
+        let field = |m: &serde_json::Value, k: &str| m.get(k).and_then(serde_json::Value::as_u64);
+        Ok(match mark {
+            Some(m) if field(&m, "commit_lsn") == Some(commit_lsn) => {
+                field(&m, "handed").unwrap_or(0)
+            }
+            _ => 0,
+        })
+    }
+
+    async fn save(&self, inner: &Inner, conn: &mut PgConnection) -> Result<(), Error> {
+        sqlx::query(&format!(
+            "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, processed_at)
+             VALUES ($1, $2, $3, $2, $4, now())
+             ON CONFLICT (id) DO UPDATE SET payload = EXCLUDED.payload, processed_at = now()",
+            inner.held.table().qualified()
+        ))
+        .bind(SPILL_MARK_ID)
+        .bind(SPILL_MARK_TYPE)
+        .bind(inner.reader.slot().slot())
+        .bind(serde_json::json!({"commit_lsn": self.commit_lsn, "handed": self.handed}))
+        .execute(&mut *conn)
+        .await
+        .map_err(|e| map_sqlx("wal move to the held table", e))?;
+        Ok(())
+    }
+}
+
+/// The aggregate and event type of the held table's [`SpillMark`] row.
+pub const SPILL_MARK_TYPE: &str = "(wal spill mark)";
+
+/// The reader's count of the transaction being handed over in parts.
+#[derive(Debug, Default)]
+pub(super) struct Spilling {
+    /// The transaction (its commit position), the items of it seen in this reading, and how many
+    /// of them the held table had before this reading.
+    current: Option<(u64, u64, u64)>,
+}
+
+/// Hands a part of a transaction too large to hold in memory (see [`Piece`]) to the held table,
+/// after every event of the buffer not yet settled, so that the held table keeps commit order; with
+/// `wal.delete_published` the part's outbox rows are deleted in the same transaction. Returns false,
+/// doing nothing, while a batch holds events of the buffer (call again once it is settled). The
+/// last part leaves its transaction in the buffer with no event, to be confirmed in its turn.
+///
+/// A reader that stopped in the middle reads the transaction again from its start: the items the
+/// held table's [`SpillMark`] counts as handed over are skipped.
+pub(super) async fn spill(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    part: &WalTransaction,
+    spilling: &mut Spilling,
+) -> Result<bool, Error> {
+    let Some(commit_lsn) = part.piece.commit_lsn() else {
+        return Ok(true);
+    };
+    if inner.state().in_flight > 0 {
+        return Ok(false);
+    }
+    let (seen, before) = match spilling.current {
+        Some((c, seen, before)) if c == commit_lsn => (seen, before),
+        _ => (0, SpillMark::load(inner, conn, commit_lsn).await?),
+    };
+    let (mut rows, moved, previous) = {
+        let mut st = inner.state();
+        if st.in_flight > 0 {
+            return Ok(false);
+        }
+        let mut rows = Vec::new();
+        let mut waiting = Vec::new();
+        for t in &st.txns {
+            for (i, e) in t.entries.iter().enumerate() {
+                match &e.state {
+                    EntryState::Done => {}
+                    EntryState::Failed(a) => {
+                        rows.push(HeldRow::failed(e.event.clone(), a));
+                        waiting.push((t.end_lsn, i, e.state.clone()));
+                    }
+                    _ => {
+                        rows.push(HeldRow::waiting(e.event.clone()));
+                        waiting.push((t.end_lsn, i, e.state.clone()));
+                    }
+                }
+            }
+        }
+        let mut moved = Vec::new();
+        let mut previous = Vec::new();
+        for (end, i, state) in waiting {
+            st.set_state(end, i, EntryState::Moving);
+            moved.push((end, i));
+            previous.push(state);
+        }
+        (rows, moved, previous)
+    };
+    // The items a reading before this one handed over already.
+    let skip = usize::try_from(before.saturating_sub(seen))
+        .unwrap_or(usize::MAX)
+        .min(part.items.len());
+    for item in &part.items[skip..] {
+        rows.push(match item {
+            WalItem::Event(e) => HeldRow::waiting(e.clone()),
+            WalItem::Undecodable {
+                id,
+                lsn,
+                error,
+                raw,
+            } => HeldRow::undecodable(*id, *lsn, error.clone(), raw.clone(), part.commit_time),
+        });
+    }
+    let delete: &[Uuid] = if inner.settings.delete_published {
+        &part.row_ids
+    } else {
+        &[]
+    };
+    let seen = seen + part.items.len() as u64;
+    let mark = SpillMark {
+        commit_lsn,
+        handed: seen.max(before),
+    };
+    let result = insert_held(inner, conn, &rows, delete, Some(mark)).await;
+    let mut st = inner.state();
+    if let Err(e) = result {
+        for ((end, i), state) in moved.iter().zip(previous) {
+            st.set_state(*end, *i, state);
+        }
+        return Err(e);
+    }
+    for (end, i) in &moved {
+        st.set_state(*end, *i, EntryState::Done);
+    }
+    let last = matches!(part.piece, Piece::Last { .. });
+    if last {
+        st.txns.push_back(Txn {
+            end_lsn: part.end_lsn,
+            commit_time: part.commit_time,
+            entries: Vec::new(),
+            row_ids: Vec::new(),
+        });
+        spilling.current = None;
+    } else {
+        spilling.current = Some((commit_lsn, seen, before));
+    }
+    drop(st);
+    debug!(
+        events = rows.len(),
+        skipped = skip,
+        last,
+        "a part of a large transaction moved to the held table"
+    );
+    inner
+        .held_poll
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .dirty = true;
+    inner.wake_relay();
+    Ok(true)
 }
 
 /// Takes newly read transactions in: events of aggregates with events in the held table go there
@@ -276,14 +504,7 @@ pub(super) async fn take_in(
                     raw,
                 } => {
                     if !held_ids.contains(&id) {
-                        warn!(lsn = format!("{lsn:X}"), error = %error, "a change of the slot is not an event: dead-lettered");
-                        to_held.push(HeldRow {
-                            event: undecodable_event(id, lsn, raw, t.commit_time),
-                            attempts: 0,
-                            retry_in: None,
-                            error: Some(error),
-                            dead: true,
-                        });
+                        to_held.push(HeldRow::undecodable(id, lsn, error, raw, t.commit_time));
                     }
                     continue;
                 }
@@ -311,7 +532,7 @@ pub(super) async fn take_in(
         });
     }
     // Into the held table first: a transaction is confirmed only once it is in hand.
-    insert_held(inner, conn, &to_held).await?;
+    insert_held(inner, conn, &to_held, &[], None).await?;
     if !to_held.is_empty() {
         inner
             .held_poll

@@ -58,8 +58,10 @@ mod stream;
 pub use crate::writer::message::{MessageWriter, DEFAULT_MESSAGE_PREFIX};
 pub use buffer::CLAIMS_PAUSED_AFTER;
 pub use config::{WalConfig, DEFAULT_RETAINED_WAL_WARNING};
-pub use decode::{postgres_time, WalItem, WalPeek, WalReader, WalTransaction, PROTO_VERSION};
-pub use held::UNDECODABLE_AGGREGATE_TYPE;
+pub use decode::{
+    postgres_time, Piece, WalItem, WalPeek, WalReader, WalTransaction, PROTO_VERSION,
+};
+pub use held::{SPILL_MARK_TYPE, UNDECODABLE_AGGREGATE_TYPE};
 pub use reader::STANDBY_RETRY;
 pub use slot::{check_wal_level, wal_level, WalSetup, WalSlot};
 pub use status::{SlotPositions, WalStatus, STATUS_PEEK};

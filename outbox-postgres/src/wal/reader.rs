@@ -13,8 +13,8 @@ use outbox_core::Error;
 
 use super::buffer::{Inner, State};
 use super::confirm::confirm_settled;
-use super::decode::{Origin, WalItem};
-use super::held::{move_failed, take_in};
+use super::decode::{Origin, Piece, WalItem, WalTransaction};
+use super::held::{move_failed, spill, take_in, Spilling};
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
 use crate::pool::KEEPALIVES;
@@ -260,6 +260,9 @@ async fn read_stream(
     // Only this reader adds to it.
     let mut held_may_have_rows = true;
     let mut held_checked = Instant::now();
+    // A part of a transaction too large to hold whole, waiting to go to the held table.
+    let mut part: Option<WalTransaction> = None;
+    let mut spilling = Spilling::default();
     loop {
         if move_failed(inner, conn).await? {
             held_may_have_rows = true;
@@ -268,6 +271,20 @@ async fn read_stream(
         confirm_settled(inner, conn, stream, &mut last_confirm, stopping).await?;
         if stopping {
             return Ok(());
+        }
+        if let Some(p) = part.take() {
+            if spill(inner, conn, &p, &mut spilling).await? {
+                held_may_have_rows = true;
+                continue;
+            }
+            // A batch holds events of the buffer: the part goes after them once it is settled.
+            part = Some(p);
+            tokio::select! {
+                _ = inner.reader_wake.notified() => {}
+                _ = tokio::time::sleep(PAUSED_WAIT) => {}
+                _ = stop.cancelled() => {}
+            }
+            continue;
         }
         if (held_may_have_rows && held_checked.elapsed() >= HELD_EMPTY_CHECK)
             || held_checked.elapsed() >= LOCK_PING
@@ -308,6 +325,10 @@ async fn read_stream(
                 match stream.rx.try_recv() {
                     Ok(t) => {
                         let t = stream.taken(t)?;
+                        if t.piece != Piece::Whole {
+                            part = Some(t);
+                            break;
+                        }
                         for item in &t.items {
                             if let WalItem::Event(e) = item {
                                 events += 1;
@@ -324,6 +345,9 @@ async fn read_stream(
             if take_in(inner, conn, new, held_may_have_rows).await? {
                 held_may_have_rows = true;
             }
+            continue;
+        }
+        if part.is_some() {
             continue;
         }
         // Nothing in hand: wait for a transaction, a settled batch, a confirm due (only while a
@@ -343,7 +367,9 @@ async fn read_stream(
                 t = stream.rx.recv() => match t {
                     Some(t) => {
                         let t = stream.taken(t)?;
-                        if take_in(inner, conn, vec![t], held_may_have_rows).await? {
+                        if t.piece != Piece::Whole {
+                            part = Some(t);
+                        } else if take_in(inner, conn, vec![t], held_may_have_rows).await? {
                             held_may_have_rows = true;
                         }
                     }

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use outbox_core::Error;
 
 use super::buffer::Inner;
-use super::decode::{Decoder, Origin, WalItem, WalTransaction};
+use super::decode::{item_bytes, Decoder, Origin, Piece, WalTransaction};
 use super::replication::Replication;
 
 /// The longest the reader waits to confirm settled transactions (see `confirm::confirm_settled`);
@@ -91,7 +91,11 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
     let settled = Arc::new(AtomicU64::new(0));
     let (tx, rx) = mpsc::channel(STREAM_CHANNEL);
     let cancel = CancellationToken::new();
-    let decoder = Decoder::new(slot, origin);
+    // A transaction larger than this comes in parts, which the reader hands to the held table.
+    let decoder = Decoder::new(slot, origin).with_part_limit(
+        inner.settings.part_events(),
+        inner.settings.read_ahead_bytes,
+    );
     let feedback_now = Arc::new(Notify::new());
     let channel_bytes = Arc::new(AtomicU64::new(0));
     let task = tokio::spawn(stream_task(
@@ -130,13 +134,7 @@ struct StreamShared {
 
 /// The payload bytes of a transaction's events.
 fn transaction_bytes(t: &WalTransaction) -> u64 {
-    t.items
-        .iter()
-        .map(|item| match item {
-            WalItem::Event(e) => e.payload.len() as u64,
-            WalItem::Undecodable { raw, .. } => raw.len() as u64,
-        })
-        .sum()
+    t.items.iter().map(|item| item_bytes(item) as u64).sum()
 }
 
 async fn stream_task(
@@ -192,7 +190,9 @@ async fn stream_task(
                 return;
             }
         };
-        delivered += 1;
+        if !matches!(transaction.piece, Piece::Part { .. }) {
+            delivered += 1;
+        }
         let bytes = transaction_bytes(&transaction);
         let mut transaction = Some(transaction);
         // Wait for room (a place in the channel, and its bytes under the read-ahead unless it is
