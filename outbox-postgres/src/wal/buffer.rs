@@ -34,10 +34,17 @@ pub(super) struct Settings {
 }
 
 impl Settings {
-    /// A transaction with more events than this (or more payload bytes than `read_ahead_bytes`)
-    /// is not held in memory whole: it comes in parts, which go to the held table.
+    /// A transaction with more events than this (or more payload bytes than
+    /// [`Settings::part_bytes`]) is not held in memory whole: it comes in parts, which go to the
+    /// held table.
     pub(super) fn part_events(&self) -> usize {
         self.read_ahead.saturating_mul(10)
+    }
+
+    /// Half the read-ahead's bytes: a part is held by the stream's task, then the channel, then
+    /// the reader while it goes to the held table (copied into the statement's parameters).
+    pub(super) fn part_bytes(&self) -> usize {
+        (self.read_ahead_bytes / 2).max(1)
     }
 
     pub(super) fn claims_paused_after(&self) -> Duration {

@@ -55,6 +55,54 @@ impl RelayProcess {
         extra: &[(&str, &str)],
         log: impl Into<Stdio>,
     ) -> RelayProcess {
+        let (mut c, tag) = Self::command(table);
+        sink.configure(&mut c);
+        for (k, v) in extra {
+            c.env(k, v);
+        }
+        let child = c.stdout(Stdio::null()).stderr(log.into()).spawn().unwrap();
+        RelayProcess { child, tag }
+    }
+
+    /// As [`RelayProcess::start`], publishing to its standard output (`publisher.type = stdout`,
+    /// a JSON line per event): a thread reads it and appends each line's event id to `received`,
+    /// in order (a scenario whose volume a broker fixture would hold in memory whole).
+    pub fn start_to_stdout(
+        table: &OutboxTable,
+        extra: &[(&str, &str)],
+        received: std::sync::Arc<std::sync::Mutex<Vec<Uuid>>>,
+    ) -> RelayProcess {
+        let dir = relay_log_dir(table);
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = std::fs::File::create(dir.join(format!(
+            "relay-{}.log",
+            &Uuid::new_v4().simple().to_string()[..12]
+        )))
+        .unwrap();
+        let (mut c, tag) = Self::command(table);
+        c.env("OUTBOX_PUBLISHER__TYPE", "stdout");
+        for (k, v) in extra {
+            c.env(k, v);
+        }
+        let mut child = c.stdout(Stdio::piped()).stderr(log).spawn().unwrap();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            #[derive(serde::Deserialize)]
+            struct Line {
+                id: Uuid,
+            }
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let line: Line = serde_json::from_str(&line).unwrap();
+                received.lock().unwrap().push(line.id);
+            }
+        });
+        RelayProcess { child, tag }
+    }
+
+    /// The relay's command with the harness's settings, and its sessions' `application_name`.
+    fn command(table: &OutboxTable) -> (Command, String) {
         let mut c = Command::new(outbox_bin());
         c.arg("relay").current_dir(std::env::temp_dir());
         for (k, _) in std::env::vars() {
@@ -72,12 +120,7 @@ impl RelayProcess {
             .env("OUTBOX_RELAY__RETRY__MAX_ATTEMPTS", "1000")
             .env("OUTBOX_LOG__LEVEL", "warn")
             .env_remove("RUST_LOG");
-        sink.configure(&mut c);
-        for (k, v) in extra {
-            c.env(k, v);
-        }
-        let child = c.stdout(Stdio::null()).stderr(log.into()).spawn().unwrap();
-        RelayProcess { child, tag }
+        (c, tag)
     }
 
     /// Whether the process has installed its SIGTERM handler (`SigCgt` in /proc): before that, a

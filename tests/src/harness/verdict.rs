@@ -179,7 +179,12 @@ pub fn report(scenario: &str, broker: Broker, v: &Verdict) {
 
 /// [`report`], with `extra` figures (`name=value` pairs) at the end of the summary line.
 pub fn report_with(scenario: &str, broker: Broker, v: &Verdict, extra: &str) {
-    let line = format!("scenario={scenario} broker={} {v}{extra}", broker.name());
+    report_to(scenario, broker.name(), v, extra);
+}
+
+/// [`report_with`] for a scenario whose events go to `destination` (a broker's name, or `stdout`).
+pub fn report_to(scenario: &str, destination: &str, v: &Verdict, extra: &str) {
+    let line = format!("scenario={scenario} broker={destination} {v}{extra}");
     println!("{line}");
     if let Some(first) = v.consumer_errors.first() {
         println!(
