@@ -7,7 +7,10 @@ use std::time::Instant;
 
 use sqlx::PgConnection;
 
-use outbox_core::Error;
+use tracing::error;
+use uuid::Uuid;
+
+use outbox_core::{Error, ErrorKind};
 
 use super::buffer::Inner;
 use super::stream::{Stream, CONFIRM_EVERY};
@@ -50,16 +53,7 @@ pub(super) async fn confirm_settled(
     let Some(target) = target else {
         return Ok(());
     };
-    if inner.settings.delete_published && !row_ids.is_empty() {
-        sqlx::query(&format!(
-            "DELETE FROM {} WHERE id = ANY($1)",
-            inner.source.qualified()
-        ))
-        .bind(&row_ids)
-        .execute(&mut *conn)
-        .await
-        .map_err(|e| map_sqlx("wal delete published rows", e))?;
-    }
+    delete_published(inner, conn, &row_ids).await?;
     stream.confirm(target);
     *last_confirm = Instant::now();
     let mut st = inner.state();
@@ -70,4 +64,103 @@ pub(super) async fn confirm_settled(
     drop(st);
     stream.settled.fetch_add(count, Ordering::SeqCst);
     Ok(())
+}
+
+/// Deletes the outbox rows `ids` (their events published or in the held table) when
+/// `wal.delete_published`.
+///
+/// A refusal retrying cannot cure (a foreign key into the outbox table, a trigger that raises)
+/// does not stop the reader: the rows the database refuses to delete stay, logged with the cause and
+/// the fix; their events are published and are not read again (stopping here would read them again
+/// and publish them again, for ever). A missing DELETE privilege is an error naming the grant:
+/// the reader then stops reading until it is granted ([`check_delete_privilege`]).
+///
+/// # Errors
+/// A database error retrying may cure; the missing privilege.
+pub(super) async fn delete_published(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    ids: &[Uuid],
+) -> Result<(), Error> {
+    if !inner.settings.delete_published || ids.is_empty() {
+        return Ok(());
+    }
+    let sql = format!(
+        "DELETE FROM {} WHERE id = ANY($1)",
+        inner.source.qualified()
+    );
+    let e = match sqlx::query(&sql).bind(ids).execute(&mut *conn).await {
+        Ok(_) => return Ok(()),
+        Err(e) => map_sqlx("wal delete published rows", e),
+    };
+    if e.kind() == ErrorKind::PermissionDenied {
+        check_delete_privilege(inner, conn).await?;
+        return Err(e);
+    }
+    if e.is_retryable() {
+        return Err(e);
+    }
+    // One at a time: the rows that can go, go.
+    let mut kept = 0usize;
+    let mut first: Option<String> = None;
+    for id in ids {
+        if let Err(e) = sqlx::query(&sql)
+            .bind(std::slice::from_ref(id))
+            .execute(&mut *conn)
+            .await
+        {
+            let e = map_sqlx("wal delete published rows", e);
+            if e.is_retryable() {
+                return Err(e);
+            }
+            kept += 1;
+            first.get_or_insert_with(|| format!("{e}: {}", root_cause(&e)));
+        }
+    }
+    error!(
+        rows = kept,
+        table = %inner.source.qualified(),
+        error = first.unwrap_or_default(),
+        "the database refuses to delete published rows of the outbox table (a foreign key into it, or a trigger): they stay; their events are published and are not published again; drop the constraint or trigger, or set wal.delete_published = false and delete the rows yourself"
+    );
+    Ok(())
+}
+
+/// The innermost cause of `e` (the server's message).
+fn root_cause(e: &Error) -> String {
+    let mut cause: &dyn std::error::Error = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
+
+/// With `wal.delete_published`, the relay's role must be allowed to DELETE from the outbox table:
+/// an error naming the grant when it is not.
+///
+/// # Errors
+/// The missing privilege; a database error.
+pub(super) async fn check_delete_privilege(
+    inner: &Inner,
+    conn: &mut PgConnection,
+) -> Result<(), Error> {
+    if !inner.settings.delete_published {
+        return Ok(());
+    }
+    let (allowed, role): (bool, String) =
+        sqlx::query_as("SELECT has_table_privilege($1::regclass, 'DELETE'), current_user::text")
+            .bind(inner.source.qualified())
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| map_sqlx("wal check", e))?;
+    if allowed {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::PermissionDenied,
+        format!(
+            "the role {role} may not DELETE from {table}, which wal.delete_published needs (the WAL source deletes the rows it published): GRANT DELETE ON {table} TO {role}, or set wal.delete_published = false; nothing is read from the slot meanwhile",
+            table = inner.source.qualified()
+        ),
+    ))
 }

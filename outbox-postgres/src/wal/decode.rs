@@ -619,7 +619,10 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: O
                 return Err("the message has no payload (JSON) nor payload_base64".into())
             }
         };
-        Ok(Event {
+        if default_type == JSON_CONTENT_TYPE {
+            storable_json(&payload)?;
+        }
+        let event = Event {
             id,
             aggregate_type: required(fields.aggregate_type, "aggregate_type")?,
             aggregate_id: required(fields.aggregate_id, "aggregate_id")?,
@@ -633,9 +636,75 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: O
             destination: fields.destination,
             created_at: commit_time,
             attempts: 0,
-        })
+        };
+        storable_text(&event)?;
+        Ok(event)
     })();
     WalItem::new(lsn, event, raw)
+}
+
+/// PostgreSQL's text cannot hold a NUL character: an event with one could not be moved to the held
+/// table (its insert would fail every time the reader read it).
+fn storable_text(e: &Event) -> Result<(), String> {
+    let fields = [
+        ("aggregate_type", e.aggregate_type.as_str()),
+        ("aggregate_id", e.aggregate_id.as_str()),
+        ("event_type", e.event_type.as_str()),
+        ("content_type", e.content_type.as_str()),
+        ("destination", e.destination.as_deref().unwrap_or("")),
+    ];
+    let headers = e.headers.iter().flat_map(|(k, v)| [k.as_str(), v.as_str()]);
+    for (name, value) in fields.into_iter().chain(headers.map(|h| ("a header", h))) {
+        if value.contains('\0') {
+            return Err(format!(
+                "{name} contains a NUL character (\\u0000), which PostgreSQL's text cannot hold: remove it"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What `jsonb` refuses in JSON that is otherwise valid: `\u0000`, and a `\uD800`-`\uDFFF` escape
+/// that is not half of a surrogate pair (a lone surrogate).
+fn storable_json(json: &[u8]) -> Result<(), String> {
+    let hex = |at: usize| -> Option<u32> {
+        let digits = json.get(at..at + 4)?;
+        u32::from_str_radix(std::str::from_utf8(digits).ok()?, 16).ok()
+    };
+    let mut i = 0;
+    while i < json.len() {
+        if json[i] != b'\\' {
+            i += 1;
+            continue;
+        }
+        if json.get(i + 1) != Some(&b'u') {
+            i += 2;
+            continue;
+        }
+        let Some(code) = hex(i + 2) else {
+            return Ok(());
+        };
+        let refuse = |what: &str| {
+            Err(format!(
+                "the payload holds {what}, which PostgreSQL's jsonb cannot store: remove it or send the payload as payload_base64"
+            ))
+        };
+        match code {
+            0 => return refuse("\\u0000"),
+            0xD800..=0xDBFF => {
+                let low = (json.get(i + 6) == Some(&b'\\') && json.get(i + 7) == Some(&b'u'))
+                    .then(|| hex(i + 8))
+                    .flatten();
+                if !matches!(low, Some(0xDC00..=0xDFFF)) {
+                    return refuse("a lone surrogate escape");
+                }
+                i += 12;
+            }
+            0xDC00..=0xDFFF => return refuse("a lone surrogate escape"),
+            _ => i += 6,
+        }
+    }
+    Ok(())
 }
 
 /// The id of a message written without one: the same for every read of that message (its
@@ -656,6 +725,43 @@ mod tests {
     use crate::writer::message::MessageWriter;
     use outbox_core::format::base64;
     use outbox_core::NewEvent;
+
+    #[test]
+    fn what_postgres_cannot_store_is_refused_by_the_decoder() {
+        assert!(storable_json(br#"{"a":"\u0000"}"#).is_err());
+        assert!(
+            storable_json(br#"{"a":"\\u0000"}"#).is_ok(),
+            "an escaped backslash"
+        );
+        assert!(storable_json(br#"{"a":"\ud83d\ude00 \u00e9 \n"}"#).is_ok());
+        assert!(storable_json(br#"{"a":"\ud83d"}"#).is_err());
+        assert!(storable_json(br#"{"a":"\ud83dx"}"#).is_err());
+        assert!(storable_json(br#"{"a":"\ude00"}"#).is_err());
+        let here = Origin::default();
+        let message = |json: &str| message_event(1, json.as_bytes(), Utc::now(), here);
+        let refused = |json: &str| match message(json) {
+            WalItem::Undecodable { error, .. } => error,
+            WalItem::Event(e) => panic!("decoded {e:?} from {json}"),
+        };
+        assert!(refused(
+            r#"{"aggregate_type":"o","aggregate_id":"a\u0000b","event_type":"e","payload":{}}"#
+        )
+        .contains("aggregate_id contains a NUL"));
+        assert!(refused(
+            r#"{"aggregate_type":"o","aggregate_id":"a","event_type":"e","payload":{"x":"\u0000"}}"#
+        )
+        .contains("payload_base64"));
+        assert!(refused(
+            r#"{"aggregate_type":"o","aggregate_id":"a","event_type":"e","payload":{},"headers":{"h":"\u0000"}}"#
+        )
+        .contains("a header contains a NUL"));
+        assert!(matches!(
+            message(
+                r#"{"aggregate_type":"o","aggregate_id":"a","event_type":"e","payload":{"x":"\ud83d\ude00"}}"#
+            ),
+            WalItem::Event(_)
+        ));
+    }
 
     #[test]
     fn postgres_timestamps_count_from_2000() {

@@ -12,6 +12,7 @@ use uuid::Uuid;
 use outbox_core::{Action, Error, Event};
 
 use super::buffer::{aggregate_key, Entry, EntryState, Inner, Txn};
+use super::confirm::delete_published;
 use super::decode::{Piece, WalItem, WalTransaction};
 use crate::error::map_sqlx;
 use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED};
@@ -77,17 +78,16 @@ impl HeldRow {
 }
 
 /// Writes `rows` to the held table, in order, in one statement (events already there are left as
-/// they are: a replay after a crash), and deletes the outbox rows `delete` in the same transaction.
+/// they are: a replay after a crash), with the spill mark `handed` in the same transaction.
 /// The held table's writer-order lock is off for it: this reader is the table's only writer, and a
 /// lock per aggregate for tens of thousands of aggregates would exhaust the server's lock table.
 async fn insert_held(
     inner: &Inner,
     conn: &mut PgConnection,
     rows: &[HeldRow],
-    delete: &[Uuid],
     handed: Option<SpillMark>,
 ) -> Result<(), Error> {
-    if rows.is_empty() && delete.is_empty() && handed.is_none() {
+    if rows.is_empty() && handed.is_none() {
         return Ok(());
     }
     let map = |e| map_sqlx("wal move to the held table", e);
@@ -97,16 +97,6 @@ async fn insert_held(
         .await
         .map_err(map)?;
     insert_rows(inner, &mut tx, rows).await?;
-    if !delete.is_empty() {
-        sqlx::query(&format!(
-            "DELETE FROM {} WHERE id = ANY($1)",
-            inner.source.qualified()
-        ))
-        .bind(delete)
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| map_sqlx("wal delete published rows", e))?;
-    }
     if let Some(mark) = handed {
         mark.save(inner, &mut tx).await?;
     }
@@ -233,7 +223,7 @@ pub(super) async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Resul
     if rows.is_empty() {
         return Ok(false);
     }
-    let result = insert_held(inner, conn, &rows, &[], None).await;
+    let result = insert_held(inner, conn, &rows, None).await;
     let mut st = inner.state();
     match result {
         Ok(()) => {
@@ -323,7 +313,7 @@ pub(super) struct Spilling {
 
 /// Hands a part of a transaction too large to hold in memory (see [`Piece`]) to the held table,
 /// after every event of the buffer not yet settled, so that the held table keeps commit order; with
-/// `wal.delete_published` the part's outbox rows are deleted in the same transaction. Returns false,
+/// `wal.delete_published` the part's outbox rows are deleted after. Returns false,
 /// doing nothing, while a batch holds events of the buffer (call again once it is settled). The
 /// last part leaves its transaction in the buffer with no event, to be confirmed in its turn.
 ///
@@ -391,17 +381,16 @@ pub(super) async fn spill(
             } => HeldRow::undecodable(*id, *lsn, error.clone(), raw.clone(), part.commit_time),
         });
     }
-    let delete: &[Uuid] = if inner.settings.delete_published {
-        &part.row_ids
-    } else {
-        &[]
-    };
     let seen = seen + part.items.len() as u64;
     let mark = SpillMark {
         commit_lsn,
         handed: seen.max(before),
     };
-    let result = insert_held(inner, conn, &rows, delete, Some(mark)).await;
+    let mut result = insert_held(inner, conn, &rows, Some(mark)).await;
+    if result.is_ok() {
+        // After the part is in the held table (a crash in between leaves rows a replay skips).
+        result = delete_published(inner, conn, &part.row_ids).await;
+    }
     let mut st = inner.state();
     if let Err(e) = result {
         for ((end, i), state) in moved.iter().zip(previous) {
@@ -532,7 +521,7 @@ pub(super) async fn take_in(
         });
     }
     // Into the held table first: a transaction is confirmed only once it is in hand.
-    insert_held(inner, conn, &to_held, &[], None).await?;
+    insert_held(inner, conn, &to_held, None).await?;
     if !to_held.is_empty() {
         inner
             .held_poll

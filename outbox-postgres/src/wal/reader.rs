@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use outbox_core::Error;
 
 use super::buffer::{Inner, State};
-use super::confirm::confirm_settled;
+use super::confirm::{check_delete_privilege, confirm_settled};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
 use super::held::{move_failed, spill, take_in, Spilling};
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
@@ -241,6 +241,8 @@ async fn read_slot(
             slot.slot()
         )));
     }
+    // Without it every confirm would fail and the reader read the same events again, for ever.
+    check_delete_privilege(inner, conn).await?;
     let origin = origin(conn).await?;
     let mut stream = open_stream(inner, origin).await?;
     let result = read_stream(inner, conn, &mut stream, stop).await;

@@ -21,6 +21,7 @@ use outbox_core::{
 
 use super::buffer::{EntryState, HeldPoll, Inner, Settings, State};
 use super::config::WalConfig;
+use super::confirm::check_delete_privilege;
 use super::decode::WalReader;
 use super::reader::{run_reader, runtime_supported};
 use super::slot::WalSlot;
@@ -318,10 +319,20 @@ impl Store for WalStore {
         Ok(stats)
     }
 
-    /// The held table answers and the slot exists.
+    /// The held table answers, the role may delete what it publishes (`wal.delete_published`),
+    /// and the slot exists.
     async fn check(&self) -> Result<(), Error> {
         runtime_supported()?;
         self.inner.held.check().await?;
+        {
+            let mut conn = self
+                .inner
+                .pool
+                .acquire()
+                .await
+                .map_err(|e| map_sqlx("check", e))?;
+            check_delete_privilege(&self.inner, &mut conn).await?;
+        }
         let slot = self.inner.reader.slot();
         let exists: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",

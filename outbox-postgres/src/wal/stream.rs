@@ -92,10 +92,8 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
     let (tx, rx) = mpsc::channel(STREAM_CHANNEL);
     let cancel = CancellationToken::new();
     // A transaction larger than this comes in parts, which the reader hands to the held table.
-    let decoder = Decoder::new(slot, origin).with_part_limit(
-        inner.settings.part_events(),
-        inner.settings.part_bytes(),
-    );
+    let decoder = Decoder::new(slot, origin)
+        .with_part_limit(inner.settings.part_events(), inner.settings.part_bytes());
     let feedback_now = Arc::new(Notify::new());
     let channel_bytes = Arc::new(AtomicU64::new(0));
     let task = tokio::spawn(stream_task(

@@ -1,0 +1,295 @@
+//! Input the database refuses never makes the WAL source read the same events again and again:
+//! messages PostgreSQL cannot store and tens of thousands of undecodable messages in one
+//! transaction are dead-lettered; rows a foreign key or a trigger keeps from being deleted stay,
+//! their events published once; a role without DELETE fails readiness, naming the grant, and reads
+//! nothing until it is granted. Each judged by the number of times each event was delivered and by
+//! the slot's confirmed position passing the transactions.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::testkit::{sample_event, ScriptedPublisher};
+use outbox_core::{CancellationToken, ErrorKind, Relay, RelayConfig, Store};
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::wal::{WalStore, UNDECODABLE_AGGREGATE_TYPE};
+use outbox_postgres::{OutboxTable, PostgresStore, Writer};
+use outbox_tests::harness::wait_until;
+use outbox_tests::wal::WalSource;
+use uuid::Uuid;
+
+/// The server's current WAL position: a transaction committed before it is confirmed once the
+/// slot's confirmed position passes it.
+async fn wal_position(pool: &sqlx::PgPool) -> u64 {
+    sqlx::query_scalar::<_, i64>("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(pool)
+        .await
+        .unwrap() as u64
+}
+
+/// Writes one event for each of `aggregates` aggregates, `rounds` times, through the writer.
+async fn write(
+    pool: &sqlx::PgPool,
+    table: &OutboxTable,
+    aggregates: usize,
+    rounds: usize,
+) -> Vec<Uuid> {
+    let writer = Writer::new(table.clone());
+    let mut ids = Vec::new();
+    for round in 0..rounds {
+        let mut tx = pool.begin().await.unwrap();
+        let events = (0..aggregates)
+            .map(|a| sample_event(&format!("agg-{a}"), round))
+            .collect();
+        ids.extend(writer.enqueue_many(&mut tx, events).await.unwrap());
+        writer.commit(tx).await.unwrap();
+    }
+    ids
+}
+
+/// Each id delivered exactly once, and nothing else.
+fn delivered_once(publisher: &ScriptedPublisher, ids: &[Uuid]) {
+    let mut times: HashMap<Uuid, usize> = HashMap::new();
+    for e in publisher.delivered() {
+        *times.entry(e.id).or_default() += 1;
+    }
+    let twice = times.values().filter(|n| **n > 1).count();
+    assert_eq!(twice, 0, "{twice} events delivered more than once");
+    for id in ids {
+        assert_eq!(times.get(id), Some(&1), "{id} delivered once");
+    }
+    assert_eq!(times.len(), ids.len(), "nothing unexpected delivered");
+}
+
+/// A relay over `store` with `publisher`, until `shutdown`; its reader stops after it.
+fn run(
+    store: WalStore,
+    publisher: &Arc<ScriptedPublisher>,
+    shutdown: &CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let relay = Relay::new(
+        Arc::new(store.clone()),
+        publisher.clone(),
+        RelayConfig {
+            batch_size: 100,
+            poll_interval: Duration::from_millis(50),
+            ..RelayConfig::default()
+        },
+    )
+    .unwrap();
+    let reader = store.start();
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        relay.run(shutdown).await;
+        reader.stop().await;
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unstorable_and_50k_undecodable_messages_in_one_transaction_are_dead_lettered() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let prefix = table.schema().to_string();
+    let mut tx = pool.begin().await.unwrap();
+    let writer = Writer::new(table.clone());
+    let events = (0..10)
+        .map(|a| sample_event(&format!("agg-{a}"), 0))
+        .collect();
+    let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
+    // 50,000 messages that are not events: each a dead letter of its own aggregate (its
+    // position), which with a writer-order lock per aggregate would exhaust the lock table.
+    sqlx::query(
+        "SELECT count(pg_logical_emit_message(true, $1, 'not an event ' || g))
+         FROM generate_series(1, 50000) g",
+    )
+    .bind(&prefix)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    // JSON that PostgreSQL cannot store: a NUL in a text field, \u0000 and a lone surrogate in
+    // the payload.
+    for content in [
+        r#"{"aggregate_type":"o","aggregate_id":"a\u0000b","event_type":"e","payload":{}}"#,
+        r#"{"aggregate_type":"o","aggregate_id":"n","event_type":"e","payload":{"x":"\u0000"}}"#,
+        r#"{"aggregate_type":"o","aggregate_id":"s","event_type":"e","payload":{"x":"\ud83d"}}"#,
+    ] {
+        sqlx::query("SELECT pg_logical_emit_message(true, $1, $2)")
+            .bind(&prefix)
+            .bind(content)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let written = wal_position(&pool).await;
+
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let store = wal.store(outbox_core::Wake::new()).await;
+    let task = run(store.clone(), &publisher, &shutdown);
+    wait_until(
+        Duration::from_secs(180),
+        "the events published, the rest dead-lettered, the transaction confirmed",
+        || async {
+            publisher.delivered().len() >= ids.len()
+                && store.held().stats().await.unwrap().dead_letters == 50_003
+                && store.progress().confirmed_lsn >= written
+        },
+    )
+    .await;
+    shutdown.cancel();
+    task.await.unwrap();
+    delivered_once(&publisher, &ids);
+    let errors: Vec<(String, String)> = sqlx::query_as(&format!(
+        "SELECT aggregate_type, last_error FROM {} WHERE dead_lettered_at IS NOT NULL
+           AND last_error NOT LIKE '%not a JSON object%'",
+        wal.held.qualified()
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert!(errors.iter().all(|(t, _)| t == UNDECODABLE_AGGREGATE_TYPE));
+    let text = format!("{errors:?}");
+    assert!(text.contains("NUL character"), "{text}");
+    assert!(text.contains("lone surrogate"), "{text}");
+    assert!(text.contains("\\\\u0000"), "{text}");
+}
+
+/// A foreign key into the outbox table holds one row, a trigger that raises another: they stay,
+/// every event is published once, and the slot moves past them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_a_foreign_key_or_a_trigger_keeps_stay_and_are_published_once() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let t = table.qualified();
+    let schema = table.schema();
+    for sql in [
+        format!("CREATE TABLE \"{schema}\".refs (event_id uuid REFERENCES {t} (id))"),
+        format!(
+            "CREATE FUNCTION \"{schema}\".keep() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN RAISE EXCEPTION 'audit: rows of agg-3 are kept'; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER keep BEFORE DELETE ON {t} FOR EACH ROW
+             WHEN (OLD.aggregate_id = 'agg-3') EXECUTE FUNCTION \"{schema}\".keep()"
+        ),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.unwrap();
+    }
+    let ids = write(&pool, &table, 6, 4).await;
+    sqlx::query(&format!("INSERT INTO \"{schema}\".refs VALUES ($1)"))
+        .bind(ids[1])
+        .execute(&pool)
+        .await
+        .unwrap();
+    let written = wal_position(&pool).await;
+
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let store = wal.store(outbox_core::Wake::new()).await;
+    let task = run(store.clone(), &publisher, &shutdown);
+    wait_until(
+        Duration::from_secs(60),
+        "every event published and the writes confirmed",
+        || async {
+            publisher.delivered().len() >= ids.len() && store.progress().confirmed_lsn >= written
+        },
+    )
+    .await;
+    // A reader that read them again would publish them again meanwhile.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    shutdown.cancel();
+    task.await.unwrap();
+    delivered_once(&publisher, &ids);
+    let left: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {t}"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 1 + 4, "the referenced row and agg-3's four stay");
+}
+
+/// A relay role without DELETE on the outbox table (wal.delete_published needs it): readiness fails
+/// naming the grant, nothing is read; once granted, every event is published once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_without_delete_fails_readiness_and_reads_nothing_until_granted() {
+    let admin = pool(4).await;
+    let table = fresh_table(&admin).await;
+    let wal = WalSource::setup(&table).await;
+    let role = format!("outbox_dba_{}", &Uuid::new_v4().simple().to_string()[..10]);
+    let schema = table.schema();
+    let t = table.qualified();
+    let held = wal.held.qualified();
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN REPLICATION"),
+        format!("GRANT USAGE ON SCHEMA \"{schema}\" TO {role}"),
+        format!("GRANT SELECT ON {t} TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {held} TO {role}"),
+        format!("GRANT USAGE ON ALL SEQUENCES IN SCHEMA \"{schema}\" TO {role}"),
+    ] {
+        sqlx::query(&sql).execute(&admin).await.unwrap();
+    }
+    let url = outbox_postgres::testing::database_url();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
+    let role_url = format!("{scheme}://{role}@{rest}");
+    let role_pool = outbox_postgres::connect(&role_url, 6).await.unwrap();
+    let store = WalStore::new(
+        role_pool.clone(),
+        &role_url,
+        wal.slot.clone(),
+        PostgresStore::new(role_pool.clone(), wal.held.clone()),
+        &wal.config,
+    )
+    .with_held_poll_interval(Duration::from_millis(50));
+    let ids = write(&admin, &table, 5, 4).await;
+
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let task = run(store.clone(), &publisher, &shutdown);
+    let e = store.check().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
+    assert!(
+        e.message()
+            .contains(&format!("GRANT DELETE ON {t} TO {role}")),
+        "{e}"
+    );
+    assert!(e.message().contains("wal.delete_published = false"), "{e}");
+    // The reader tries again every second and reads nothing meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        publisher.delivered().len(),
+        0,
+        "nothing read without the grant"
+    );
+
+    sqlx::query(&format!("GRANT DELETE ON {t} TO {role}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(60), "every event published", || async {
+        publisher.delivered().len() >= ids.len()
+    })
+    .await;
+    store.check().await.unwrap();
+    shutdown.cancel();
+    task.await.unwrap();
+    delivered_once(&publisher, &ids);
+    drop(store);
+    role_pool.close().await;
+    drop(wal);
+    let _ = sqlx::query(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ))
+    .execute(&admin)
+    .await;
+    for sql in [
+        format!("DROP OWNED BY {role}"),
+        format!("DROP ROLE IF EXISTS {role}"),
+    ] {
+        let _ = sqlx::query(&sql).execute(&admin).await;
+    }
+}
