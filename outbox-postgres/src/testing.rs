@@ -169,3 +169,144 @@ impl StoreFixture for PgFixture {
         )))
     }
 }
+
+/// A [`TestStore`] over a [`WalStore`](crate::wal::WalStore) with its reader running: inserts
+/// through the [`Writer`] and returns once the reader has the events (in its buffer or the held
+/// table); an event's state is the buffer's (pending) or the held table's. The slot is dropped with
+/// it.
+pub struct WalTestStore {
+    store: crate::wal::WalStore,
+    pg: PgTestStore,
+    reader: std::sync::Mutex<Option<crate::wal::ReaderHandle>>,
+    pool: PgPool,
+}
+
+#[async_trait]
+impl outbox_core::Store for WalTestStore {
+    async fn claim(&self, r: outbox_core::ClaimRequest) -> Result<outbox_core::Batch, Error> {
+        self.store.claim(r).await
+    }
+    /// Once the reader has moved what was settled as failures to the held table (a moment after
+    /// the settlement).
+    async fn stats(&self) -> Result<outbox_core::StoreStats, Error> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while self.store.moving() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        self.store.stats().await
+    }
+    async fn check(&self) -> Result<(), Error> {
+        self.store.check().await
+    }
+}
+
+#[async_trait]
+impl TestStore for WalTestStore {
+    async fn insert(&self, events: Vec<NewEvent>) -> Result<(), Error> {
+        let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
+        let source = PgTestStore::new(PostgresStore::new(
+            self.pool.clone(),
+            self.store.slot().table().clone(),
+        ));
+        source.insert(events).await?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        for id in ids {
+            while self.store.buffered(id).is_none() && self.pg.state(id).await?.is_none() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the WAL reader did not read {id} within 30 s"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        }
+        Ok(())
+    }
+
+    async fn state(&self, id: Uuid) -> Result<Option<EventState>, Error> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            match self.store.buffered(id) {
+                // Settled as a failure: the reader moves it to the held table in a moment.
+                Some(true) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                Some(_) => {
+                    return Ok(Some(EventState {
+                        status: EventStatus::Pending,
+                        attempts: 0,
+                        last_error: None,
+                    }))
+                }
+                None => return self.pg.state(id).await,
+            }
+        }
+    }
+}
+
+impl Drop for WalTestStore {
+    fn drop(&mut self) {
+        let reader = self.reader.lock().unwrap().take();
+        let (slot, pool) = (self.store.slot().clone(), self.pool.clone());
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                if let Some(r) = reader {
+                    r.stop().await;
+                }
+                // The walsender lets the slot go a moment after the reader stopped.
+                for _ in 0..100 {
+                    if slot.drop(&pool).await.is_ok() {
+                        return;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Builds a fresh outbox table with its WAL source (slot, publication, held table) and a running
+/// reader for each conformance check.
+#[derive(Debug, Clone)]
+pub struct WalFixture {
+    /// The pool shared by the stores.
+    pub pool: PgPool,
+}
+
+#[async_trait]
+impl StoreFixture for WalFixture {
+    async fn store(&self) -> Arc<dyn TestStore> {
+        let table = fresh_table(&self.pool).await;
+        let config = crate::wal::WalConfig {
+            message_prefix: table.schema().to_string(),
+            ..crate::wal::WalConfig::default()
+        };
+        let slot = config.slot(&table).unwrap();
+        slot.setup(&self.pool).await.unwrap();
+        let held = config.held_table(&table).unwrap();
+        migrate(&self.pool, &held).await.unwrap();
+        let held = PostgresStore::new(self.pool.clone(), held);
+        let store = crate::wal::WalStore::new(
+            self.pool.clone(),
+            &database_url(),
+            slot,
+            held.clone(),
+            &config,
+        )
+        .with_held_poll_interval(std::time::Duration::from_millis(20));
+        let reader = store.start();
+        Arc::new(WalTestStore {
+            store,
+            pg: PgTestStore::new(held),
+            reader: std::sync::Mutex::new(Some(reader)),
+            pool: self.pool.clone(),
+        })
+    }
+}

@@ -461,3 +461,13 @@ async fn rows_decode_whatever_the_sessions_output_settings() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The WAL source's store passes the conformance suite every store passes (its events come from
+/// the slot; failures go to the held table).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_store_passes_the_store_conformance_suite() {
+    let pool = pool(16).await;
+    logical(&pool).await;
+    outbox_core::testkit::store_suite::run_all(&outbox_postgres::testing::WalFixture { pool })
+        .await;
+}

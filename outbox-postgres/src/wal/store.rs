@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
 use tokio::sync::Notify;
@@ -16,7 +16,8 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use outbox_core::{
-    Action, Batch, ClaimRequest, Error, Lease, OrderingPolicy, Settlement, Store, StoreStats, Wake,
+    Action, Batch, ClaimRequest, Error, EventTypeStats, Lease, OrderingPolicy, Settlement, Store,
+    StoreStats, Wake,
 };
 
 use super::buffer::{EntryState, HeldPoll, Inner, Settings, State};
@@ -156,6 +157,27 @@ impl WalStore {
             }),
             confirmed_lsn: st.confirmed,
         }
+    }
+
+    /// Where the reader's buffer has the event `id`: `None` when it is not there (not read yet,
+    /// in the held table, or settled and confirmed); `Some(true)` while it waits to be moved to the
+    /// held table (settled as a failure), `Some(false)` otherwise. For tests.
+    pub(crate) fn buffered(&self, id: Uuid) -> Option<bool> {
+        let st = self.inner.state();
+        st.txns.iter().flat_map(|t| t.entries.iter()).find_map(|e| {
+            (e.event.id == id && e.state != EntryState::Done)
+                .then(|| matches!(e.state, EntryState::Failed(_) | EntryState::Moving))
+        })
+    }
+
+    /// Whether the reader's buffer has events settled as failures not yet in the held table. For
+    /// tests.
+    pub(crate) fn moving(&self) -> bool {
+        let st = self.inner.state();
+        st.txns
+            .iter()
+            .flat_map(|t| t.entries.iter())
+            .any(|e| matches!(e.state, EntryState::Failed(_) | EntryState::Moving))
     }
 
     /// Starts the reader: it waits for the slot's reader lock (a standby meanwhile), then reads.
@@ -306,15 +328,46 @@ impl Store for WalStore {
     /// pending (their age from their commit).
     async fn stats(&self) -> Result<StoreStats, Error> {
         let mut stats = self.inner.held.stats().await?;
-        let progress = self.progress();
-        stats.pending += progress.unsettled as u64;
-        if progress.unsettled > 0 {
-            let age = progress.lag_seconds;
-            stats.oldest_pending_age_seconds = Some(
-                stats
-                    .oldest_pending_age_seconds
-                    .map_or(age, |held| held.max(age)),
-            );
+        // The events in the reader's buffer, with the held table's: those settled as dead letters
+        // (moving to the held table in a moment) as dead letters, the rest as pending.
+        let in_memory: Vec<(String, DateTime<Utc>, bool)> = {
+            let st = self.inner.state();
+            st.txns
+                .iter()
+                .flat_map(|t| t.entries.iter().map(move |e| (e, t.commit_time)))
+                .filter(|(e, _)| e.state != EntryState::Done)
+                .map(|(e, at)| {
+                    let dead = matches!(e.state, EntryState::Failed(Action::DeadLetter { .. }));
+                    (e.event.event_type.clone(), at, dead)
+                })
+                .collect()
+        };
+        let now = Utc::now();
+        for (event_type, at, dead) in in_memory {
+            let i = match stats
+                .by_event_type
+                .iter()
+                .position(|t| t.event_type == event_type)
+            {
+                Some(i) => i,
+                None => {
+                    stats.by_event_type.push(EventTypeStats::new(event_type));
+                    stats.by_event_type.len() - 1
+                }
+            };
+            let t = &mut stats.by_event_type[i];
+            if dead {
+                t.dead_letters += 1;
+                stats.dead_letters += 1;
+                continue;
+            }
+            let age = (now - at).num_milliseconds().max(0) as f64 / 1000.0;
+            t.pending += 1;
+            t.oldest_pending_age_seconds =
+                Some(t.oldest_pending_age_seconds.map_or(age, |a| a.max(age)));
+            stats.pending += 1;
+            stats.oldest_pending_age_seconds =
+                Some(stats.oldest_pending_age_seconds.map_or(age, |a| a.max(age)));
         }
         Ok(stats)
     }
