@@ -165,8 +165,10 @@ impl WalStore {
     pub(crate) fn buffered(&self, id: Uuid) -> Option<bool> {
         let st = self.inner.state();
         st.txns.iter().flat_map(|t| t.entries.iter()).find_map(|e| {
-            (e.event.id == id && e.state != EntryState::Done)
-                .then(|| matches!(e.state, EntryState::Failed(_) | EntryState::Moving))
+            (e.event.id == id && e.state != EntryState::Done).then_some(matches!(
+                e.state,
+                EntryState::Failed(_) | EntryState::Moving
+            ))
         })
     }
 
