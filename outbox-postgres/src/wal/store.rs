@@ -162,6 +162,7 @@ impl WalStore {
     /// Where the reader's buffer has the event `id`: `None` when it is not there (not read yet,
     /// in the held table, or settled and confirmed); `Some(true)` while it waits to be moved to the
     /// held table (settled as a failure), `Some(false)` otherwise. For tests.
+    #[cfg(feature = "test-utils")]
     pub(crate) fn buffered(&self, id: Uuid) -> Option<bool> {
         let st = self.inner.state();
         st.txns.iter().flat_map(|t| t.entries.iter()).find_map(|e| {
@@ -174,6 +175,7 @@ impl WalStore {
 
     /// Whether the reader's buffer has events settled as failures not yet in the held table. For
     /// tests.
+    #[cfg(feature = "test-utils")]
     pub(crate) fn moving(&self) -> bool {
         let st = self.inner.state();
         st.txns
