@@ -91,14 +91,15 @@ pub(super) async fn delete_published(
     );
     let e = match sqlx::query(&sql).bind(ids).execute(&mut *conn).await {
         Ok(_) => return Ok(()),
-        Err(e) => map_sqlx("wal delete published rows", e),
+        Err(e) => e,
     };
-    if e.kind() == ErrorKind::PermissionDenied {
-        check_delete_privilege(inner, conn).await?;
-        return Err(e);
-    }
-    if e.is_retryable() {
-        return Err(e);
+    match refusal(&e) {
+        Some(Refusal::Privilege) => {
+            // The role's own privileges name the grant; else a trigger's statement is refused.
+            check_delete_privilege(inner, conn).await?;
+        }
+        Some(Refusal::Row) => {}
+        None => return Err(map_sqlx("wal delete published rows", e)),
     }
     // One at a time: the rows that can go, go.
     let mut kept = 0usize;
@@ -109,30 +110,38 @@ pub(super) async fn delete_published(
             .execute(&mut *conn)
             .await
         {
-            let e = map_sqlx("wal delete published rows", e);
-            if e.is_retryable() {
-                return Err(e);
+            if refusal(&e).is_none() {
+                return Err(map_sqlx("wal delete published rows", e));
             }
             kept += 1;
-            first.get_or_insert_with(|| format!("{e}: {}", root_cause(&e)));
+            first.get_or_insert_with(|| e.to_string());
         }
     }
     error!(
         rows = kept,
         table = %inner.source.qualified(),
         error = first.unwrap_or_default(),
-        "the database refuses to delete published rows of the outbox table (a foreign key into it, or a trigger): they stay; their events are published and are not published again; drop the constraint or trigger, or set wal.delete_published = false and delete the rows yourself"
+        "the database refuses to delete rows of the outbox table whose events are published or in the held table (a foreign key into it, or a trigger): they stay, and their events are not read again; drop the constraint or trigger, or set wal.delete_published = false and delete the rows yourself"
     );
     Ok(())
 }
 
-/// The innermost cause of `e` (the server's message).
-fn root_cause(e: &Error) -> String {
-    let mut cause: &dyn std::error::Error = e;
-    while let Some(next) = cause.source() {
-        cause = next;
+/// A DELETE's failure that retrying cannot cure.
+enum Refusal {
+    /// SQLSTATE 42501: a privilege is missing (the role's, or one a trigger's statement needs).
+    Privilege,
+    /// A constraint (class 23: a foreign key into the table) or a trigger that raises (P0001).
+    Row,
+}
+
+fn refusal(e: &sqlx::Error) -> Option<Refusal> {
+    let code = e.as_database_error()?.code()?;
+    match code.as_ref() {
+        "42501" => Some(Refusal::Privilege),
+        "P0001" => Some(Refusal::Row),
+        c if c.starts_with("23") => Some(Refusal::Row),
+        _ => None,
     }
-    cause.to_string()
 }
 
 /// With `wal.delete_published`, the relay's role must be allowed to DELETE from the outbox table:
@@ -147,19 +156,23 @@ pub(super) async fn check_delete_privilege(
     if !inner.settings.delete_published {
         return Ok(());
     }
-    let (allowed, role): (bool, String) =
-        sqlx::query_as("SELECT has_table_privilege($1::regclass, 'DELETE'), current_user::text")
-            .bind(inner.source.qualified())
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(|e| map_sqlx("wal check", e))?;
+    // A DELETE with a WHERE clause reads the column it filters on: SELECT too.
+    let (allowed, role): (bool, String) = sqlx::query_as(
+        "SELECT has_table_privilege($1::regclass, 'DELETE')
+                AND has_table_privilege($1::regclass, 'SELECT'),
+                current_user::text",
+    )
+    .bind(inner.source.qualified())
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal check", e))?;
     if allowed {
         return Ok(());
     }
     Err(Error::new(
         ErrorKind::PermissionDenied,
         format!(
-            "the role {role} may not DELETE from {table}, which wal.delete_published needs (the WAL source deletes the rows it published): GRANT DELETE ON {table} TO {role}, or set wal.delete_published = false; nothing is read from the slot meanwhile",
+            "the role {role} may not DELETE from {table} (with SELECT, which a DELETE's WHERE needs), as wal.delete_published does (the WAL source deletes the rows it published): GRANT SELECT, DELETE ON {table} TO {role}, or set wal.delete_published = false; nothing is read from the slot meanwhile",
             table = inner.source.qualified()
         ),
     ))

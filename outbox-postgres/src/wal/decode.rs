@@ -116,8 +116,10 @@ pub enum WalItem {
 }
 
 impl WalItem {
-    /// The event, or what is wrong with the change at `lsn` and its text.
+    /// The event, or what is wrong with the change at `lsn` and its text. An event PostgreSQL
+    /// could not store in the held table is what is wrong with it.
     fn new(lsn: u64, event: Result<Event, String>, raw: impl FnOnce() -> String) -> Self {
+        let event = event.and_then(|e| storable(&e).map(|()| e));
         match event {
             Ok(e) => WalItem::Event(e),
             Err(error) => WalItem::Undecodable {
@@ -602,7 +604,9 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: O
                 .ok_or_else(|| format!("the message has no {k} (a non-empty string)"))
         };
         let id = match fields.id {
-            Some(s) => s.parse().map_err(|e| format!("id is not a UUID: {e}"))?,
+            Some(s) => s
+                .parse()
+                .map_err(|e| format!("id {s:?} is not a UUID: {e}"))?,
             None => derived_id(origin, lsn),
         };
         let json_payload = fields.payload.filter(|p| p.get() != "null");
@@ -619,9 +623,6 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: O
                 return Err("the message has no payload (JSON) nor payload_base64".into())
             }
         };
-        if default_type == JSON_CONTENT_TYPE {
-            storable_json(&payload)?;
-        }
         let event = Event {
             id,
             aggregate_type: required(fields.aggregate_type, "aggregate_type")?,
@@ -637,14 +638,28 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: O
             created_at: commit_time,
             attempts: 0,
         };
-        storable_text(&event)?;
         Ok(event)
     })();
     WalItem::new(lsn, event, raw)
 }
 
-/// PostgreSQL's text cannot hold a NUL character: an event with one could not be moved to the held
-/// table (its insert would fail every time the reader read it).
+/// Whether PostgreSQL can store `e` in the held table: its text fields with no NUL character, and
+/// a payload stored as `jsonb` (a JSON content type and JSON text, as the held table's insert
+/// decides) with nothing `jsonb` refuses. An event it could not store would fail the insert every
+/// time the reader read it.
+fn storable(e: &Event) -> Result<(), String> {
+    storable_text(e)?;
+    if let Err(what) = storable_json(&e.payload) {
+        let as_jsonb = e.is_json()
+            && serde_json::from_slice::<&serde_json::value::RawValue>(&e.payload).is_ok();
+        if as_jsonb {
+            return Err(what);
+        }
+    }
+    Ok(())
+}
+
+/// PostgreSQL's text cannot hold a NUL character.
 fn storable_text(e: &Event) -> Result<(), String> {
     let fields = [
         ("aggregate_type", e.aggregate_type.as_str()),

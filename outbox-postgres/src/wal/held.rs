@@ -40,8 +40,10 @@ impl HeldRow {
         }
     }
 
-    /// The dead letter of a change that is not an event.
+    /// The dead letter of a change that is not an event (a NUL in what is wrong, which quotes the
+    /// change, is written as `\0`: PostgreSQL's text cannot hold it).
     fn undecodable(id: Uuid, lsn: u64, error: String, raw: String, at: DateTime<Utc>) -> Self {
+        let error = error.replace('\0', "\\0");
         warn!(lsn = format!("{lsn:X}"), error = %error, "a change of the slot is not an event: dead-lettered");
         HeldRow {
             event: undecodable_event(id, lsn, raw, at),
@@ -386,21 +388,23 @@ pub(super) async fn spill(
         commit_lsn,
         handed: seen.max(before),
     };
-    let mut result = insert_held(inner, conn, &rows, Some(mark)).await;
-    if result.is_ok() {
-        // After the part is in the held table (a crash in between leaves rows a replay skips).
-        result = delete_published(inner, conn, &part.row_ids).await;
-    }
-    let mut st = inner.state();
-    if let Err(e) = result {
-        for ((end, i), state) in moved.iter().zip(previous) {
-            st.set_state(*end, *i, state);
+    let inserted = insert_held(inner, conn, &rows, Some(mark)).await;
+    {
+        let mut st = inner.state();
+        if let Err(e) = inserted {
+            for ((end, i), state) in moved.iter().zip(previous) {
+                st.set_state(*end, *i, state);
+            }
+            return Err(e);
         }
-        return Err(e);
+        // In the held table now, whatever the delete below does.
+        for (end, i) in &moved {
+            st.set_state(*end, *i, EntryState::Done);
+        }
     }
-    for (end, i) in &moved {
-        st.set_state(*end, *i, EntryState::Done);
-    }
+    // After the part is in the held table (a crash in between leaves rows a replay skips).
+    delete_published(inner, conn, &part.row_ids).await?;
+    let mut st = inner.state();
     let last = matches!(part.piece, Piece::Last { .. });
     if last {
         st.txns.push_back(Txn {
