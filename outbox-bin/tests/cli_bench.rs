@@ -66,6 +66,8 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
             "--claim-processed-rows=20000",
             "--claim-pending-rows=5000",
             "--claim-samples=5",
+            // Past the WAL source's part size (10 x wal.read_ahead = 20,000 events).
+            "--transactions=30000x100x20",
         ],
     );
     assert_eq!(code, 0, "{stderr}");
@@ -127,6 +129,21 @@ async fn every_phase_runs_against_rabbitmq_and_reports_consistent_figures() {
             assert!(num(d, "peak_rss_bytes") > 1e6, "RSS sampled: {d}");
         }
     }
+    // One large transaction, drained by each source.
+    let transactions = r["transactions"].as_array().unwrap();
+    assert_eq!(transactions.len(), 1, "{r}");
+    assert_eq!(transactions[0]["transaction"]["events"], 30_000);
+    let sources: Vec<&str> = transactions[0]["drains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            assert_eq!(d["events"], 30_000, "{d}");
+            assert!(num(d, "peak_rss_bytes") > 1e6, "RSS sampled: {d}");
+            d["relay"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(sources, ["relay", "wal"]);
     let ratio = |p: &str| r["ratios"][p].as_f64().unwrap();
     let rate = |i: usize| num(&drain[i], "events_per_second");
     assert!((ratio("ceiling_vs_yardstick_1") - rate(1) / rate(0)).abs() < 1e-9);
@@ -255,6 +272,10 @@ async fn refuses_options_it_cannot_honour() {
         stderr.contains("\"warp\"") && stderr.contains("expected writer"),
         "{stderr}"
     );
+
+    let (code, _, stderr) = bench(&bench_schema(), "discard", &["--transactions=500000x4096"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("EVENTSxBYTESxAGGREGATES"), "{stderr}");
 
     let (code, _, stderr) = bench(&bench_schema(), "carrier-pigeon", &[]);
     assert_eq!(code, 2);

@@ -27,13 +27,14 @@ use super::drain::{drain_run, publisher_run, yardstick_run};
 use super::fill::{exec, prefill, truncate};
 use super::latency::latency_run;
 use super::reference::reference_run;
+use super::transaction::transaction_phase;
 use super::wal::{wal_drain_run, WalBench, WAL_FILL_TX_ROWS, WAL_UNAVAILABLE};
 use super::writer::writer_phase;
 
-pub use super::options::{BenchOptions, Phase};
+pub use super::options::{BenchOptions, LargeTransaction, Phase, DEFAULT_LARGE_TRANSACTIONS};
 pub use super::report::{
     BenchReport, ClaimFigures, DrainFigures, LatencyFigures, PublisherFigures, Ratios,
-    StageFigures, WriterFigures,
+    StageFigures, TransactionFigures, WriterFigures,
 };
 pub use super::rss::rss_bytes;
 pub use crate::target::{BenchTarget, DiscardTarget};
@@ -63,6 +64,7 @@ pub async fn run(
         drain: Vec::new(),
         latency: Vec::new(),
         claim: Vec::new(),
+        transactions: Vec::new(),
         ratios: Ratios::default(),
         notes: Vec::new(),
         relay_peak_rss_bytes: None,
@@ -195,6 +197,9 @@ async fn run_phases(
     }
     if has(Phase::Claim) {
         report.claim = claim_phase(admin, o, progress).await?;
+    }
+    if has(Phase::Transaction) {
+        transaction_phase(url, admin, &table, target, o, progress, report).await?;
     }
     Ok(())
 }

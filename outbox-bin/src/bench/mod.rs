@@ -4,7 +4,8 @@
 //! queue), so a benchmark never publishes into a service's topics or queues.
 //!
 //! The phases each have a file: `writer.rs`, `drain.rs` (with the publisher alone), `reference.rs`
-//! (the classic relay), `latency.rs`, `wal.rs` (the WAL source) and `claim.rs`; they share
+//! (the classic relay), `latency.rs`, `wal.rs` (the WAL source), `claim.rs` and `transaction.rs`
+//! (one large transaction on each source); they share
 //! `fill.rs` (backlogs), `instruments.rs` (counting and timing relays) and `rss.rs` (memory). The
 //! options are in `options.rs`, the figures in `report.rs`, their table in `table.rs`.
 
@@ -26,6 +27,7 @@ mod reference;
 mod report;
 mod rss;
 mod table;
+mod transaction;
 mod wal;
 mod writer;
 
@@ -43,7 +45,8 @@ pub struct BenchArgs {
     /// publisher.type of the configuration.
     #[arg(long, value_name = "BROKER")]
     pub broker: Option<String>,
-    /// Phases to run, comma-separated: writer, drain, reference, latency, claim. Default: all.
+    /// Phases to run, comma-separated: writer, drain, reference, latency, claim, transaction.
+    /// Default: all.
     #[arg(long, value_delimiter = ',', value_name = "PHASES")]
     pub phases: Option<Vec<String>>,
     /// Concurrent writers of the writer phase.
@@ -90,6 +93,14 @@ pub struct BenchArgs {
     /// so a batch spread over more partitions takes more requests).
     #[arg(long, default_value_t = 8)]
     pub kafka_partitions: i32,
+    /// The transactions of the transaction phase, comma-separated, each EVENTSxBYTESxAGGREGATES.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "TRANSACTIONS",
+        default_value = "500000x4096x100,2000000x100x1000"
+    )]
+    pub transactions: Vec<String>,
     /// Schema the benchmark creates and drops (must start with outbox_bench).
     #[arg(long, default_value = "outbox_bench")]
     pub schema: String,
@@ -123,6 +134,11 @@ impl BenchArgs {
             claim_pending_rows: self.claim_pending_rows,
             claim_samples: self.claim_samples,
             publish_delay: self.publish_delay,
+            transactions: self
+                .transactions
+                .iter()
+                .map(|t| engine::LargeTransaction::parse(t))
+                .collect::<Result<_, _>>()?,
             relay: config.relay.clone(),
         })
     }

@@ -23,19 +23,23 @@ pub enum Phase {
     Latency,
     /// Claim cost over an empty history, a large processed history and a large pending backlog.
     Claim,
+    /// One transaction far larger than the WAL source's read-ahead (a backfill), drained by one
+    /// polling relay and by one relay over the WAL source: drain time and peak memory of each.
+    Transaction,
 }
 
 impl Phase {
     /// Every phase, in the order they run.
-    pub const ALL: [Phase; 5] = [
+    pub const ALL: [Phase; 6] = [
         Phase::Writer,
         Phase::Drain,
         Phase::Reference,
         Phase::Latency,
         Phase::Claim,
+        Phase::Transaction,
     ];
 
-    /// Parses `writer`, `drain`, `reference`, `latency` or `claim`.
+    /// Parses `writer`, `drain`, `reference`, `latency`, `claim` or `transaction`.
     ///
     /// # Errors
     /// A config error naming the accepted values.
@@ -46,12 +50,69 @@ impl Phase {
             "reference" => Ok(Phase::Reference),
             "latency" => Ok(Phase::Latency),
             "claim" => Ok(Phase::Claim),
+            "transaction" => Ok(Phase::Transaction),
             other => Err(Error::config(format!(
-                "bench phase {other:?}: expected writer, drain, reference, latency or claim"
+                "bench phase {other:?}: expected writer, drain, reference, latency, claim or transaction"
             ))),
         }
     }
 }
+
+/// One large transaction of the transaction phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LargeTransaction {
+    /// Events in the transaction.
+    pub events: u64,
+    /// Size of each event's JSON payload, in bytes (at least 64).
+    pub payload_bytes: usize,
+    /// Distinct aggregates the events are spread over.
+    pub aggregates: usize,
+}
+
+impl LargeTransaction {
+    /// Parses `EVENTSxBYTESxAGGREGATES`, such as `500000x4096x100`.
+    ///
+    /// # Errors
+    /// A config error naming the expected form.
+    pub fn parse(s: &str) -> Result<LargeTransaction, Error> {
+        let bad = || {
+            Error::config(format!(
+                "--transactions {s:?}: expected EVENTSxBYTESxAGGREGATES with positive numbers and at least 64 bytes, such as 500000x4096x100"
+            ))
+        };
+        let parts: Vec<u64> = s
+            .trim()
+            .split('x')
+            .map(|n| n.trim().replace('_', "").parse::<u64>())
+            .collect::<Result<_, _>>()
+            .map_err(|_| bad())?;
+        match parts[..] {
+            [events, bytes, aggregates] if events > 0 && bytes >= 64 && aggregates > 0 => {
+                Ok(LargeTransaction {
+                    events,
+                    payload_bytes: usize::try_from(bytes).map_err(|_| bad())?,
+                    aggregates: usize::try_from(aggregates).map_err(|_| bad())?,
+                })
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// The transactions of the transaction phase by default: 500,000 events of 4 KB over 100
+/// aggregates, and 2,000,000 of 100 bytes over 1,000.
+pub const DEFAULT_LARGE_TRANSACTIONS: [LargeTransaction; 2] = [
+    LargeTransaction {
+        events: 500_000,
+        payload_bytes: 4_096,
+        aggregates: 100,
+    },
+    LargeTransaction {
+        events: 2_000_000,
+        payload_bytes: 100,
+        aggregates: 1_000,
+    },
+];
 
 /// Sizes, rates and durations of a benchmark run. Every field has a documented default.
 #[derive(Debug, Clone, Serialize)]
@@ -91,6 +152,8 @@ pub struct BenchOptions {
     /// target's own: a slow broker, against which relays must scale out. Default 0.
     #[serde(with = "outbox_core::duration::serde_str")]
     pub publish_delay: Duration,
+    /// The transactions of the transaction phase. Default: [`DEFAULT_LARGE_TRANSACTIONS`].
+    pub transactions: Vec<LargeTransaction>,
     /// The relay settings of the drain and latency runs. Default: the relay's defaults.
     pub relay: RelayConfig,
 }
@@ -113,6 +176,7 @@ impl Default for BenchOptions {
             claim_pending_rows: 1_000_000,
             claim_samples: 200,
             publish_delay: Duration::ZERO,
+            transactions: DEFAULT_LARGE_TRANSACTIONS.to_vec(),
             relay: RelayConfig::default(),
         }
     }
@@ -171,5 +235,16 @@ mod tests {
         assert!(BenchOptions::default().validate().is_ok());
         assert!(Phase::parse("drain").is_ok());
         assert!(Phase::parse("drains").is_err());
+        assert_eq!(
+            LargeTransaction::parse("500_000x4096x100").unwrap(),
+            DEFAULT_LARGE_TRANSACTIONS[0]
+        );
+        for bad in ["500000x4096", "0x4096x1", "10x8x1", "ax1x1"] {
+            let e = LargeTransaction::parse(bad).unwrap_err();
+            assert!(
+                e.to_string().contains("EVENTSxBYTESxAGGREGATES"),
+                "{bad}: {e}"
+            );
+        }
     }
 }

@@ -42,6 +42,16 @@ pub struct WriterFigures {
     pub message_in_statement_overhead: f64,
 }
 
+/// One large transaction (a backfill) drained by one polling relay and by one relay over the WAL
+/// source (`drains`, `relay` = `relay` or `wal`; `peak_rss_bytes` is the whole bench process's).
+#[derive(Debug, Clone, Serialize)]
+pub struct TransactionFigures {
+    /// The transaction's size.
+    pub transaction: super::options::LargeTransaction,
+    /// The drains.
+    pub drains: Vec<DrainFigures>,
+}
+
 /// One drain of a pre-filled backlog.
 #[derive(Debug, Clone, Serialize)]
 pub struct DrainFigures {
@@ -193,6 +203,8 @@ pub struct BenchReport {
     pub latency: Vec<LatencyFigures>,
     /// Claim-cost states.
     pub claim: Vec<ClaimFigures>,
+    /// One large transaction drained by each source (transaction phase).
+    pub transactions: Vec<TransactionFigures>,
     /// Ratios of the figures above.
     pub ratios: Ratios,
     /// Largest resident set size sampled during the one-relay drains, in bytes (the whole bench

@@ -291,6 +291,36 @@ impl BenchReport {
                 );
             }
         }
+        if !self.transactions.is_empty() {
+            let _ = writeln!(
+                s,
+                "\none large transaction (a backfill), drained by one relay of each source"
+            );
+            let _ = writeln!(
+                s,
+                "  {:<8} {:>9} {:>9} {:>10} {:>8} {:>10} {:>12}",
+                "source", "events", "bytes", "aggregates", "seconds", "events/s", "peak RSS"
+            );
+            for t in &self.transactions {
+                for d in &t.drains {
+                    let _ = writeln!(
+                        s,
+                        "  {:<8} {:>9} {:>9} {:>10} {:>8.2} {:>10.0} {:>12}",
+                        if d.relay == "wal" { "wal" } else { "polling" },
+                        t.transaction.events,
+                        t.transaction.payload_bytes,
+                        t.transaction.aggregates,
+                        d.seconds,
+                        d.events_per_second,
+                        mib(d.peak_rss_bytes)
+                    );
+                }
+            }
+            let _ = writeln!(
+                s,
+                "  (peak RSS: the whole bench process during the drain, its earlier phases' memory included)"
+            );
+        }
         s
     }
 }
