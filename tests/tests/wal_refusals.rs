@@ -274,7 +274,7 @@ async fn a_role_without_delete_fails_readiness_and_reads_nothing_until_granted()
     assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
     assert!(
         e.message()
-            .contains(&format!("GRANT DELETE ON {t} TO {role}")),
+            .contains(&format!("GRANT SELECT, DELETE ON {t} TO {role}")),
         "{e}"
     );
     assert!(e.message().contains("wal.delete_published = false"), "{e}");
