@@ -234,12 +234,7 @@ pub(super) async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Resul
             }
             drop(st);
             debug!(events = rows.len(), "moved to the held table");
-            inner
-                .held_poll
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .dirty = true;
-            inner.wake_relay();
+            held_changed(inner);
             Ok(true)
         }
         Err(e) => {
@@ -424,13 +419,18 @@ pub(super) async fn spill(
         last,
         "a part of a large transaction moved to the held table"
     );
+    held_changed(inner);
+    Ok(true)
+}
+
+/// The reader moved events to the held table: the relay's next claim looks there, now.
+fn held_changed(inner: &Inner) {
     inner
         .held_poll
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .dirty = true;
     inner.wake_relay();
-    Ok(true)
 }
 
 /// Takes newly read transactions in: events of aggregates with events in the held table go there

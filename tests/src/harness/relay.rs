@@ -38,14 +38,7 @@ impl RelayProcess {
     /// Starts `outbox relay` over `table`, publishing to `sink`, with `extra` settings; its log
     /// (stderr) goes to a file of its own under [`relay_log_dir`].
     pub fn start(table: &OutboxTable, sink: &Sink, extra: &[(&str, &str)]) -> RelayProcess {
-        let dir = relay_log_dir(table);
-        std::fs::create_dir_all(&dir).unwrap();
-        let log = std::fs::File::create(dir.join(format!(
-            "relay-{}.log",
-            &Uuid::new_v4().simple().to_string()[..12]
-        )))
-        .unwrap();
-        Self::start_logging_to(table, sink, extra, log)
+        Self::start_logging_to(table, sink, extra, Self::log_file(table))
     }
 
     /// As [`RelayProcess::start`], the relay's log (stderr) going to `log`.
@@ -72,13 +65,7 @@ impl RelayProcess {
         extra: &[(&str, &str)],
         received: std::sync::Arc<std::sync::Mutex<Vec<Uuid>>>,
     ) -> RelayProcess {
-        let dir = relay_log_dir(table);
-        std::fs::create_dir_all(&dir).unwrap();
-        let log = std::fs::File::create(dir.join(format!(
-            "relay-{}.log",
-            &Uuid::new_v4().simple().to_string()[..12]
-        )))
-        .unwrap();
+        let log = Self::log_file(table);
         let (mut c, tag) = Self::command(table);
         c.env("OUTBOX_PUBLISHER__TYPE", "stdout");
         for (k, v) in extra {
@@ -99,6 +86,17 @@ impl RelayProcess {
             }
         });
         RelayProcess { child, tag }
+    }
+
+    /// A log file of its own under [`relay_log_dir`].
+    fn log_file(table: &OutboxTable) -> std::fs::File {
+        let dir = relay_log_dir(table);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::File::create(dir.join(format!(
+            "relay-{}.log",
+            &Uuid::new_v4().simple().to_string()[..12]
+        )))
+        .unwrap()
     }
 
     /// The relay's command with the harness's settings, and its sessions' `application_name`.
