@@ -631,11 +631,20 @@ async fn large_transaction(end_session: bool) {
     }
     drained(&pool, &table, &wal, &publisher, committed.len()).await;
     let held = held_in().await;
-    // Each part once (and the mark), even when read twice.
+    // Each part once, with the events the buffer held at the first part, the later events of the
+    // same aggregates, and the mark's writes. A reader that read the transaction again also moves
+    // the transactions it reads again (their aggregates wait in the held table): there, a part
+    // handed over twice shows as hundreds of duplicates in the verdict below.
     assert!(
-        (2_050..=2_050 + 30 + 30 + 20).contains(&held),
-        "the large transaction went through the held table once ({held} rows went in)"
+        held >= 2_050,
+        "the large transaction went through the held table ({held} rows went in)"
     );
+    if !end_session {
+        assert!(
+            held <= 2_050 + 30 + 30 + 20,
+            "the large transaction went through the held table once ({held} rows went in)"
+        );
+    }
     shutdown.cancel();
     task.await.unwrap();
     let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
