@@ -99,6 +99,22 @@ impl WalSource {
         (store, task)
     }
 
+    /// Rows ever inserted into the held table (it deletes what it published): its sequence, two
+    /// values a row (the identity column's default, then the writer-order trigger's).
+    ///
+    /// # Panics
+    /// When the database is unreachable (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn held_rows_in(&self) -> i64 {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence($1, 'seq')), 0) / 2",
+        )
+        .bind(self.held.qualified())
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
+
     /// Events in the held table not yet published (dead letters included).
     ///
     /// # Panics

@@ -72,15 +72,7 @@ async fn large_transaction(events: usize, bytes: usize, aggregates: usize, kill:
     let mut kills = 0;
     if kill {
         // Killed once a fifth of the transaction is in the held table.
-        let held_in = || async {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence($1, 'seq')), 0) / 2",
-            )
-            .bind(wal.held.qualified())
-            .fetch_one(&pg)
-            .await
-            .unwrap()
-        };
+        let held_in = || wal.held_rows_in();
         wait_until(
             Duration::from_secs(600),
             "a fifth of the transaction in the held table",

@@ -609,17 +609,7 @@ async fn large_transaction(end_session: bool) {
     writer.commit(tx).await.unwrap();
     committed.extend(rows);
     committed.extend(write_rounds(&table, 10, 3).await);
-    // The held table deletes what it published: its sequence counts what went in (two values a
-    // row: the identity column's default, then the writer-order trigger's).
-    let held_in = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence($1, 'seq')), 0) / 2",
-        )
-        .bind(wal.held.qualified())
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
+    let held_in = || wal.held_rows_in();
     if end_session {
         wait_until(
             Duration::from_secs(60),
