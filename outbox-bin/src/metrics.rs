@@ -375,6 +375,16 @@ impl Metrics {
         g.retained_bytes.set(wal.retained_bytes);
         g.retained_warning
             .set(wal.retained_warning.min(i64::MAX as u64) as i64);
+        g.fallback.set(i64::from(wal.fallback));
+        // Counters of the reader's own totals: what was added since the last refresh.
+        for (counter, total) in [
+            (&g.fallbacks, wal.fallbacks),
+            (&g.fallback_moved, wal.fallback_moved),
+            (&g.tableless_gaps, wal.tableless_gaps),
+            (&g.tableless_gap_bytes, wal.tableless_gap_bytes),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
     }
 
     /// `rows` expired rows were removed by the automatic cleanup.
@@ -640,6 +650,16 @@ pub struct WalFigures {
     pub retained_bytes: i64,
     /// `wal.retained_wal_warning`.
     pub retained_warning: u64,
+    /// This relay publishes from the outbox table: the slot cannot be streamed.
+    pub fallback: bool,
+    /// Times this relay fell back to the outbox table (a total).
+    pub fallbacks: u64,
+    /// Rows this relay moved from the outbox table to the held table while falling back (a total).
+    pub fallback_moved: u64,
+    /// Times a slot was made again after one was lost (a total).
+    pub tableless_gaps: u64,
+    /// The WAL bytes no slot read, where known (a total).
+    pub tableless_gap_bytes: u64,
 }
 
 /// The WAL source's gauges (0 under the polling source).
@@ -651,6 +671,11 @@ struct WalGauges {
     lag_bytes: Gauge,
     retained_bytes: Gauge,
     retained_warning: Gauge,
+    fallback: Gauge,
+    fallbacks: Counter,
+    fallback_moved: Counter,
+    tableless_gaps: Counter,
+    tableless_gap_bytes: Counter,
 }
 
 impl WalGauges {
@@ -663,6 +688,11 @@ impl WalGauges {
             lag_bytes: Gauge::default(),
             retained_bytes: Gauge::default(),
             retained_warning: Gauge::default(),
+            fallback: Gauge::default(),
+            fallbacks: Counter::default(),
+            fallback_moved: Counter::default(),
+            tableless_gaps: Counter::default(),
+            tableless_gap_bytes: Counter::default(),
         };
         registry.register(
             "outbox_wal_reader_active",
@@ -698,6 +728,31 @@ impl WalGauges {
             "outbox_wal_retained_warning_bytes",
             "wal.retained_wal_warning: retained WAL above this is an alert (0 under the polling source)",
             g.retained_warning.clone(),
+        );
+        registry.register(
+            "outbox_wal_fallback",
+            "1 while this relay publishes from the outbox table because the slot cannot be streamed (missing, lost WAL, or its publication lacks the table; the log says which)",
+            g.fallback.clone(),
+        );
+        registry.register(
+            "outbox_wal_fallbacks",
+            "Times this relay fell back to publishing from the outbox table",
+            g.fallbacks.clone(),
+        );
+        registry.register(
+            "outbox_wal_fallback_moved_events",
+            "Rows this relay moved from the outbox table to the held table while falling back",
+            g.fallback_moved.clone(),
+        );
+        registry.register(
+            "outbox_wal_tableless_gaps",
+            "Times a replication slot was made again after one was lost: table-less events committed in between were not read by any slot",
+            g.tableless_gaps.clone(),
+        );
+        registry.register(
+            "outbox_wal_tableless_gap_bytes",
+            "Bytes of WAL in which table-less events were not read by any slot (where the old slot's position was known)",
+            g.tableless_gap_bytes.clone(),
         );
         g
     }

@@ -199,6 +199,11 @@ async fn watch_wal(
             unsettled: progress.unsettled as u64,
             lag_seconds: progress.lag_seconds,
             retained_warning: warning,
+            fallback: progress.fallback.is_some(),
+            fallbacks: progress.fallbacks,
+            fallback_moved: progress.fallback_moved,
+            tableless_gaps: progress.tableless_gaps,
+            tableless_gap_bytes: progress.tableless_gap_bytes,
             ..Default::default()
         };
         match wal.slot().positions(wal.held().pool()).await {
@@ -221,7 +226,7 @@ async fn watch_wal(
                 if !warned_missing {
                     error!(
                         slot = wal.slot().slot(),
-                        "the replication slot does not exist: run `outbox wal setup`; events committed while it is missing are not read"
+                        "the replication slot does not exist: the reading relay publishes the outbox table's rows meanwhile and, with wal.auto_recreate, makes it again (else run `outbox wal setup`); table-less events committed while it is missing are not read"
                     );
                     warned_missing = true;
                 }

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -31,6 +32,8 @@ pub(super) struct Settings {
     pub(super) read_ahead: usize,
     pub(super) read_ahead_bytes: usize,
     pub(super) held_poll_interval: Duration,
+    /// `wal.auto_recreate`: the reader makes a missing or lost slot (and publication) again.
+    pub(super) auto_recreate: bool,
 }
 
 impl Settings {
@@ -167,7 +170,19 @@ pub(super) struct Inner {
     /// Wakes the reader (a batch was settled; new events may be there).
     pub(super) reader_wake: Arc<Notify>,
     pub(super) relay_wake: Mutex<Option<Wake>>,
-    pub(super) slot_missing: Mutex<bool>,
+    /// Why the reader publishes from the outbox table instead of the slot (`None`: it does not).
+    pub(super) fallback: Mutex<Option<String>>,
+    /// Times the reader fell back to the outbox table.
+    pub(super) fallbacks: AtomicU64,
+    /// Rows moved from the outbox table to the held table while falling back.
+    pub(super) fallback_moved: AtomicU64,
+    /// The slot's confirmed position as last seen readable (the start of the WAL no slot read,
+    /// should it be lost).
+    pub(super) slot_confirmed: AtomicU64,
+    /// Times table-less events may have gone unread (a slot made again), and the WAL bytes of
+    /// those ranges that are known.
+    pub(super) tableless_gaps: AtomicU64,
+    pub(super) tableless_gap_bytes: AtomicU64,
     /// When the relay last asked for events.
     pub(super) last_claim: Mutex<Instant>,
 }
@@ -175,6 +190,30 @@ pub(super) struct Inner {
 impl Inner {
     pub(super) fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks the reader as publishing from the outbox table, for `reason`; true when it was not.
+    pub(super) fn enter_fallback(&self, reason: &str) -> bool {
+        let mut f = self.fallback.lock().unwrap_or_else(|p| p.into_inner());
+        let entered = f.is_none();
+        if entered {
+            self.fallbacks.fetch_add(1, Ordering::SeqCst);
+        }
+        *f = Some(reason.to_string());
+        entered
+    }
+
+    /// Marks the reader as streaming the slot again.
+    pub(super) fn leave_fallback(&self) {
+        *self.fallback.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// Why the reader publishes from the outbox table, if it does.
+    pub(super) fn fallback_reason(&self) -> Option<String> {
+        self.fallback
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub(super) fn wake_relay(&self) {

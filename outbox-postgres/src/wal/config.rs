@@ -37,6 +37,13 @@ pub struct WalConfig {
     /// empty); `false` leaves the table to you (for example, writers that insert and delete the
     /// row in the same transaction, as with Debezium's outbox router). Default true.
     pub delete_published: bool,
+    /// When the slot is missing (dropped, not made again after a failover), has lost WAL it
+    /// needed, or its publication does not hold the outbox table, the relay publishes from the
+    /// outbox table meanwhile and makes the slot and publication again itself, then streams again.
+    /// `false` leaves making them to you (`outbox wal setup`); the relay still publishes from the
+    /// table meanwhile. Making them needs the `REPLICATION` attribute and ownership of the table
+    /// (for the publication). Default true.
+    pub auto_recreate: bool,
     /// The most events read from the slot and not yet claimed that the reader holds in memory
     /// (the batches being published come on top: `relay.batch_size` x `relay.max_in_flight`). A
     /// relay that stops claiming (its broker is down) stops reading the slot at this mark. Default
@@ -56,6 +63,7 @@ impl Default for WalConfig {
             message_prefix: DEFAULT_MESSAGE_PREFIX.into(),
             held_table: None,
             delete_published: true,
+            auto_recreate: true,
             read_ahead: 2_000,
             read_ahead_bytes: 16 << 20,
         }

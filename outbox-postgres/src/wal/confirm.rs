@@ -127,14 +127,14 @@ pub(super) async fn delete_published(
 }
 
 /// A DELETE's failure that retrying cannot cure.
-enum Refusal {
+pub(super) enum Refusal {
     /// SQLSTATE 42501: a privilege is missing (the role's, or one a trigger's statement needs).
     Privilege,
     /// A constraint (class 23: a foreign key into the table) or a trigger that raises (P0001).
     Row,
 }
 
-fn refusal(e: &sqlx::Error) -> Option<Refusal> {
+pub(super) fn refusal(e: &sqlx::Error) -> Option<Refusal> {
     let code = e.as_database_error()?.code()?;
     match code.as_ref() {
         "42501" => Some(Refusal::Privilege),

@@ -424,7 +424,7 @@ pub(super) async fn spill(
 }
 
 /// The reader moved events to the held table: the relay's next claim looks there, now.
-fn held_changed(inner: &Inner) {
+pub(super) fn held_changed(inner: &Inner) {
     inner
         .held_poll
         .lock()

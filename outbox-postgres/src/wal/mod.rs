@@ -24,6 +24,10 @@
 //!   events is published or in the held table (and, with `wal.delete_published`, its outbox rows
 //!   deleted): a crash replays from there (at least once). A replayed event already in the held
 //!   table is not moved twice.
+//! - **A slot that cannot be streamed** (missing, invalidated, its publication without the table):
+//!   the reader moves the outbox table's unpublished rows to the held table, makes the slot again
+//!   with `wal.auto_recreate`, and streams again once every row written before the new slot's
+//!   consistent point is moved (the `fallback` module).
 //!
 //! # The slot
 //! The publication holds the outbox table's inserts only (`publish = 'insert'`: the relay's own
@@ -41,12 +45,14 @@
 //! - `decode`: the slot's pgoutput messages as whole transactions of events; [`WalReader`].
 //! - `store`: [`WalStore`] and its leases; `reader`: the reader task (lock, standby, reading
 //!   loop); `stream`: the replication stream; `buffer`: the transactions read and each event's
-//!   state; `held`: the hand-over to the held table; `confirm`: confirming settled transactions.
+//!   state; `held`: the hand-over to the held table; `confirm`: confirming settled transactions;
+//!   `fallback`: publishing from the outbox table while the slot cannot be streamed.
 
 mod buffer;
 mod config;
 mod confirm;
 mod decode;
+mod fallback;
 mod held;
 mod reader;
 mod replication;

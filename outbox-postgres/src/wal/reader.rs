@@ -14,6 +14,7 @@ use outbox_core::Error;
 use super::buffer::{Inner, State};
 use super::confirm::{check_delete_privilege, confirm_settled};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
+use super::fallback::{check_slot, fall_back, warn_unreadable};
 use super::held::{move_failed, spill, take_in, Spilling};
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
@@ -28,6 +29,10 @@ const LOCK_PING: Duration = Duration::from_secs(10);
 
 /// How often the reader looks whether the held table is empty again, while it may not be.
 const HELD_EMPTY_CHECK: Duration = Duration::from_secs(1);
+
+/// How often the reader looks whether the slot can still be streamed (its publication may have
+/// lost the outbox table).
+const SLOT_CHECK: Duration = Duration::from_secs(1);
 
 /// How long the reader waits between two looks at what it holds while the relay does not claim.
 const PAUSED_WAIT: Duration = Duration::from_secs(1);
@@ -224,25 +229,15 @@ async fn read_slot(
     conn: &mut PgConnection,
     stop: &CancellationToken,
 ) -> Result<(), Error> {
-    // A missing slot is the operator's to set up (one made here would start at the current
-    // position, skipping what was committed meanwhile); this names the fix, where the stream's
-    // start would only fail.
-    let slot = inner.reader.slot();
-    let exists: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",
-    )
-    .bind(slot.slot())
-    .fetch_one(&mut *conn)
-    .await
-    .map_err(|e| map_sqlx("wal read", e))?;
-    if !exists {
-        return Err(Error::config(format!(
-            "the replication slot {} does not exist: run `outbox wal setup`",
-            slot.slot()
-        )));
-    }
-    // Without it every confirm would fail and the reader read the same events again, for ever.
+    // Without it every confirm (and every move from the table) would fail, and the reader read
+    // the same events again, for ever.
     check_delete_privilege(inner, conn).await?;
+    // A slot that cannot be streamed: publish from the outbox table until it can.
+    if let Some(problem) = check_slot(inner, conn).await?.problem {
+        if !fall_back(inner, conn, problem, stop).await? {
+            return Ok(());
+        }
+    }
     let origin = origin(conn).await?;
     let mut stream = open_stream(inner, origin).await?;
     let result = read_stream(inner, conn, &mut stream, stop).await;
@@ -262,6 +257,7 @@ async fn read_stream(
     // Only this reader adds to it.
     let mut held_may_have_rows = true;
     let mut held_checked = Instant::now();
+    let mut slot_checked = Instant::now();
     // A part of a transaction too large to hold whole, waiting to go to the held table.
     let mut part: Option<WalTransaction> = None;
     let mut spilling = Spilling::default();
@@ -301,6 +297,15 @@ async fn read_stream(
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| map_sqlx("wal read", e))?;
+        }
+        if slot_checked.elapsed() >= SLOT_CHECK {
+            // A slot dropped or invalidated under the stream ends it; a publication that lost the
+            // table does not: its rows are not decoded, and the reader publishes them from the
+            // table instead.
+            slot_checked = Instant::now();
+            if let Some(problem) = check_slot(inner, conn).await?.problem {
+                return Err(warn_unreadable(inner, problem));
+            }
         }
         // Take in while fewer than `read_ahead` events wait to be claimed: a relay that does not
         // claim (its broker is down) stops the reading, and the server waits.

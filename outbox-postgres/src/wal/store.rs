@@ -3,6 +3,7 @@
 //! the `wal` module's documentation.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,7 @@ use super::buffer::{EntryState, HeldPoll, Inner, Settings, State};
 use super::config::WalConfig;
 use super::confirm::check_delete_privilege;
 use super::decode::WalReader;
+use super::fallback::{check_slot, not_ready};
 use super::reader::{run_reader, runtime_supported};
 use super::slot::WalSlot;
 use crate::error::map_sqlx;
@@ -42,6 +44,18 @@ pub struct WalProgress {
     pub lag_seconds: f64,
     /// The position this reader last confirmed (0: none yet).
     pub confirmed_lsn: u64,
+    /// Why this relay publishes from the outbox table instead of the slot (`None`: it streams
+    /// the slot, or stands by); see [`WalConfig::auto_recreate`].
+    pub fallback: Option<String>,
+    /// Times this relay fell back to the outbox table.
+    pub fallbacks: u64,
+    /// Rows this relay moved from the outbox table to the held table while falling back.
+    pub fallback_moved: u64,
+    /// Times a slot was made again after one was lost: table-less events committed in between were
+    /// not read by any slot.
+    pub tableless_gaps: u64,
+    /// The WAL bytes of those ranges, where this relay knew where the old slot stood.
+    pub tableless_gap_bytes: u64,
 }
 
 /// The WAL source: a [`Store`] over a replication slot, with its held table (see the module's
@@ -93,6 +107,7 @@ impl WalStore {
                     read_ahead: config.read_ahead.max(1),
                     read_ahead_bytes: config.read_ahead_bytes.max(1),
                     held_poll_interval: Duration::from_millis(500),
+                    auto_recreate: config.auto_recreate,
                 },
                 state: Mutex::new(State::default()),
                 held_poll: Mutex::new(HeldPoll {
@@ -102,7 +117,12 @@ impl WalStore {
                 }),
                 reader_wake: Arc::new(Notify::new()),
                 relay_wake: Mutex::new(None),
-                slot_missing: Mutex::new(false),
+                fallback: Mutex::new(None),
+                fallbacks: AtomicU64::new(0),
+                fallback_moved: AtomicU64::new(0),
+                slot_confirmed: AtomicU64::new(0),
+                tableless_gaps: AtomicU64::new(0),
+                tableless_gap_bytes: AtomicU64::new(0),
                 last_claim: Mutex::new(Instant::now()),
             }),
         }
@@ -156,6 +176,11 @@ impl WalStore {
                 (Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0
             }),
             confirmed_lsn: st.confirmed,
+            fallback: self.inner.fallback_reason(),
+            fallbacks: self.inner.fallbacks.load(Ordering::SeqCst),
+            fallback_moved: self.inner.fallback_moved.load(Ordering::SeqCst),
+            tableless_gaps: self.inner.tableless_gaps.load(Ordering::SeqCst),
+            tableless_gap_bytes: self.inner.tableless_gap_bytes.load(Ordering::SeqCst),
         }
     }
 
@@ -377,37 +402,27 @@ impl Store for WalStore {
     }
 
     /// The held table answers, the role may delete what it publishes (`wal.delete_published`),
-    /// and the slot exists.
+    /// and the slot can be streamed: it exists, has not lost WAL, and its publication holds the
+    /// outbox table. While it cannot, the relay publishes from the outbox table (and makes the slot
+    /// again with `wal.auto_recreate`), and this fails saying so.
     async fn check(&self) -> Result<(), Error> {
         runtime_supported()?;
         self.inner.held.check().await?;
-        {
-            let mut conn = self
-                .inner
-                .pool
-                .acquire()
-                .await
-                .map_err(|e| map_sqlx("check", e))?;
-            check_delete_privilege(&self.inner, &mut conn).await?;
-        }
-        let slot = self.inner.reader.slot();
-        let exists: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",
-        )
-        .bind(slot.slot())
-        .fetch_one(&self.inner.pool)
-        .await
-        .map_err(|e| map_sqlx("check", e))?;
-        *self
+        let mut conn = self
             .inner
-            .slot_missing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = !exists;
-        if !exists {
-            return Err(Error::config(format!(
-                "the replication slot {} does not exist: run `outbox wal setup` (events committed while it is missing are not read by it)",
-                slot.slot()
-            )));
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| map_sqlx("check", e))?;
+        check_delete_privilege(&self.inner, &mut conn).await?;
+        if let Some(problem) = check_slot(&self.inner, &mut conn).await?.problem {
+            return Err(not_ready(&self.inner, problem));
+        }
+        if let Some(reason) = self.inner.fallback_reason() {
+            return Err(Error::new(
+                outbox_core::ErrorKind::Connection,
+                format!("the relay publishes from the outbox table until every row written before the slot's position is in the held table: {reason}"),
+            ));
         }
         Ok(())
     }

@@ -1,0 +1,420 @@
+//! The table fallback: while the slot cannot be read (missing, invalidated, its publication gone
+//! or without the outbox table), the reader publishes from the outbox table itself. Its unpublished
+//! rows are moved to the held table, in `seq` order, and the relay claims them from there with the
+//! polling machinery; with `wal.auto_recreate` the reader makes the slot (and the publication)
+//! again, moves every row written before the new slot's consistent point, and streams again.
+//!
+//! Why the rows are enough: a row event is a row of the outbox table until the WAL source deletes
+//! it, which it does only once its event is published or in the held table. Table-less events
+//! (logical decoding messages) have no row: those committed while no slot held the WAL are not read
+//! by any, and the reader says so, with the WAL range they fell in.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use sqlx::PgConnection;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+use uuid::Uuid;
+
+use outbox_core::{Error, ErrorKind};
+
+use super::buffer::Inner;
+use super::confirm::{delete_published, refusal};
+use super::held::held_changed;
+use crate::error::map_sqlx;
+use crate::row::INSERT_COLUMNS;
+
+/// Rows moved from the outbox table to the held table per statement.
+const MOVE_CHUNK: i64 = 1_000;
+
+/// How often the reader tries again to make the slot when making it failed.
+const REPAIR_RETRY: Duration = Duration::from_secs(10);
+
+/// How often the reader looks at the outbox table for new rows while it falls back (sooner when
+/// a writer's NOTIFY wakes it).
+const FALLBACK_POLL: Duration = Duration::from_millis(500);
+
+/// Why the slot cannot be streamed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SlotProblem {
+    /// No slot of this name in this database (dropped, or not made after a failover).
+    Missing,
+    /// The slot lost WAL it needed (`wal_status = 'lost'`: `max_slot_wal_keep_size`).
+    Lost,
+    /// The publication does not exist.
+    NoPublication,
+    /// The publication does not hold the outbox table (removed from it, or the table dropped and
+    /// made again): its inserts are not decoded.
+    TableNotPublished,
+}
+
+impl SlotProblem {
+    /// Whether the slot's WAL from its last confirmed position on is gone (table-less events of
+    /// that range are not read by any slot).
+    fn loses_messages(self) -> bool {
+        matches!(self, SlotProblem::Missing | SlotProblem::Lost)
+    }
+
+    fn describe(self, inner: &Inner) -> String {
+        let slot = inner.reader.slot();
+        match self {
+            SlotProblem::Missing => format!(
+                "the replication slot {} does not exist (dropped, or not made again after a failover)",
+                slot.slot()
+            ),
+            SlotProblem::Lost => format!(
+                "the replication slot {} lost WAL it needed (wal_status lost: max_slot_wal_keep_size)",
+                slot.slot()
+            ),
+            SlotProblem::NoPublication => {
+                format!("the publication {} does not exist", slot.publication())
+            }
+            SlotProblem::TableNotPublished => format!(
+                "the publication {} does not hold {} (removed from it, or the table dropped and made again): its inserts are not decoded",
+                slot.publication(),
+                inner.source.qualified()
+            ),
+        }
+    }
+}
+
+/// Where the slot stands for the reader: what keeps it from being streamed, and its confirmed
+/// position.
+pub(super) struct SlotCheck {
+    pub(super) problem: Option<SlotProblem>,
+    pub(super) confirmed: Option<u64>,
+}
+
+/// Looks at the slot, the publication and whether it holds the outbox table.
+///
+/// # Errors
+/// A database error.
+pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result<SlotCheck, Error> {
+    let slot = inner.reader.slot();
+    let (exists, wal_status, confirmed, publication, covers): (
+        bool,
+        Option<String>,
+        Option<i64>,
+        bool,
+        bool,
+    ) = sqlx::query_as(
+        "SELECT s.slot_name IS NOT NULL, s.wal_status,
+                (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint,
+                EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $2),
+                EXISTS (SELECT 1 FROM pg_publication_tables
+                        WHERE pubname = $2 AND schemaname = $3 AND tablename = $4)
+         FROM (SELECT 1) one
+         LEFT JOIN pg_replication_slots s ON s.slot_name = $1 AND s.database = current_database()",
+    )
+    .bind(slot.slot())
+    .bind(slot.publication())
+    .bind(inner.source.schema())
+    .bind(inner.source.table())
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal check", e))?;
+    let problem = if !exists {
+        Some(SlotProblem::Missing)
+    } else if wal_status.as_deref() == Some("lost") {
+        Some(SlotProblem::Lost)
+    } else if !publication {
+        Some(SlotProblem::NoPublication)
+    } else if !covers {
+        Some(SlotProblem::TableNotPublished)
+    } else {
+        None
+    };
+    let confirmed = confirmed.and_then(|c| u64::try_from(c).ok());
+    if problem.is_none() {
+        if let Some(c) = confirmed {
+            inner.slot_confirmed.fetch_max(c, Ordering::SeqCst);
+        }
+    }
+    Ok(SlotCheck { problem, confirmed })
+}
+
+/// Publishes from the outbox table while the slot cannot be streamed (see the module's
+/// documentation). Returns `Ok(true)` once the slot can be streamed and every row written before
+/// its consistent point is in the held table; `Ok(false)` on `stop`.
+///
+/// # Errors
+/// A database error (the reader connects again and falls back again); `wal.delete_published =
+/// false` (the table's published rows cannot be told from the others).
+pub(super) async fn fall_back(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    problem: SlotProblem,
+    stop: &CancellationToken,
+) -> Result<bool, Error> {
+    let reason = problem.describe(inner);
+    let fix = if inner.settings.auto_recreate {
+        "the relay makes it again itself (wal.auto_recreate)"
+    } else {
+        "run `outbox wal setup` (wal.auto_recreate is off)"
+    };
+    let entered = inner.enter_fallback(&format!("{reason}: {fix}"));
+    if !inner.settings.delete_published {
+        return Err(Error::config(format!(
+            "{reason}: {fix}. Meanwhile nothing is published: with wal.delete_published = false the outbox table keeps published rows, so the relay cannot tell which rows still wait (turn wal.delete_published on to let it publish from the table while the slot is missing)"
+        )));
+    }
+    if entered {
+        error!(
+            slot = inner.reader.slot().slot(),
+            reason = %reason,
+            "the WAL source falls back to the outbox table: its unpublished rows go to the held table, in order, and are published from there; {fix}"
+        );
+    }
+    // The slot's last confirmed position before it was lost: the start of the WAL whose table-less
+    // events no slot read.
+    let lost_from = match inner.slot_confirmed.load(Ordering::SeqCst) {
+        0 => None,
+        c => Some(c),
+    };
+    let mut problem = Some(problem);
+    let mut fence: Option<i64> = None;
+    let mut next_repair = Instant::now();
+    let mut last_failure: Option<String> = None;
+    loop {
+        if fence.is_none() && Instant::now() >= next_repair {
+            match restore(inner, conn, problem).await {
+                Ok(Restored::NotYet(p)) => {
+                    problem = Some(p);
+                    next_repair = Instant::now() + FALLBACK_POLL;
+                }
+                Ok(Restored::Ready { fence: f, made_at }) => {
+                    fence = Some(f);
+                    if problem.is_some_and(SlotProblem::loses_messages) {
+                        report_gap(inner, lost_from, made_at);
+                    }
+                }
+                Err(e) => {
+                    let message = e.to_string();
+                    if last_failure.as_deref() != Some(message.as_str()) {
+                        error!(error = %e, slot = inner.reader.slot().slot(), "the relay cannot make the slot again; it keeps publishing from the outbox table and tries again every 10 s");
+                        last_failure = Some(message);
+                    }
+                    next_repair = Instant::now() + REPAIR_RETRY;
+                }
+            }
+        }
+        let moved = move_rows(inner, conn, fence).await?;
+        if moved > 0 {
+            held_changed(inner);
+            if stop.is_cancelled() {
+                return Ok(false);
+            }
+            continue;
+        }
+        if fence.is_some() {
+            inner.leave_fallback();
+            info!(
+                slot = inner.reader.slot().slot(),
+                "the slot can be read again and every row written before it is in the held table: streaming the slot again"
+            );
+            return Ok(true);
+        }
+        tokio::select! {
+            _ = inner.reader_wake.notified() => {}
+            _ = tokio::time::sleep(FALLBACK_POLL) => {}
+            _ = stop.cancelled() => return Ok(false),
+        }
+    }
+}
+
+/// The outcome of a try to make the slot readable again.
+enum Restored {
+    /// Still not readable (waiting for an operator, with `wal.auto_recreate` off).
+    NotYet(SlotProblem),
+    /// Readable: rows up to `fence` (in `seq`) may have committed before its consistent point, and
+    /// go to the held table before the slot is streamed. `made_at` is the new slot's consistent
+    /// point, when it is new.
+    Ready { fence: i64, made_at: Option<u64> },
+}
+
+/// Makes the slot readable again (with `wal.auto_recreate`: drops a lost slot, or one older than
+/// its publication, then makes what is missing as `outbox wal setup` does), and returns the fence.
+async fn restore(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    known: Option<SlotProblem>,
+) -> Result<Restored, Error> {
+    let slot = inner.reader.slot();
+    let mut check = check_slot(inner, conn).await?;
+    if inner.settings.auto_recreate {
+        if let Some(p) = check.problem {
+            if matches!(p, SlotProblem::Lost | SlotProblem::NoPublication)
+                && check.confirmed.is_some()
+            {
+                // A lost slot cannot be read; one older than its (new) publication cannot decode
+                // what was written without it.
+                sqlx::query(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+                     WHERE slot_name = $1 AND database = current_database()",
+                )
+                .bind(slot.slot())
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| map_sqlx("wal drop of the unreadable slot", e))?;
+            }
+            let made = slot.setup(&inner.pool).await?;
+            if made.slot || made.publication {
+                info!(
+                    slot = slot.slot(),
+                    publication = slot.publication(),
+                    made_slot = made.slot,
+                    made_publication = made.publication,
+                    "made the slot readable again"
+                );
+            }
+            check = check_slot(inner, conn).await?;
+        }
+    }
+    if let Some(p) = check.problem {
+        return Ok(Restored::NotYet(p));
+    }
+    // Read after the slot exists: a row committed before its consistent point is visible now, so
+    // its seq is at most this.
+    let fence: i64 = sqlx::query_scalar(&format!(
+        "SELECT coalesce(max(seq), 0) FROM {}",
+        inner.source.qualified()
+    ))
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal fallback", e))?;
+    let made_at = known
+        .is_some_and(SlotProblem::loses_messages)
+        .then_some(check.confirmed)
+        .flatten();
+    if let Some(c) = made_at {
+        // The new slot's position replaces the old one's.
+        inner.slot_confirmed.store(c, Ordering::SeqCst);
+    }
+    Ok(Restored::Ready { fence, made_at })
+}
+
+/// Says which table-less events no slot read: those committed between the old slot's last
+/// confirmed position (when this relay knew it) and the new slot's consistent point.
+fn report_gap(inner: &Inner, from: Option<u64>, to: Option<u64>) {
+    let slot = inner.reader.slot().slot();
+    inner.tableless_gaps.fetch_add(1, Ordering::SeqCst);
+    let lsn = |l: u64| format!("{:X}/{:X}", l >> 32, l & 0xFFFF_FFFF);
+    match (from, to) {
+        (Some(from), Some(to)) if to >= from => {
+            inner
+                .tableless_gap_bytes
+                .fetch_add(to - from, Ordering::SeqCst);
+            error!(
+                slot,
+                from = lsn(from),
+                to = lsn(to),
+                wal_bytes = to - from,
+                "table-less events committed between these WAL positions were not read by any slot and are not published (row events are: they are rows of the outbox table)"
+            );
+        }
+        (_, to) => error!(
+            slot,
+            to = to.map(lsn),
+            "table-less events committed before the new slot's position, since the old slot's last confirmed one (not known to this relay), were not read by any slot and are not published (row events are: they are rows of the outbox table)"
+        ),
+    }
+}
+
+/// Moves up to [`MOVE_CHUNK`] unpublished rows of the outbox table (with `seq` up to `fence`, when
+/// set) to the held table, in `seq` order, and deletes them from the outbox table, in one
+/// statement. Rows whose id is in the held table already are not moved twice. Returns how many
+/// were moved.
+///
+/// In `seq` order is in order per aggregate: a row a writer's transaction still holds has no later
+/// row of its aggregate visible (the writer-order trigger).
+async fn move_rows(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    fence: Option<i64>,
+) -> Result<usize, Error> {
+    let held = inner.held.table().qualified();
+    let source = inner.source.qualified();
+    let statement = |delete: bool| {
+        format!(
+            "WITH picked AS (
+                 SELECT s.* FROM {source} s
+                 WHERE s.processed_at IS NULL AND s.dead_lettered_at IS NULL
+                   AND ($1::bigint IS NULL OR s.seq <= $1)
+                   AND NOT EXISTS (SELECT 1 FROM {held} h WHERE h.id = s.id)
+                 ORDER BY s.seq
+                 LIMIT $2
+             ), moved AS (
+                 INSERT INTO {held} ({INSERT_COLUMNS}, created_at, attempts)
+                 SELECT {INSERT_COLUMNS}, created_at, attempts FROM picked ORDER BY seq
+                 ON CONFLICT (id) DO NOTHING
+             ){}
+             SELECT id FROM picked ORDER BY seq",
+            if delete {
+                format!(", gone AS (DELETE FROM {source} WHERE id IN (SELECT id FROM picked))")
+            } else {
+                String::new()
+            }
+        )
+    };
+    let ids = match run_move(conn, &statement(true), fence).await {
+        Ok(ids) => ids,
+        Err(e) if refusal(&e).is_some() => {
+            // The database refuses to delete some of them (a foreign key into the outbox table,
+            // a trigger): moved first, then deleted one at a time (the refused rows stay, logged;
+            // `NOT EXISTS` keeps them from being moved again).
+            let ids = run_move(conn, &statement(false), fence)
+                .await
+                .map_err(|e| map_sqlx("wal fallback: move rows to the held table", e))?;
+            delete_published(inner, conn, &ids).await?;
+            ids
+        }
+        Err(e) => return Err(map_sqlx("wal fallback: move rows to the held table", e)),
+    };
+    if !ids.is_empty() {
+        inner
+            .fallback_moved
+            .fetch_add(ids.len() as u64, Ordering::SeqCst);
+    }
+    Ok(ids.len())
+}
+
+/// Runs one move statement in a transaction of its own, without the writer-order lock (this
+/// reader is the held table's only writer: see `held::insert_held`).
+async fn run_move(
+    conn: &mut PgConnection,
+    sql: &str,
+    fence: Option<i64>,
+) -> Result<Vec<Uuid>, sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    sqlx::query("SELECT set_config('outbox.writer_order', 'off', true)")
+        .execute(&mut *tx)
+        .await?;
+    let ids = sqlx::query_scalar(sql)
+        .bind(fence)
+        .bind(MOVE_CHUNK)
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(ids)
+}
+
+/// The error of a slot that cannot be streamed, for readiness: why, and what the relay does.
+pub(super) fn not_ready(inner: &Inner, problem: SlotProblem) -> Error {
+    let reason = problem.describe(inner);
+    let what = if !inner.settings.delete_published {
+        "nothing is published meanwhile (wal.delete_published is off); run `outbox wal setup`"
+    } else if inner.settings.auto_recreate {
+        "the relay publishes from the outbox table meanwhile and makes the slot again (wal.auto_recreate)"
+    } else {
+        "the relay publishes from the outbox table meanwhile; run `outbox wal setup` (wal.auto_recreate is off)"
+    };
+    Error::new(ErrorKind::Connection, format!("{reason}: {what}"))
+}
+
+/// Logs a warning once when the reader found the slot unreadable while streaming.
+pub(super) fn warn_unreadable(inner: &Inner, problem: SlotProblem) -> Error {
+    let e = not_ready(inner, problem);
+    warn!(error = %e, "the slot cannot be streamed");
+    e
+}

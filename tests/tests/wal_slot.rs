@@ -1,0 +1,296 @@
+//! The WAL source when its slot cannot be streamed, with `wal.auto_recreate = false` (the operator
+//! makes it again): the relay publishes the outbox table's rows meanwhile, readiness fails naming
+//! the fix, and once `outbox wal setup` ran the relay streams again; table-less events committed
+//! while no slot existed are counted as a gap. And an idle outbox on a busy database: the slot keeps
+//! no more WAL than a few checkpoints' worth.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::testkit::{sample_event, ScriptedPublisher};
+use outbox_core::{CancellationToken, Relay, RelayConfig, Store};
+use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::wal::{MessageWriter, WalStore};
+use outbox_postgres::{OutboxTable, Writer};
+use outbox_tests::harness::wait_until;
+use outbox_tests::wal::WalSource;
+use uuid::Uuid;
+
+/// A relay over `store` with `publisher`, until `shutdown`; its reader stops after it.
+fn run(
+    store: WalStore,
+    publisher: &Arc<ScriptedPublisher>,
+    shutdown: &CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let relay = Relay::new(
+        Arc::new(store.clone()),
+        publisher.clone(),
+        RelayConfig {
+            batch_size: 100,
+            poll_interval: Duration::from_millis(50),
+            ..RelayConfig::default()
+        },
+    )
+    .unwrap();
+    let reader = store.start();
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        relay.run(shutdown).await;
+        reader.stop().await;
+    })
+}
+
+/// One event for each of 5 aggregates, `rounds` times, a transaction per round; the ids in order.
+async fn write_rows(pool: &sqlx::PgPool, table: &OutboxTable, round: usize) -> Vec<Uuid> {
+    let writer = Writer::new(table.clone());
+    let mut tx = pool.begin().await.unwrap();
+    let events = (0..5)
+        .map(|a| sample_event(&format!("agg-{a}"), round))
+        .collect();
+    let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
+    writer.commit(tx).await.unwrap();
+    ids
+}
+
+/// A table-less event, committed.
+async fn write_message(pool: &sqlx::PgPool, table: &OutboxTable, n: usize) -> Uuid {
+    let mut tx = pool.begin().await.unwrap();
+    let id = MessageWriter::new(table.schema())
+        .emit(&mut tx, sample_event("message", n))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    id
+}
+
+async fn delivered(publisher: &ScriptedPublisher, ids: &[Uuid]) {
+    wait_until(Duration::from_secs(60), "the events delivered", || async {
+        let got: std::collections::HashSet<Uuid> =
+            publisher.delivered().iter().map(|e| e.id).collect();
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+}
+
+/// Rows of the outbox table (the WAL source deletes what it published, once confirmed).
+async fn rows_left(pool: &sqlx::PgPool, table: &OutboxTable) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    SlotDropped,
+    TableUnpublished,
+}
+
+async fn operator_makes_it_again(fault: Fault) {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let mut wal = WalSource::setup(&table).await;
+    wal.config.auto_recreate = false;
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let store = wal.store(outbox_core::Wake::new()).await;
+    let task = run(store.clone(), &publisher, &shutdown);
+    let mut rows = Vec::new();
+    let mut messages = Vec::new();
+    for round in 0..3 {
+        rows.extend(write_rows(&pool, &table, round).await);
+    }
+    messages.push(write_message(&pool, &table, 0).await);
+    delivered(&publisher, &[rows.clone(), messages.clone()].concat()).await;
+    // Everything confirmed (rows deleted): nothing is published twice after the fault.
+    wait_until(
+        Duration::from_secs(30),
+        "the published rows deleted",
+        || async { rows_left(&pool, &table).await == 0 },
+    )
+    .await;
+    let mut unread = None;
+    match fault {
+        Fault::SlotDropped => {
+            wait_until(Duration::from_secs(30), "the slot dropped", || async {
+                let _ = sqlx::query(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                     WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                )
+                .bind(wal.slot.slot())
+                .execute(&pool)
+                .await;
+                sqlx::query("SELECT pg_drop_replication_slot($1)")
+                    .bind(wal.slot.slot())
+                    .execute(&pool)
+                    .await
+                    .is_ok()
+            })
+            .await;
+            // No slot holds it: not published, and counted.
+            unread = Some(write_message(&pool, &table, 1).await);
+        }
+        Fault::TableUnpublished => {
+            sqlx::query(&format!(
+                "ALTER PUBLICATION {} DROP TABLE {}",
+                wal.slot.publication(),
+                table.qualified()
+            ))
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    }
+    // Written while the slot cannot be streamed: published from the table.
+    let mut during = Vec::new();
+    for round in 3..6 {
+        during.extend(write_rows(&pool, &table, round).await);
+    }
+    delivered(&publisher, &during).await;
+    rows.extend(during);
+    let reason = store.progress().fallback.expect("in fallback");
+    let e = store.check().await.expect_err("not ready in fallback");
+    assert!(
+        e.message().contains("outbox wal setup") && e.message().contains("auto_recreate"),
+        "readiness names the fix: {e}"
+    );
+    assert!(
+        reason.contains(match fault {
+            Fault::SlotDropped => "does not exist",
+            Fault::TableUnpublished => "does not hold",
+        }),
+        "{reason}"
+    );
+    // The operator makes it again.
+    wal.slot.setup(&pool).await.unwrap();
+    wait_until(Duration::from_secs(60), "streaming again", || async {
+        store.progress().fallback.is_none() && store.check().await.is_ok()
+    })
+    .await;
+    for round in 6..9 {
+        rows.extend(write_rows(&pool, &table, round).await);
+    }
+    messages.push(write_message(&pool, &table, 2).await);
+    delivered(&publisher, &[rows.clone(), messages.clone()].concat()).await;
+    shutdown.cancel();
+    task.await.unwrap();
+    // Once each, in order per aggregate; the unread message never.
+    let got: Vec<_> = publisher.delivered();
+    let mut times: HashMap<Uuid, usize> = HashMap::new();
+    for e in &got {
+        *times.entry(e.id).or_default() += 1;
+    }
+    for id in rows.iter().chain(&messages) {
+        assert_eq!(times.get(id), Some(&1), "{id} delivered once");
+    }
+    let mut last: HashMap<String, usize> = HashMap::new();
+    let order: HashMap<Uuid, usize> = rows.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    for e in &got {
+        if let Some(i) = order.get(&e.id) {
+            let prev = last.insert(e.aggregate_id.clone(), *i);
+            assert!(
+                prev.is_none_or(|p| p < *i),
+                "{} out of order",
+                e.aggregate_id
+            );
+        }
+    }
+    let progress = store.progress();
+    assert_eq!(progress.fallbacks, 1);
+    assert!(progress.fallback_moved >= 15, "{progress:?}");
+    match unread {
+        Some(id) => {
+            assert!(
+                !times.contains_key(&id),
+                "a message without a slot is not read"
+            );
+            assert_eq!(progress.tableless_gaps, 1, "{progress:?}");
+            assert!(progress.tableless_gap_bytes > 0, "{progress:?}");
+        }
+        None => assert_eq!(progress.tableless_gaps, 0, "{progress:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_dropped_without_auto_recreate_publishes_the_table_until_setup() {
+    operator_makes_it_again(Fault::SlotDropped).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_out_of_the_publication_fails_readiness_and_loses_no_row() {
+    operator_makes_it_again(Fault::TableUnpublished).await;
+}
+
+/// The WAL the slot keeps (from its restart position).
+async fn retained(pool: &sqlx::PgPool, wal: &WalSource) -> i64 {
+    sqlx::query_scalar(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint FROM pg_replication_slots
+         WHERE slot_name = $1",
+    )
+    .bind(wal.slot.slot())
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_outbox_on_a_busy_database_keeps_no_wal() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let wal = WalSource::setup(&table).await;
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let store = wal.store(outbox_core::Wake::new()).await;
+    let task = run(store.clone(), &publisher, &shutdown);
+    wait_until(Duration::from_secs(30), "the reader reads", || async {
+        store.progress().active
+    })
+    .await;
+    let other = format!("{}.busy", table.schema());
+    sqlx::query(&format!("CREATE TABLE {other} (v text)"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    // About 128 MB of WAL in another table, none in the outbox.
+    let written_from: i64 =
+        sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    for _ in 0..8 {
+        sqlx::query(&format!(
+            "INSERT INTO {other} SELECT repeat(md5(g::text), 16) FROM generate_series(1, 20000) g"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query(&format!("TRUNCATE {other}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let written: i64 =
+        sqlx::query_scalar::<_, i64>("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            - written_from;
+    assert!(written > 64 << 20, "wrote {written} bytes of WAL");
+    // The reader confirms the idle slot's position; the slot's restart position follows at the
+    // next snapshots of running transactions (each checkpoint logs one).
+    wait_until(
+        Duration::from_secs(120),
+        "the slot keeps less than an eighth of the WAL written since",
+        || async {
+            let _ = sqlx::query("CHECKPOINT").execute(&pool).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            retained(&pool, &wal).await < written / 8
+        },
+    )
+    .await;
+    shutdown.cancel();
+    task.await.unwrap();
+    assert!(publisher.delivered().is_empty());
+}
