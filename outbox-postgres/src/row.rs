@@ -14,6 +14,10 @@ use outbox_core::{Error, Event, NewEvent, Payload, JSON_CONTENT_TYPE};
 
 use crate::error::map_sqlx;
 
+/// The aggregate types of rows that are not events but marks the WAL source keeps in its held table
+/// (already processed, never claimed), as a `LIKE` pattern: `outbox cleanup` leaves them.
+pub(crate) const MARK_TYPES: &str = "(wal % mark)";
+
 /// The select list that [`decode_event`] reads: every column of an event, over the outbox table
 /// aliased `e` (`SELECT {EVENT_COLUMNS} FROM <table> e WHERE ...`), the payload as bytes whatever
 /// its column.

@@ -12,7 +12,7 @@ use std::time::Duration;
 use outbox_core::testkit::{sample_event, ScriptedPublisher};
 use outbox_core::{CancellationToken, Relay, RelayConfig, Store};
 use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::wal::{MessageWriter, WalStore};
+use outbox_postgres::wal::{mark_new_slot, MessageWriter, WalStore};
 use outbox_postgres::{OutboxTable, Writer};
 use outbox_tests::harness::wait_until;
 use outbox_tests::wal::WalSource;
@@ -221,6 +221,58 @@ async fn slot_dropped_without_auto_recreate_publishes_the_table_until_setup() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_out_of_the_publication_fails_readiness_and_loses_no_row() {
     operator_makes_it_again(Fault::TableUnpublished).await;
+}
+
+/// Rows committed before the slot was made are not in it: with the mark `outbox wal setup` writes
+/// when it makes the slot (as a relay does when it makes it again and stops before moving them),
+/// the relay moves them to the held table before it streams, and publishes each once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_before_the_slot_was_made_are_published() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let mut rows = Vec::new();
+    for round in 0..3 {
+        rows.extend(write_rows(&pool, &table, round).await);
+    }
+    let wal = WalSource::setup(&table).await;
+    mark_new_slot(&pool, &table, &wal.held, wal.slot.slot())
+        .await
+        .unwrap();
+    for round in 3..6 {
+        rows.extend(write_rows(&pool, &table, round).await);
+    }
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let store = wal.store(outbox_core::Wake::new()).await;
+    let task = run(store.clone(), &publisher, &shutdown);
+    delivered(&publisher, &rows).await;
+    for round in 6..9 {
+        rows.extend(write_rows(&pool, &table, round).await);
+    }
+    delivered(&publisher, &rows).await;
+    wait_until(Duration::from_secs(30), "streaming", || async {
+        store.progress().fallback.is_none() && store.check().await.is_ok()
+    })
+    .await;
+    shutdown.cancel();
+    task.await.unwrap();
+    let got = publisher.delivered();
+    assert_eq!(got.len(), rows.len(), "each once");
+    let order: HashMap<Uuid, usize> = rows.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    let mut last: HashMap<String, usize> = HashMap::new();
+    for e in &got {
+        let i = order[&e.id];
+        assert!(
+            last.insert(e.aggregate_id.clone(), i).is_none_or(|p| p < i),
+            "{} out of order",
+            e.aggregate_id
+        );
+    }
+    assert_eq!(
+        store.progress().fallback_moved,
+        15,
+        "the rows before the slot"
+    );
 }
 
 /// The WAL the slot keeps (from its restart position).

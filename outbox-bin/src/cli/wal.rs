@@ -44,6 +44,11 @@ pub(super) async fn cmd_wal(
             let created = slot.setup(&pool).await?;
             let held = config.wal.held_table(&table)?;
             let applied = migrate(&pool, &held).await?;
+            if created.slot {
+                // Unpublished rows committed before the slot's consistent point are not in it: the
+                // relay moves them to the held table before it streams.
+                outbox_postgres::wal::mark_new_slot(&pool, &table, &held, slot.slot()).await?;
+            }
             let said = |made: bool| if made { "created" } else { "exists" };
             println!(
                 "publication {}: {}\nslot {}: {}\nheld table {}: {}",

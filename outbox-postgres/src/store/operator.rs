@@ -7,7 +7,7 @@ use uuid::Uuid;
 use outbox_core::{Error, ErrorKind, Event};
 
 use crate::error::map_sqlx;
-use crate::row::{decode_event, EVENT_COLUMNS};
+use crate::row::{decode_event, EVENT_COLUMNS, MARK_TYPES};
 
 use super::PostgresStore;
 
@@ -279,6 +279,7 @@ impl PostgresStore {
             "DELETE FROM {t} WHERE id IN (
                 SELECT id FROM {t}
                 WHERE processed_at IS NOT NULL AND processed_at < now() - $1 * interval '1 millisecond'
+                  AND aggregate_type NOT LIKE '{MARK_TYPES}'
                 ORDER BY processed_at LIMIT $2)"
         );
         let ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);

@@ -24,6 +24,7 @@ use super::confirm::{delete_published, refusal};
 use super::held::held_changed;
 use crate::error::map_sqlx;
 use crate::row::INSERT_COLUMNS;
+use crate::table::OutboxTable;
 
 /// Rows moved from the outbox table to the held table per statement.
 const MOVE_CHUNK: i64 = 1_000;
@@ -135,20 +136,31 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
 }
 
 /// Publishes from the outbox table while the slot cannot be streamed (see the module's
-/// documentation). Returns `Ok(true)` once the slot can be streamed and every row written before
-/// its consistent point is in the held table; `Ok(false)` on `stop`.
+/// documentation), or finishes a fallback the [`FallbackMark`] says is unfinished. Returns
+/// `Ok(true)` once the slot can be streamed and every row written before its consistent point is in
+/// the held table; `Ok(false)` on `stop`.
 ///
 /// # Errors
-/// A database error (the reader connects again and falls back again); `wal.delete_published =
+/// A database error (the reader connects again and, the mark still there, goes on); `wal.delete_published =
 /// false` (the table's published rows cannot be told from the others).
 pub(super) async fn fall_back(
     inner: &Inner,
     conn: &mut PgConnection,
-    problem: SlotProblem,
+    problem: Option<SlotProblem>,
+    mark: Option<FallbackMark>,
     stop: &CancellationToken,
 ) -> Result<bool, Error> {
-    let reason = problem.describe(inner);
-    let fix = if inner.settings.auto_recreate {
+    let reason = match problem {
+        Some(p) => p.describe(inner),
+        None => format!(
+            "rows of {} written before the slot {} was made may not be in it (a fallback that did not finish, or a slot made by `outbox wal setup`)",
+            inner.source.qualified(),
+            inner.reader.slot().slot()
+        ),
+    };
+    let fix = if problem.is_none() {
+        "they are moved to the held table first"
+    } else if inner.settings.auto_recreate {
         "the relay makes it again itself (wal.auto_recreate)"
     } else {
         "run `outbox wal setup` (wal.auto_recreate is off)"
@@ -166,14 +178,26 @@ pub(super) async fn fall_back(
             "the WAL source falls back to the outbox table: its unpublished rows go to the held table, in order, and are published from there; {fix}"
         );
     }
+    // Kept in the held table until every row before the fence is moved: a relay that takes over
+    // from this one finishes the move before it streams.
+    // A fence is kept only for the slot it was read after: a slot lost again needs a new one.
+    let mut fence = if problem.is_some() {
+        None
+    } else {
+        mark.and_then(|m| m.fence)
+    };
+    if mark.is_none() {
+        FallbackMark { fence: None }
+            .save(conn, inner.held.table(), inner.reader.slot().slot())
+            .await?;
+    }
     // The slot's last confirmed position before it was lost: the start of the WAL whose table-less
     // events no slot read.
     let lost_from = match inner.slot_confirmed.load(Ordering::SeqCst) {
         0 => None,
         c => Some(c),
     };
-    let mut problem = Some(problem);
-    let mut fence: Option<i64> = None;
+    let mut problem = problem;
     let mut next_repair = Instant::now();
     let mut last_failure: Option<String> = None;
     loop {
@@ -185,6 +209,9 @@ pub(super) async fn fall_back(
                 }
                 Ok(Restored::Ready { fence: f, made_at }) => {
                     fence = Some(f);
+                    FallbackMark { fence }
+                        .save(conn, inner.held.table(), inner.reader.slot().slot())
+                        .await?;
                     if problem.is_some_and(SlotProblem::loses_messages) {
                         report_gap(inner, lost_from, made_at);
                     }
@@ -208,6 +235,7 @@ pub(super) async fn fall_back(
             continue;
         }
         if fence.is_some() {
+            FallbackMark::clear(conn, inner.held.table()).await?;
             inner.leave_fallback();
             info!(
                 slot = inner.reader.slot().slot(),
@@ -417,4 +445,116 @@ pub(super) fn warn_unreadable(inner: &Inner, problem: SlotProblem) -> Error {
     let e = not_ready(inner, problem);
     warn!(error = %e, "the slot cannot be streamed");
     e
+}
+
+/// A fallback to the outbox table that has not finished, kept in the held table (one row, already
+/// processed, never claimed; `outbox cleanup` leaves it): `fence` is `None` while no slot can be
+/// streamed, then the largest `seq` that may have committed before the slot's consistent point.
+/// A reader that finds it moves the rows up to the fence before it streams, whichever relay wrote
+/// it; `outbox wal setup` writes one when it makes the slot ([`mark_new_slot`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct FallbackMark {
+    pub(super) fence: Option<i64>,
+}
+
+/// The id of the held table's [`FallbackMark`] row.
+const FALLBACK_MARK_ID: Uuid = Uuid::from_u128(0x6f75_7462_6f78_2d77_616c_2d66_656e_6365);
+
+/// The aggregate and event type of the held table's [`FallbackMark`] row.
+pub const FALLBACK_MARK_TYPE: &str = "(wal fallback mark)";
+
+impl FallbackMark {
+    /// The held table's mark, if any.
+    pub(super) async fn load(
+        conn: &mut PgConnection,
+        held: &OutboxTable,
+    ) -> Result<Option<FallbackMark>, Error> {
+        let payload: Option<serde_json::Value> = sqlx::query_scalar(&format!(
+            "SELECT payload FROM {} WHERE id = $1",
+            held.qualified()
+        ))
+        .bind(FALLBACK_MARK_ID)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(|e| map_sqlx("wal read", e))?;
+        Ok(payload.map(|p| FallbackMark {
+            fence: p.get("fence").and_then(serde_json::Value::as_i64),
+        }))
+    }
+
+    async fn save(
+        &self,
+        conn: &mut PgConnection,
+        held: &OutboxTable,
+        slot: &str,
+    ) -> Result<(), Error> {
+        sqlx::query(&format!(
+            "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, processed_at)
+             VALUES ($1, $2, $3, $2, $4, now())
+             ON CONFLICT (id) DO UPDATE SET payload = EXCLUDED.payload, processed_at = now()",
+            held.qualified()
+        ))
+        .bind(FALLBACK_MARK_ID)
+        .bind(FALLBACK_MARK_TYPE)
+        .bind(slot)
+        .bind(serde_json::json!({ "fence": self.fence }))
+        .execute(&mut *conn)
+        .await
+        .map_err(|e| map_sqlx("wal fallback mark", e))?;
+        Ok(())
+    }
+
+    async fn clear(conn: &mut PgConnection, held: &OutboxTable) -> Result<(), Error> {
+        sqlx::query(&format!("DELETE FROM {} WHERE id = $1", held.qualified()))
+            .bind(FALLBACK_MARK_ID)
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| map_sqlx("wal fallback mark", e))?;
+        Ok(())
+    }
+}
+
+/// After `outbox wal setup` made `slot` (none existed): rows of `source` still unpublished that
+/// committed before the slot's consistent point are not in it, so the relay moves every row up to
+/// the table's largest `seq` now to the held table `held` before it streams (for example rows
+/// written while no slot existed, or before a switch from the polling source).
+///
+/// # Errors
+/// A database error.
+pub async fn mark_new_slot(
+    pool: &sqlx::PgPool,
+    source: &OutboxTable,
+    held: &OutboxTable,
+    slot: &str,
+) -> Result<(), Error> {
+    let mut conn = pool.acquire().await.map_err(|e| map_sqlx("wal setup", e))?;
+    let fence: i64 = sqlx::query_scalar(&format!(
+        "SELECT coalesce(max(seq), 0) FROM {}",
+        source.qualified()
+    ))
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal setup", e))?;
+    FallbackMark { fence: Some(fence) }
+        .save(&mut conn, held, slot)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_marks_of_the_held_table_are_what_cleanup_leaves() {
+        let (prefix, suffix) = crate::row::MARK_TYPES
+            .split_once('%')
+            .expect("a LIKE pattern");
+        for mark in [FALLBACK_MARK_TYPE, super::super::SPILL_MARK_TYPE] {
+            assert!(mark.starts_with(prefix) && mark.ends_with(suffix), "{mark}");
+        }
+        assert!(
+            !crate::row::MARK_TYPES.contains('_'),
+            "no single-character wildcard"
+        );
+    }
 }

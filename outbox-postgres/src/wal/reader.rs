@@ -14,7 +14,7 @@ use outbox_core::Error;
 use super::buffer::{Inner, State};
 use super::confirm::{check_delete_privilege, confirm_settled};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
-use super::fallback::{check_slot, fall_back, warn_unreadable};
+use super::fallback::{check_slot, fall_back, warn_unreadable, FallbackMark};
 use super::held::{move_failed, spill, take_in, Spilling};
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
@@ -232,11 +232,13 @@ async fn read_slot(
     // Without it every confirm (and every move from the table) would fail, and the reader read
     // the same events again, for ever.
     check_delete_privilege(inner, conn).await?;
-    // A slot that cannot be streamed: publish from the outbox table until it can.
-    if let Some(problem) = check_slot(inner, conn).await?.problem {
-        if !fall_back(inner, conn, problem, stop).await? {
-            return Ok(());
-        }
+    // A slot that cannot be streamed: publish from the outbox table until it can. A fallback not
+    // finished (this relay's or another's that stopped) moves the rows before the fence first.
+    let problem = check_slot(inner, conn).await?.problem;
+    let mark = FallbackMark::load(conn, inner.held.table()).await?;
+    if (problem.is_some() || mark.is_some()) && !fall_back(inner, conn, problem, mark, stop).await?
+    {
+        return Ok(());
     }
     let origin = origin(conn).await?;
     let mut stream = open_stream(inner, origin).await?;
