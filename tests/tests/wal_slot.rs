@@ -86,6 +86,7 @@ async fn rows_left(pool: &sqlx::PgPool, table: &OutboxTable) -> i64 {
 enum Fault {
     SlotDropped,
     TableUnpublished,
+    TableRecreated,
 }
 
 async fn operator_makes_it_again(fault: Fault) {
@@ -142,6 +143,22 @@ async fn operator_makes_it_again(fault: Fault) {
             .await
             .unwrap();
         }
+        Fault::TableRecreated => {
+            sqlx::query(&format!("DROP TABLE {} CASCADE", table.qualified()))
+                .execute(&pool)
+                .await
+                .unwrap();
+            // Made again as a new installation would (its bookkeeping gone with it).
+            sqlx::query(&format!(
+                "DROP TABLE \"{}\".\"{}_migrations\"",
+                table.schema(),
+                table.table()
+            ))
+            .execute(&pool)
+            .await
+            .unwrap();
+            outbox_postgres::migrate(&pool, &table).await.unwrap();
+        }
     }
     // Written while the slot cannot be streamed: published from the table.
     let mut during = Vec::new();
@@ -159,7 +176,7 @@ async fn operator_makes_it_again(fault: Fault) {
     assert!(
         reason.contains(match fault {
             Fault::SlotDropped => "does not exist",
-            Fault::TableUnpublished => "does not hold",
+            Fault::TableUnpublished | Fault::TableRecreated => "does not hold",
         }),
         "{reason}"
     );
@@ -221,6 +238,11 @@ async fn slot_dropped_without_auto_recreate_publishes_the_table_until_setup() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_out_of_the_publication_fails_readiness_and_loses_no_row() {
     operator_makes_it_again(Fault::TableUnpublished).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_dropped_and_made_again_fails_readiness_and_loses_no_row() {
+    operator_makes_it_again(Fault::TableRecreated).await;
 }
 
 /// Rows committed before the slot was made are not in it: with the mark `outbox wal setup` writes
