@@ -104,6 +104,12 @@ ensure_postgres() {
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \
       "SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE);', datname) FROM pg_database WHERE datname LIKE 'outbox\_hostile\_%'" \
       | psql -h 127.0.0.1 -U postgres -d test -q -f - >/dev/null 2>&1 || true
+    # The slot-invalidation scenario (tests/tests/fault_slot.rs) lowers max_slot_wal_keep_size for a
+    # moment; one killed meanwhile leaves it set, and it would invalidate the slots of later runs.
+    if [ "$(psql -h 127.0.0.1 -U postgres -d test -tAc "SHOW max_slot_wal_keep_size")" != "-1" ]; then
+      log "resetting max_slot_wal_keep_size (left by a scenario that stopped early)"
+      psql -h 127.0.0.1 -U postgres -d test -q -c "ALTER SYSTEM RESET max_slot_wal_keep_size" -c "SELECT pg_reload_conf()" >/dev/null
+    fi
     # Roles of the DBA-settings tests that stopped early (errors ignored: a role still in use by a
     # running test is left alone).
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \

@@ -115,6 +115,15 @@ pub(super) async fn delete_published(
             }
             kept += 1;
             first.get_or_insert_with(|| e.to_string());
+            // Marked published where the database lets it (a foreign key or a DELETE trigger does
+            // not stop an UPDATE): a fallback to the table does not publish it again.
+            let _ = sqlx::query(&format!(
+                "UPDATE {} SET processed_at = now() WHERE id = $1",
+                inner.source.qualified()
+            ))
+            .bind(id)
+            .execute(&mut *conn)
+            .await;
         }
     }
     error!(

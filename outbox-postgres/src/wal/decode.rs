@@ -313,6 +313,8 @@ pub(crate) struct Decoder {
     origin: Origin,
     parser: LogicalReplicationParser,
     relations: HashMap<u32, (String, String, Vec<String>)>,
+    /// A Relation message came since the last transaction handed over.
+    described: bool,
     open: Option<(DateTime<Utc>, Vec<WalItem>)>,
     row_ids: Vec<Uuid>,
     /// The payload bytes of the open transaction's items not yet handed over.
@@ -334,6 +336,7 @@ impl Decoder {
             origin,
             parser: LogicalReplicationParser::with_protocol_version(1),
             relations: HashMap::new(),
+            described: false,
             open: None,
             row_ids: Vec::new(),
             open_bytes: 0,
@@ -351,6 +354,14 @@ impl Decoder {
         self.part_events = events.max(1);
         self.part_bytes = bytes.max(1);
         self
+    }
+
+    /// Whether a relation was described since the last call: pgoutput describes a relation before
+    /// its first change in a session and again after its cache was invalidated, which a change of
+    /// the publication does (the reader then looks whether the publication is still the one it
+    /// started with).
+    pub(crate) fn take_described(&mut self) -> bool {
+        std::mem::take(&mut self.described)
     }
 
     /// Whether a transaction is open (begun, not yet committed).
@@ -396,6 +407,7 @@ impl Decoder {
                 columns,
                 ..
             } => {
+                self.described = true;
                 self.relations.insert(
                     relation_id,
                     (

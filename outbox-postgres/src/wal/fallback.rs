@@ -85,6 +85,10 @@ impl SlotProblem {
 pub(super) struct SlotCheck {
     pub(super) problem: Option<SlotProblem>,
     pub(super) confirmed: Option<u64>,
+    /// The publication, its entry for the outbox table and the table (their oids): one that
+    /// changes under a stream (the table removed from the publication and added again, the
+    /// publication or the table made again) may have let rows pass undecoded.
+    pub(super) identity: (Option<i64>, Option<i64>, Option<i64>),
 }
 
 /// Looks at the slot, the publication and whether it holds the outbox table.
@@ -93,18 +97,26 @@ pub(super) struct SlotCheck {
 /// A database error.
 pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result<SlotCheck, Error> {
     let slot = inner.reader.slot();
-    let (exists, wal_status, confirmed, publication, covers): (
+    #[allow(clippy::type_complexity)]
+    let (exists, wal_status, confirmed, publication, covers, pub_oid, rel_oid, table_oid): (
         bool,
         Option<String>,
         Option<i64>,
         bool,
         bool,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
     ) = sqlx::query_as(
         "SELECT s.slot_name IS NOT NULL, s.wal_status,
                 (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint,
                 EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $2),
                 EXISTS (SELECT 1 FROM pg_publication_tables
-                        WHERE pubname = $2 AND schemaname = $3 AND tablename = $4)
+                        WHERE pubname = $2 AND schemaname = $3 AND tablename = $4),
+                (SELECT p.oid::bigint FROM pg_publication p WHERE p.pubname = $2),
+                (SELECT pr.oid::bigint FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+                 WHERE p.pubname = $2 AND pr.prrelid = to_regclass($5)),
+                to_regclass($5)::oid::bigint
          FROM (SELECT 1) one
          LEFT JOIN pg_replication_slots s ON s.slot_name = $1 AND s.database = current_database()",
     )
@@ -112,6 +124,7 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
     .bind(slot.publication())
     .bind(inner.source.schema())
     .bind(inner.source.table())
+    .bind(inner.source.qualified())
     .fetch_one(&mut *conn)
     .await
     .map_err(|e| map_sqlx("wal check", e))?;
@@ -132,7 +145,11 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
             inner.slot_confirmed.fetch_max(c, Ordering::SeqCst);
         }
     }
-    Ok(SlotCheck { problem, confirmed })
+    Ok(SlotCheck {
+        problem,
+        confirmed,
+        identity: (pub_oid, rel_oid, table_oid),
+    })
 }
 
 /// Publishes from the outbox table while the slot cannot be streamed (see the module's
@@ -326,10 +343,10 @@ async fn restore(
 /// confirmed position (when this relay knew it) and the new slot's consistent point.
 fn report_gap(inner: &Inner, from: Option<u64>, to: Option<u64>) {
     let slot = inner.reader.slot().slot();
-    inner.tableless_gaps.fetch_add(1, Ordering::SeqCst);
     let lsn = |l: u64| format!("{:X}/{:X}", l >> 32, l & 0xFFFF_FFFF);
     match (from, to) {
         (Some(from), Some(to)) if to >= from => {
+            inner.tableless_gaps.fetch_add(1, Ordering::SeqCst);
             inner
                 .tableless_gap_bytes
                 .fetch_add(to - from, Ordering::SeqCst);
@@ -341,10 +358,12 @@ fn report_gap(inner: &Inner, from: Option<u64>, to: Option<u64>) {
                 "table-less events committed between these WAL positions were not read by any slot and are not published (row events are: they are rows of the outbox table)"
             );
         }
-        (_, to) => error!(
+        // Not counted: this relay saw no slot before (a first start before `outbox wal setup`, or
+        // a relay started while the slot was missing), so there may have been none.
+        (_, to) => warn!(
             slot,
             to = to.map(lsn),
-            "table-less events committed before the new slot's position, since the old slot's last confirmed one (not known to this relay), were not read by any slot and are not published (row events are: they are rows of the outbox table)"
+            "table-less events committed before the new slot's position, since the old slot's last confirmed one (not known to this relay: it saw no slot before), were not read by any slot and are not published (row events are: they are rows of the outbox table)"
         ),
     }
 }
@@ -433,7 +452,7 @@ pub(super) fn not_ready(inner: &Inner, problem: SlotProblem) -> Error {
     let what = if !inner.settings.delete_published {
         "nothing is published meanwhile (wal.delete_published is off); run `outbox wal setup`"
     } else if inner.settings.auto_recreate {
-        "the relay publishes from the outbox table meanwhile and makes the slot again (wal.auto_recreate)"
+        "the relay publishes from the outbox table meanwhile and makes the slot again (wal.auto_recreate; when it cannot, its log says why, and `outbox wal setup` makes it)"
     } else {
         "the relay publishes from the outbox table meanwhile; run `outbox wal setup` (wal.auto_recreate is off)"
     };
@@ -512,6 +531,14 @@ impl FallbackMark {
             .map_err(|e| map_sqlx("wal fallback mark", e))?;
         Ok(())
     }
+}
+
+/// Records a fallback to finish before the next stream (the publication changed under the running
+/// one): the reader then moves the rows up to a new fence first.
+pub(super) async fn mark_unfinished(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error> {
+    FallbackMark { fence: None }
+        .save(conn, inner.held.table(), inner.reader.slot().slot())
+        .await
 }
 
 /// After `outbox wal setup` made `slot` (none existed): rows of `source` still unpublished that

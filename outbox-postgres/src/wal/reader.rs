@@ -14,7 +14,7 @@ use outbox_core::Error;
 use super::buffer::{Inner, State};
 use super::confirm::{check_delete_privilege, confirm_settled};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
-use super::fallback::{check_slot, fall_back, warn_unreadable, FallbackMark};
+use super::fallback::{check_slot, fall_back, mark_unfinished, warn_unreadable, FallbackMark};
 use super::held::{move_failed, spill, take_in, Spilling};
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
@@ -104,6 +104,8 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
         }
         info!(slot = %slot, "reading the slot");
         let result = read_slot(&inner, &mut conn, &stop).await;
+        // An unfinished fallback is the held table's mark's: whichever relay reads next goes on.
+        inner.leave_fallback();
         {
             let mut st = inner.state();
             *st = State {
@@ -222,6 +224,54 @@ async fn origin(conn: &mut PgConnection) -> Result<Origin, Error> {
     })
 }
 
+/// The publication, its entry for the outbox table and the table, as [`SlotCheck`] has them.
+type PublicationIdentity = (Option<i64>, Option<i64>, Option<i64>);
+
+/// A transaction taken from the stream. One in which a relation is described again makes the
+/// reader look whether the publication changed first (see [`verify_publication`]).
+async fn taken(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    stream: &Stream,
+    t: Result<WalTransaction, Error>,
+    identity: PublicationIdentity,
+) -> Result<WalTransaction, Error> {
+    let t = stream.taken(t)?;
+    if stream.described_again() {
+        verify_publication(inner, conn, identity).await?;
+    }
+    Ok(t)
+}
+
+/// Fails, leaving a [`FallbackMark`], when the slot cannot be streamed any more or the publication
+/// is not the one the stream started with: a slot dropped or invalidated ends the stream, but a
+/// publication that lost the table (or lost it and got it back) does not, and rows written
+/// meanwhile were not decoded. The next reading moves the outbox table's rows first.
+async fn verify_publication(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    identity: PublicationIdentity,
+) -> Result<(), Error> {
+    let check = check_slot(inner, conn).await?;
+    if let Some(problem) = check.problem {
+        mark_unfinished(inner, conn).await?;
+        return Err(warn_unreadable(inner, problem));
+    }
+    if check.identity != identity {
+        mark_unfinished(inner, conn).await?;
+        let e = Error::new(
+            outbox_core::ErrorKind::Connection,
+            format!(
+                "the publication {} or its outbox table was changed (made again, or the table removed and added again): rows written meanwhile may not be decoded; they are moved from the table first",
+                inner.reader.slot().publication()
+            ),
+        );
+        warn!(error = %e, "the slot's publication changed");
+        return Err(e);
+    }
+    Ok(())
+}
+
 /// Reads, moves and confirms while the lock is held; returns on `stop` (after a last round) or
 /// on a database or stream error.
 async fn read_slot(
@@ -241,8 +291,9 @@ async fn read_slot(
         return Ok(());
     }
     let origin = origin(conn).await?;
+    let identity = check_slot(inner, conn).await?.identity;
     let mut stream = open_stream(inner, origin).await?;
-    let result = read_stream(inner, conn, &mut stream, stop).await;
+    let result = read_stream(inner, conn, &mut stream, identity, stop).await;
     stream.close().await;
     result
 }
@@ -251,6 +302,7 @@ async fn read_stream(
     inner: &Inner,
     conn: &mut PgConnection,
     stream: &mut Stream,
+    identity: PublicationIdentity,
     stop: &CancellationToken,
 ) -> Result<(), Error> {
     let mut last_confirm = Instant::now();
@@ -305,9 +357,7 @@ async fn read_stream(
             // table does not: its rows are not decoded, and the reader publishes them from the
             // table instead.
             slot_checked = Instant::now();
-            if let Some(problem) = check_slot(inner, conn).await?.problem {
-                return Err(warn_unreadable(inner, problem));
-            }
+            verify_publication(inner, conn, identity).await?;
         }
         // Take in while fewer than `read_ahead` events wait to be claimed: a relay that does not
         // claim (its broker is down) stops the reading, and the server waits.
@@ -333,7 +383,7 @@ async fn read_stream(
             while events < inner.settings.read_ahead && bytes < inner.settings.read_ahead_bytes {
                 match stream.rx.try_recv() {
                     Ok(t) => {
-                        let t = stream.taken(t)?;
+                        let t = taken(inner, conn, stream, t, identity).await?;
                         if t.piece != Piece::Whole {
                             part = Some(t);
                             break;
@@ -375,7 +425,7 @@ async fn read_stream(
             tokio::select! {
                 t = stream.rx.recv() => match t {
                     Some(t) => {
-                        let t = stream.taken(t)?;
+                        let t = taken(inner, conn, stream, t, identity).await?;
                         if t.piece != Piece::Whole {
                             part = Some(t);
                         } else if take_in(inner, conn, vec![t], held_may_have_rows).await? {

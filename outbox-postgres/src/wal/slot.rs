@@ -88,7 +88,7 @@ impl WalSlot {
     }
 
     /// Creates the publication (the table's inserts) and then the slot (`pgoutput`), each unless it
-    /// exists. Returns what was created.
+    /// exists (a slot that lost WAL it needed is dropped and made again). Returns what was created.
     ///
     /// # Errors
     /// [`ErrorKind::Config`] when the server's `wal_level` is not `logical` (naming the setting and
@@ -99,7 +99,20 @@ impl WalSlot {
         let mut created = WalSetup::default();
         // The slot first: a setup makes the publication before the slot, so a slot seen here has
         // its publication visible to the read after it, even while another setup is making both.
-        let slot = self.slot_here(pool).await?;
+        let mut slot = self.slot_here(pool).await?;
+        if slot.is_some() && self.lost(pool).await? {
+            // It cannot be read any more (max_slot_wal_keep_size): made again below. The relay
+            // moves the outbox table's rows written before the new one to its held table.
+            sqlx::query(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+                 WHERE slot_name = $1 AND database = current_database() AND wal_status = 'lost'",
+            )
+            .bind(&self.slot)
+            .execute(pool)
+            .await
+            .map_err(map)?;
+            slot = None;
+        }
         let has_publication = !self.publication_missing(pool).await?;
         if !has_publication && slot.is_some() {
             // A slot older than its publication cannot decode the changes in between.
@@ -260,6 +273,18 @@ impl WalSlot {
                 plugin.unwrap_or_else(|| "none".into())
             ))),
         }
+    }
+
+    /// Whether the slot lost WAL it needed (`wal_status = 'lost'`): it cannot be read.
+    async fn lost(&self, pool: &PgPool) -> Result<bool, Error> {
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots
+                            WHERE slot_name = $1 AND database = current_database() AND wal_status = 'lost')",
+        )
+        .bind(&self.slot)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| map_sqlx("wal", e))
     }
 
     /// Whether the publication holds the outbox table.

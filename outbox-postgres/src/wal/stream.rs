@@ -33,6 +33,10 @@ pub(super) struct Stream {
     /// Payload bytes of the transactions in the channel (the task waits while they pass
     /// `wal.read_ahead_bytes`).
     pub(super) channel_bytes: Arc<AtomicU64>,
+    /// Relation messages the stream's task decoded (see `Decoder::take_described`), and how many
+    /// of them the reader has looked at.
+    described: Arc<AtomicU64>,
+    seen_described: AtomicU64,
     pub(super) cancel: CancellationToken,
     pub(super) task: JoinHandle<()>,
 }
@@ -44,6 +48,13 @@ impl Stream {
         self.channel_bytes
             .fetch_sub(transaction_bytes(&t), Ordering::SeqCst);
         Ok(t)
+    }
+
+    /// Whether a relation was described since the last call (a transaction taken since may be the
+    /// first after a change of the publication).
+    pub(super) fn described_again(&self) -> bool {
+        let now = self.described.load(Ordering::SeqCst);
+        self.seen_described.swap(now, Ordering::SeqCst) != now
     }
 
     /// Everything before `lsn` is settled: the stream's task reports it to the server now.
@@ -96,6 +107,7 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
         .with_part_limit(inner.settings.part_events(), inner.settings.part_bytes());
     let feedback_now = Arc::new(Notify::new());
     let channel_bytes = Arc::new(AtomicU64::new(0));
+    let described = Arc::new(AtomicU64::new(0));
     let task = tokio::spawn(stream_task(
         replication,
         decoder,
@@ -106,6 +118,7 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
             settled: settled.clone(),
             channel_bytes: channel_bytes.clone(),
             max_bytes: inner.settings.read_ahead_bytes as u64,
+            described: described.clone(),
         },
         cancel.clone(),
     ));
@@ -115,6 +128,8 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
         feedback_now,
         settled,
         channel_bytes,
+        described,
+        seen_described: AtomicU64::new(0),
         cancel,
         task,
     })
@@ -128,6 +143,7 @@ struct StreamShared {
     pub(super) settled: Arc<AtomicU64>,
     pub(super) channel_bytes: Arc<AtomicU64>,
     pub(super) max_bytes: u64,
+    pub(super) described: Arc<AtomicU64>,
 }
 
 /// The payload bytes of a transaction's events.
@@ -148,6 +164,7 @@ async fn stream_task(
         settled,
         channel_bytes,
         max_bytes,
+        described,
     } = shared;
     let mut delivered = 0u64;
     let mut last_answer = Instant::now();
@@ -180,6 +197,10 @@ async fn stream_task(
             }
         };
         let decoded = decoder.feed(raw.wal_start, &raw.data);
+        if decoder.take_described() {
+            // Counted before the transaction it describes a relation for is handed over.
+            described.fetch_add(1, Ordering::SeqCst);
+        }
         let transaction = match decoded {
             Ok(Some(t)) => t,
             Ok(None) => continue,
