@@ -110,6 +110,11 @@ ensure_postgres() {
       log "resetting max_slot_wal_keep_size (left by a scenario that stopped early)"
       psql -h 127.0.0.1 -U postgres -d test -q -c "ALTER SYSTEM RESET max_slot_wal_keep_size" -c "SELECT pg_reload_conf()" >/dev/null
     fi
+    # Roles of the least-privilege tests that stopped early (their schemas went above; DROP OWNED
+    # revokes what they were granted on the database).
+    psql -h 127.0.0.1 -U postgres -d test -q -tAc \
+      "SELECT format('DROP OWNED BY %I CASCADE; DROP ROLE IF EXISTS %I;', rolname, rolname) FROM pg_roles WHERE rolname LIKE 'outbox\_lp\_%'" \
+      | psql -h 127.0.0.1 -U postgres -d test -q -f - >/dev/null 2>&1 || true
     # Roles of the DBA-settings tests that stopped early (errors ignored: a role still in use by a
     # running test is left alone).
     psql -h 127.0.0.1 -U postgres -d test -q -tAc \

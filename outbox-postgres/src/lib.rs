@@ -3,6 +3,7 @@
 
 mod config;
 mod error;
+mod grants;
 mod inbox;
 pub mod migrate;
 pub mod notify;

@@ -206,6 +206,35 @@ impl WalSource {
     }
 }
 
+/// A relay over `store` publishing to `publisher` (batches of 100, polling every 50 ms), until
+/// `shutdown`; the store's reader starts with it and stops after it.
+///
+/// # Panics
+/// When the configuration is invalid (this is test support).
+#[allow(clippy::unwrap_used)]
+pub fn run_store(
+    store: WalStore,
+    publisher: Arc<dyn Publisher>,
+    shutdown: &CancellationToken,
+) -> JoinHandle<()> {
+    let relay = Relay::new(
+        Arc::new(store.clone()),
+        publisher,
+        RelayConfig {
+            batch_size: 100,
+            poll_interval: Duration::from_millis(50),
+            ..RelayConfig::default()
+        },
+    )
+    .unwrap();
+    let reader = store.start();
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        relay.run(shutdown).await;
+        reader.stop().await;
+    })
+}
+
 /// `(key, value)` pairs borrowed, as `RelayProcess::start` takes them.
 pub fn pairs(env: &[(String, String)]) -> Vec<(&str, &str)> {
     env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()

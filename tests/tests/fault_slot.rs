@@ -1,7 +1,7 @@
 //! A lost replication slot loses no row event: two `outbox relay` processes under the WAL source
 //! (one reads the slot, one stands by) publish to RabbitMQ under continuous writes while the slot
-//! is taken from them, twice per scenario: dropped (the second time the reader is SIGKILLed at once
-//! and the standby takes over during the fallback), invalidated by `max_slot_wal_keep_size`, removed
+//! is taken from them, twice per scenario: dropped (the second time the reader is SIGKILLed during
+//! its fallback, and the standby finishes it), invalidated by `max_slot_wal_keep_size`, removed
 //! before a server restart, or its publication loses the outbox table. Each time the reading relay
 //! publishes from the outbox table, makes the slot (or publication) again and streams again; the run
 //! is judged against the database's record of what committed: nothing lost, nothing out of order,
@@ -11,9 +11,10 @@
 use std::time::{Duration, Instant};
 
 use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::wal::FALLBACK_MARK_TYPE;
 use outbox_postgres::OutboxTable;
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, relay_log_dir, report_with, restart_postgres,
+    assert_crash_verdict, committed_in_db, logged, relay_log_dir, report_with, restart_postgres,
     wait_until, Broker, RelayProcess, Sink,
 };
 use outbox_tests::wal::{pairs, WalSource};
@@ -148,6 +149,18 @@ impl Drop for KeepSizeReset {
     }
 }
 
+/// Whether a fallback to the outbox table is unfinished (the held table's mark).
+async fn in_fallback(pg: &sqlx::PgPool, wal: &WalSource) -> bool {
+    sqlx::query_scalar(&format!(
+        "SELECT EXISTS (SELECT 1 FROM {} WHERE aggregate_type = $1)",
+        wal.held.qualified()
+    ))
+    .bind(FALLBACK_MARK_TYPE)
+    .fetch_one(pg)
+    .await
+    .unwrap_or(false)
+}
+
 /// Whether the slot is streamed again: it exists, has its WAL, a relay reads it, and the
 /// publication holds the table.
 async fn streamed_again(pg: &sqlx::PgPool, wal: &WalSource, table: &OutboxTable) -> bool {
@@ -164,18 +177,6 @@ async fn streamed_again(pg: &sqlx::PgPool, wal: &WalSource, table: &OutboxTable)
     .fetch_one(pg)
     .await
     .unwrap_or(false)
-}
-
-/// The lines of the scenario's relay logs that contain `text`.
-fn logged(table: &OutboxTable, text: &str) -> usize {
-    std::fs::read_dir(relay_log_dir(table))
-        .map(|dir| {
-            dir.filter_map(Result::ok)
-                .filter_map(|f| std::fs::read_to_string(f.path()).ok())
-                .map(|s| s.lines().filter(|l| l.contains(text)).count())
-                .sum()
-        })
-        .unwrap_or(0)
 }
 
 async fn slot_lost(fault: Fault, scenario: &str) {
@@ -214,19 +215,38 @@ async fn slot_lost(fault: Fault, scenario: &str) {
         .await;
         let struck = Instant::now();
         match fault {
-            Fault::Dropped => {
+            Fault::Dropped if round == 1 => {
+                // The reader dies during its fallback, and the standby takes over and finishes it:
+                // a transaction left open keeps the slot from being made meanwhile (making a
+                // logical slot waits for the transactions running).
+                let mut blocker = pg.begin().await.unwrap();
+                sqlx::query("SELECT txid_current()")
+                    .execute(&mut *blocker)
+                    .await
+                    .unwrap();
                 drop_slot(&pg, &wal).await;
-                if round == 1 {
-                    // The reader dies at once: the standby takes over during the fallback.
-                    if let Some(tag) = wal.reader(&pg).await {
-                        if let Some(i) = relays.iter().position(|r| r.tag == tag) {
-                            relays.remove(i).kill9();
-                            interruptions += 1;
-                            relays.push(RelayProcess::start(&table, &sink, &pairs(&env)));
-                        }
-                    }
-                }
+                wait_until(Duration::from_secs(60), "the reader falls back", || async {
+                    in_fallback(&pg, &wal).await
+                })
+                .await;
+                let tag = wal.reader(&pg).await.expect("a relay reads");
+                let i = relays
+                    .iter()
+                    .position(|r| r.tag == tag)
+                    .expect("the reader is one of the scenario's relays");
+                relays.remove(i).kill9();
+                interruptions += 1;
+                relays.push(RelayProcess::start(&table, &sink, &pairs(&env)));
+                wait_until(
+                    Duration::from_secs(60),
+                    "the standby takes over during the fallback",
+                    || async { wal.reader(&pg).await.is_some_and(|t| t != tag) },
+                )
+                .await;
+                assert!(in_fallback(&pg, &wal).await, "the fallback is unfinished");
+                blocker.commit().await.unwrap();
             }
+            Fault::Dropped => drop_slot(&pg, &wal).await,
             Fault::Invalidated => invalidate_slot(&pg, &wal, &table, &relays).await,
             Fault::RestartedWithoutSlot => {
                 drop_slot(&pg, &wal).await;

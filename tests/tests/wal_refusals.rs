@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::testkit::{sample_event, ScriptedPublisher};
-use outbox_core::{CancellationToken, ErrorKind, Relay, RelayConfig, Store};
+use outbox_core::{CancellationToken, ErrorKind, Store};
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::wal::{WalStore, UNDECODABLE_AGGREGATE_TYPE};
 use outbox_postgres::{OutboxTable, PostgresStore, Writer};
@@ -82,22 +82,7 @@ fn run(
     publisher: &Arc<ScriptedPublisher>,
     shutdown: &CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let relay = Relay::new(
-        Arc::new(store.clone()),
-        publisher.clone(),
-        RelayConfig {
-            batch_size: 100,
-            poll_interval: Duration::from_millis(50),
-            ..RelayConfig::default()
-        },
-    )
-    .unwrap();
-    let reader = store.start();
-    let shutdown = shutdown.clone();
-    tokio::spawn(async move {
-        relay.run(shutdown).await;
-        reader.stop().await;
-    })
+    outbox_tests::wal::run_store(store, publisher.clone(), shutdown)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tracing::{error, info, warn};
 
-use outbox_core::{CancellationToken, Error, Relay, Store};
+use outbox_core::{CancellationToken, Error, ErrorKind, Relay, Store};
 use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
 use outbox_postgres::{notify, OutboxTable, PostgresStore, Source};
 
@@ -33,7 +33,11 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         } else {
             store(&config, table.clone()).await?
         };
-        pg.check().await?;
+        // A missing privilege is waited for below, with readiness saying which.
+        match pg.check().await {
+            Err(e) if e.kind() != ErrorKind::PermissionDenied => return Err(e.into()),
+            _ => {}
+        }
         let publisher = build_publisher(&config).await?;
         Ok::<_, Failure>((pg, publisher))
     };
@@ -146,7 +150,9 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
     }
     info!(table = %table.qualified(), publisher = publisher.name(), "relay running; SIGTERM or Ctrl-C stops it");
     // The relay logs its own summary when it stops.
-    relay.run(shutdown.clone()).await;
+    if wait_for_grants(store.as_ref(), &shutdown).await {
+        relay.run(shutdown.clone()).await;
+    }
     shutdown.cancel();
     if let Some(reader) = reader {
         // Settled batches are confirmed before the slot is let go.
@@ -156,6 +162,37 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         let _ = server.await;
     }
     Ok(())
+}
+
+/// How often a relay whose role lacks a privilege looks again.
+const GRANT_RETRY: Duration = Duration::from_secs(5);
+
+/// Waits while the role lacks a privilege the relay needs (readiness names it, and the log, once
+/// per change): claiming without it would publish events the relay cannot then mark, again and
+/// again. False when stopped meanwhile.
+async fn wait_for_grants(store: &dyn Store, shutdown: &CancellationToken) -> bool {
+    let mut logged: Option<String> = None;
+    loop {
+        match store.check().await {
+            Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+                let text = e.to_string();
+                if logged.as_deref() != Some(text.as_str()) {
+                    error!(error = %e, "the relay's role lacks a privilege it needs: nothing is claimed until it is granted (looked at again every 5 s)");
+                    logged = Some(text);
+                }
+            }
+            _ => {
+                if logged.is_some() {
+                    info!("the relay's role has the privileges it needs: claiming");
+                }
+                return true;
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(GRANT_RETRY) => {}
+            _ = shutdown.cancelled() => return false,
+        }
+    }
 }
 
 /// Before the WAL source starts: the server can decode, the held table is there.

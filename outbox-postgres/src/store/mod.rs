@@ -147,11 +147,30 @@ impl Store for PostgresStore {
         self.chunked_stats().await
     }
 
+    /// The table answers, and the role may do what claims and settlements do on it: SELECT and
+    /// UPDATE, and DELETE when published rows are deleted ([`Retention::Delete`]). A missing
+    /// privilege is an error naming the GRANT (the relay would otherwise publish events it cannot
+    /// then mark, again and again).
     async fn check(&self) -> Result<(), Error> {
-        sqlx::query(&format!("SELECT 1 FROM {} LIMIT 0", self.table.qualified()))
-            .execute(&self.pool)
+        let mut conn = self
+            .pool
+            .acquire()
             .await
             .map_err(|e| map_sqlx("check", e))?;
-        Ok(())
+        sqlx::query(&format!("SELECT 1 FROM {} LIMIT 0", self.table.qualified()))
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| map_sqlx("check", e))?;
+        let (privileges, why): (&[&str], _) = match self.retention {
+            Retention::Delete => (
+                &["SELECT", "UPDATE", "DELETE"],
+                "the relay needs to claim events, mark them and delete the published ones",
+            ),
+            Retention::Keep => (
+                &["SELECT", "UPDATE"],
+                "the relay needs to claim events and mark them",
+            ),
+        };
+        crate::grants::check_privileges(&mut conn, &self.table, privileges, false, why).await
     }
 }

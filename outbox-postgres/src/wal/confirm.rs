@@ -10,7 +10,7 @@ use sqlx::PgConnection;
 use tracing::error;
 use uuid::Uuid;
 
-use outbox_core::{Error, ErrorKind};
+use outbox_core::Error;
 
 use super::buffer::Inner;
 use super::stream::{Stream, CONFIRM_EVERY};
@@ -73,7 +73,7 @@ pub(super) async fn confirm_settled(
 /// does not stop the reader: the rows the database refuses to delete stay, logged with the cause and
 /// the fix; their events are published and are not read again (stopping here would read them again
 /// and publish them again, for ever). A missing DELETE privilege is an error naming the grant:
-/// the reader then stops reading until it is granted ([`check_delete_privilege`]).
+/// the reader then stops reading until it is granted ([`check_reader_privileges`]).
 ///
 /// # Errors
 /// A database error retrying may cure; the missing privilege.
@@ -96,7 +96,7 @@ pub(super) async fn delete_published(
     match refusal(&e) {
         Some(Refusal::Privilege) => {
             // The role's own privileges name the grant; else a trigger's statement is refused.
-            check_delete_privilege(inner, conn).await?;
+            check_reader_privileges(inner, conn).await?;
         }
         Some(Refusal::Row) => {}
         None => return Err(map_sqlx("wal delete published rows", e)),
@@ -153,36 +153,35 @@ pub(super) fn refusal(e: &sqlx::Error) -> Option<Refusal> {
     }
 }
 
-/// With `wal.delete_published`, the relay's role must be allowed to DELETE from the outbox table:
-/// an error naming the grant when it is not.
+/// The relay's role may write the held table (and draw from its sequence) and, with
+/// `wal.delete_published`, DELETE from the outbox table: an error naming the grant when it may not.
 ///
 /// # Errors
 /// The missing privilege; a database error.
-pub(super) async fn check_delete_privilege(
+pub(super) async fn check_reader_privileges(
     inner: &Inner,
     conn: &mut PgConnection,
 ) -> Result<(), Error> {
+    // The held table: the reader moves events there (its writer-order trigger draws from its
+    // sequence), and the relays publish them from it.
+    crate::grants::check_privileges(
+        conn,
+        inner.held.table(),
+        &["SELECT", "INSERT", "UPDATE", "DELETE"],
+        true,
+        "the WAL source needs on its held table (the reader moves events there, the relays publish them from it)",
+    )
+    .await?;
     if !inner.settings.delete_published {
         return Ok(());
     }
     // A DELETE with a WHERE clause reads the column it filters on: SELECT too.
-    let (allowed, role): (bool, String) = sqlx::query_as(
-        "SELECT has_table_privilege($1::regclass, 'DELETE')
-                AND has_table_privilege($1::regclass, 'SELECT'),
-                current_user::text",
+    crate::grants::check_privileges(
+        conn,
+        &inner.source,
+        &["SELECT", "DELETE"],
+        false,
+        "wal.delete_published needs (the WAL source deletes the rows it published; or set wal.delete_published = false); nothing is read from the slot meanwhile",
     )
-    .bind(inner.source.qualified())
-    .fetch_one(&mut *conn)
     .await
-    .map_err(|e| map_sqlx("wal check", e))?;
-    if allowed {
-        return Ok(());
-    }
-    Err(Error::new(
-        ErrorKind::PermissionDenied,
-        format!(
-            "the role {role} may not DELETE from {table} (with SELECT, which a DELETE's WHERE needs), as wal.delete_published does (the WAL source deletes the rows it published): GRANT SELECT, DELETE ON {table} TO {role}, or set wal.delete_published = false; nothing is read from the slot meanwhile",
-            table = inner.source.qualified()
-        ),
-    ))
 }

@@ -128,7 +128,9 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
     .fetch_one(&mut *conn)
     .await
     .map_err(|e| map_sqlx("wal check", e))?;
-    let problem = if !exists {
+    // A slot another session is still making has no confirmed position until it is consistent:
+    // rows committed before that point are not in it, so it is not there yet.
+    let problem = if !exists || confirmed.is_none() {
         Some(SlotProblem::Missing)
     } else if wal_status.as_deref() == Some("lost") {
         Some(SlotProblem::Lost)
@@ -188,11 +190,17 @@ pub(super) async fn fall_back(
             "{reason}: {fix}. Meanwhile nothing is published: with wal.delete_published = false the outbox table keeps published rows, so the relay cannot tell which rows still wait (turn wal.delete_published on to let it publish from the table while the slot is missing)"
         )));
     }
-    if entered {
+    if entered && problem.is_some() {
         error!(
             slot = inner.reader.slot().slot(),
             reason = %reason,
             "the WAL source falls back to the outbox table: its unpublished rows go to the held table, in order, and are published from there; {fix}"
+        );
+    } else if entered {
+        // After `outbox wal setup` made the slot, or a fallback another relay did not finish.
+        info!(
+            slot = inner.reader.slot().slot(),
+            "moving the outbox table's rows written before the slot was made to the held table before streaming"
         );
     }
     // Kept in the held table until every row before the fence is moved: a relay that takes over

@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use outbox_core::Error;
 
 use super::buffer::{Inner, State};
-use super::confirm::{check_delete_privilege, confirm_settled};
+use super::confirm::{check_reader_privileges, confirm_settled};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
 use super::fallback::{check_slot, fall_back, mark_unfinished, warn_unreadable, FallbackMark};
 use super::held::{move_failed, spill, take_in, Spilling};
@@ -281,7 +281,7 @@ async fn read_slot(
 ) -> Result<(), Error> {
     // Without it every confirm (and every move from the table) would fail, and the reader read
     // the same events again, for ever.
-    check_delete_privilege(inner, conn).await?;
+    check_reader_privileges(inner, conn).await?;
     // A slot that cannot be streamed: publish from the outbox table until it can. A fallback not
     // finished (this relay's or another's that stopped) moves the rows before the fence first.
     let problem = check_slot(inner, conn).await?.problem;

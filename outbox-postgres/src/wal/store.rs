@@ -23,7 +23,7 @@ use outbox_core::{
 
 use super::buffer::{EntryState, HeldPoll, Inner, Settings, State};
 use super::config::WalConfig;
-use super::confirm::check_delete_privilege;
+use super::confirm::check_reader_privileges;
 use super::decode::WalReader;
 use super::fallback::{check_slot, not_ready};
 use super::reader::{run_reader, runtime_supported};
@@ -414,7 +414,7 @@ impl Store for WalStore {
             .acquire()
             .await
             .map_err(|e| map_sqlx("check", e))?;
-        check_delete_privilege(&self.inner, &mut conn).await?;
+        check_reader_privileges(&self.inner, &mut conn).await?;
         if let Some(problem) = check_slot(&self.inner, &mut conn).await?.problem {
             return Err(not_ready(&self.inner, problem));
         }

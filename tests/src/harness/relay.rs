@@ -253,23 +253,26 @@ pub fn relay_log_dir(table: &OutboxTable) -> PathBuf {
     std::env::temp_dir().join(format!("outbox-test-relays-{}", table.schema()))
 }
 
-/// The documented causes of a duplicate without a crash that the relays over `table` reported in
-/// their logs (README, guarantee 3): a publish that timed out (the broker may have taken the events
-/// anyway) and batches a shutdown deadline cut off.
-pub fn duplicate_causes_logged(table: &OutboxTable) -> usize {
+/// The lines of the logs of the relays over `table` that contain `text`.
+pub fn logged(table: &OutboxTable, text: &str) -> usize {
+    logged_where(table, |l| l.contains(text))
+}
+
+fn logged_where(table: &OutboxTable, matches: impl Fn(&str) -> bool) -> usize {
     let Ok(files) = std::fs::read_dir(relay_log_dir(table)) else {
         return 0;
     };
     files
         .filter_map(|f| std::fs::read_to_string(f.ok()?.path()).ok())
-        .map(|log| {
-            log.lines()
-                .filter(|l| {
-                    l.contains("timeout")
-                        || l.contains("timed out")
-                        || l.contains("shutdown deadline")
-                })
-                .count()
-        })
+        .map(|log| log.lines().filter(|l| matches(l)).count())
         .sum()
+}
+
+/// The documented causes of a duplicate without a crash that the relays over `table` reported in
+/// their logs (README, guarantee 3): a publish that timed out (the broker may have taken the events
+/// anyway) and batches a shutdown deadline cut off.
+pub fn duplicate_causes_logged(table: &OutboxTable) -> usize {
+    logged_where(table, |l| {
+        l.contains("timeout") || l.contains("timed out") || l.contains("shutdown deadline")
+    })
 }
