@@ -263,7 +263,11 @@ async fn under_least_privilege(wal: bool, scenario: &str) {
     let committed = writing.await.unwrap();
     sink.wait_all(&committed, Duration::from_secs(120)).await;
     assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
-    for args in [&["status"][..], &["dead-letters", "list"][..]] {
+    for args in [
+        &["status"][..],
+        &["dead-letters", "list"][..],
+        &["cleanup", "--older-than", "1h"][..],
+    ] {
         let (code, out) = roles.cli(&roles.relay, args, source);
         assert_eq!(code, Some(0), "outbox {args:?} as the relay: {out}");
     }
