@@ -70,5 +70,15 @@ pub(crate) async fn check_privileges(
             "the role {role} lacks {lacks}, which {why}: {}",
             grants.join("; ")
         ),
-    ))
+    )
+    .with_context(GRANT_CONTEXT, grants.join("; ")))
+}
+
+/// The context key of a missing privilege's error: the GRANT statements that give it.
+const GRANT_CONTEXT: &str = "grant";
+
+/// Whether `e` is a privilege the role lacks, as the stores' checks report it (not a failed login,
+/// which is a permission error too): waiting for the grant, rather than failing, is the cure.
+pub fn is_missing_grant(e: &Error) -> bool {
+    e.kind() == ErrorKind::PermissionDenied && e.context_value(GRANT_CONTEXT).is_some()
 }

@@ -21,6 +21,7 @@ pub use config::{
     DEFAULT_DATABASE_URL,
 };
 pub use error::{classify_sqlstate, map_sqlx};
+pub use grants::is_missing_grant;
 pub use inbox::{Inbox, InboxError, Processed, DEFAULT_INBOX_TABLE, INBOX_MIGRATOR};
 pub use migrate::{migrate, schema_sql};
 pub use pool::{connect, connect_config};

@@ -40,6 +40,9 @@ fn readme_blocks() -> Vec<String> {
     blocks
 }
 
+/// Held while roles are made, granted or dropped (see `Roles::run`).
+static CATALOG: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The roles of one test and its table.
 struct Roles {
     owner: String,
@@ -72,6 +75,9 @@ impl Roles {
 
     async fn run(&self, pg: &sqlx::PgPool, sql: &str) {
         use sqlx::Executor;
+        // Grants on the database update one catalog row: two at once fail ("tuple concurrently
+        // updated"), so the tests of this binary run them one at a time.
+        let _one = CATALOG.lock().await;
         pg.execute(sqlx::raw_sql(&self.render(sql)))
             .await
             .unwrap_or_else(|e| panic!("the README's statements fail: {e}\n{}", self.render(sql)));
@@ -128,6 +134,7 @@ impl Roles {
 
     /// Drops the schema, the slot, the publication and the roles (as the superuser).
     async fn drop_all(&self, pg: &sqlx::PgPool) {
+        let _one = CATALOG.lock().await;
         let config = WalConfig {
             message_prefix: self.table.schema().to_string(),
             ..WalConfig::default()

@@ -193,7 +193,8 @@ async fn operator_makes_it_again(fault: Fault) {
     // Once each, in order per aggregate; the unread message never (it would be unexpected).
     assert_clean_verdict(&verdict(&publisher, &[rows, messages].concat()));
     let progress = store.progress();
-    assert_eq!(progress.fallbacks, 1);
+    // One fallback (counted again should the reader reconnect in the middle).
+    assert!(progress.fallbacks >= 1, "{progress:?}");
     assert!(progress.fallback_moved >= 15, "{progress:?}");
     match unread {
         Some(_) => {
@@ -225,7 +226,9 @@ async fn table_dropped_and_made_again_fails_readiness_and_loses_no_row() {
 async fn table_removed_and_added_again_at_once_loses_no_row() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
-    let wal = WalSource::setup(&table).await;
+    let mut wal = WalSource::setup(&table).await;
+    // The test adds the table back itself (a relay that looked in between would have).
+    wal.config.auto_recreate = false;
     let publisher = ScriptedPublisher::new();
     let shutdown = CancellationToken::new();
     let store = wal.store(outbox_core::Wake::new()).await;
@@ -252,7 +255,7 @@ async fn table_removed_and_added_again_at_once_loses_no_row() {
     }
     delivered(&publisher, &rows).await;
     wait_until(Duration::from_secs(30), "streaming again", || async {
-        store.progress().fallback.is_none() && store.progress().fallbacks == 1
+        store.progress().fallback.is_none() && store.progress().fallbacks >= 1
     })
     .await;
     shutdown.cancel();

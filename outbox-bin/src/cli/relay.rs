@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tracing::{error, info, warn};
 
-use outbox_core::{CancellationToken, Error, ErrorKind, Relay, Store};
+use outbox_core::{CancellationToken, Error, Relay, Store};
 use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
 use outbox_postgres::{notify, OutboxTable, PostgresStore, Source};
 
@@ -35,7 +35,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         };
         // A missing privilege is waited for below, with readiness saying which.
         match pg.check().await {
-            Err(e) if e.kind() != ErrorKind::PermissionDenied => return Err(e.into()),
+            Err(e) if !outbox_postgres::is_missing_grant(&e) => return Err(e.into()),
             _ => {}
         }
         let publisher = build_publisher(&config).await?;
@@ -109,7 +109,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
     let server = if config.http.enabled {
         let ops = crate::http::Ops {
             metrics: metrics.clone(),
-            liveness,
+            liveness: liveness.clone(),
             readiness: crate::health::Readiness::new(
                 store.clone(),
                 publisher.clone(),
@@ -150,7 +150,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
     }
     info!(table = %table.qualified(), publisher = publisher.name(), "relay running; SIGTERM or Ctrl-C stops it");
     // The relay logs its own summary when it stops.
-    if wait_for_grants(store.as_ref(), &shutdown).await {
+    if wait_for_grants(store.as_ref(), &liveness, &shutdown).await {
         relay.run(shutdown.clone()).await;
     }
     shutdown.cancel();
@@ -169,12 +169,22 @@ const GRANT_RETRY: Duration = Duration::from_secs(5);
 
 /// Waits while the role lacks a privilege the relay needs (readiness names it, and the log, once
 /// per change): claiming without it would publish events the relay cannot then mark, again and
-/// again. False when stopped meanwhile.
-async fn wait_for_grants(store: &dyn Store, shutdown: &CancellationToken) -> bool {
+/// again. Each look counts as progress for liveness (a restart would not grant it). False when
+/// stopped meanwhile.
+async fn wait_for_grants(
+    store: &dyn Store,
+    liveness: &crate::health::Liveness,
+    shutdown: &CancellationToken,
+) -> bool {
     let mut logged: Option<String> = None;
     loop {
-        match store.check().await {
-            Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+        let checked = tokio::select! {
+            r = store.check() => r,
+            _ = shutdown.cancelled() => return false,
+        };
+        match checked {
+            Err(e) if outbox_postgres::is_missing_grant(&e) => {
+                liveness.progressed();
                 let text = e.to_string();
                 if logged.as_deref() != Some(text.as_str()) {
                     error!(error = %e, "the relay's role lacks a privilege it needs: nothing is claimed until it is granted (looked at again every 5 s)");

@@ -44,7 +44,7 @@ pub(super) async fn cmd_wal(
             let created = slot.setup(&pool).await?;
             let held = config.wal.held_table(&table)?;
             let applied = migrate(&pool, &held).await?;
-            if created.slot {
+            if created.slot && config.wal.delete_published {
                 // Unpublished rows committed before the slot's consistent point are not in it: the
                 // relay moves them to the held table before it streams.
                 outbox_postgres::wal::mark_new_slot(&pool, &table, &held, slot.slot()).await?;

@@ -88,8 +88,11 @@ pub(super) struct SlotCheck {
     /// The publication, its entry for the outbox table and the table (their oids): one that
     /// changes under a stream (the table removed from the publication and added again, the
     /// publication or the table made again) may have let rows pass undecoded.
-    pub(super) identity: (Option<i64>, Option<i64>, Option<i64>),
+    pub(super) identity: Identity,
 }
+
+/// The publication, its entry for the outbox table and the table (their oids).
+pub(super) type Identity = (Option<i64>, Option<i64>, Option<i64>);
 
 /// Looks at the slot, the publication and whether it holds the outbox table.
 ///
@@ -155,9 +158,10 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
 }
 
 /// Publishes from the outbox table while the slot cannot be streamed (see the module's
-/// documentation), or finishes a fallback the [`FallbackMark`] says is unfinished. Returns
-/// `Ok(true)` once the slot can be streamed and every row written before its consistent point is in
-/// the held table; `Ok(false)` on `stop`.
+/// documentation), or finishes a fallback the [`FallbackMark`] says is unfinished. Returns the
+/// publication's identity as it was when the fence was read once the slot can be streamed and every
+/// row written before its consistent point is in the held table (the stream must find it unchanged);
+/// `None` on `stop`.
 ///
 /// # Errors
 /// A database error (the reader connects again and, the mark still there, goes on); `wal.delete_published =
@@ -168,7 +172,7 @@ pub(super) async fn fall_back(
     problem: Option<SlotProblem>,
     mark: Option<FallbackMark>,
     stop: &CancellationToken,
-) -> Result<bool, Error> {
+) -> Result<Option<Identity>, Error> {
     let reason = match problem {
         Some(p) => p.describe(inner),
         None => format!(
@@ -184,6 +188,15 @@ pub(super) async fn fall_back(
     } else {
         "run `outbox wal setup` (wal.auto_recreate is off)"
     };
+    if problem.is_none() && !inner.settings.delete_published {
+        // The table keeps published rows: rows before the slot cannot be told from the others.
+        FallbackMark::clear(conn, inner.held.table()).await?;
+        warn!(
+            table = %inner.source.qualified(),
+            "rows written before the slot was made are not moved to the held table: with wal.delete_published = false the table keeps published rows too; publish those you need yourself"
+        );
+        return Ok(Some(check_slot(inner, conn).await?.identity));
+    }
     let entered = inner.enter_fallback(&format!("{reason}: {fix}"));
     if !inner.settings.delete_published {
         return Err(Error::config(format!(
@@ -211,7 +224,9 @@ pub(super) async fn fall_back(
     } else {
         mark.and_then(|m| m.fence)
     };
-    if mark.is_none() {
+    if mark.is_none() || (problem.is_some() && mark.and_then(|m| m.fence).is_some()) {
+        // A fence is valid only for the slot it was read after: one for a slot that is gone now
+        // must not survive a relay that dies while making the next.
         FallbackMark { fence: None }
             .save(conn, inner.held.table(), inner.reader.slot().slot())
             .await?;
@@ -223,6 +238,7 @@ pub(super) async fn fall_back(
         c => Some(c),
     };
     let mut problem = problem;
+    let mut identity = None;
     let mut next_repair = Instant::now();
     let mut last_failure: Option<String> = None;
     loop {
@@ -232,8 +248,13 @@ pub(super) async fn fall_back(
                     problem = Some(p);
                     next_repair = Instant::now() + FALLBACK_POLL;
                 }
-                Ok(Restored::Ready { fence: f, made_at }) => {
+                Ok(Restored::Ready {
+                    fence: f,
+                    made_at,
+                    identity: i,
+                }) => {
                     fence = Some(f);
+                    identity = Some(i);
                     FallbackMark { fence }
                         .save(conn, inner.held.table(), inner.reader.slot().slot())
                         .await?;
@@ -255,23 +276,28 @@ pub(super) async fn fall_back(
         if moved > 0 {
             held_changed(inner);
             if stop.is_cancelled() {
-                return Ok(false);
+                return Ok(None);
             }
             continue;
         }
         if fence.is_some() {
+            // A fence from a mark (another relay's) comes without the identity: the one now.
+            let identity = match identity {
+                Some(i) => i,
+                None => check_slot(inner, conn).await?.identity,
+            };
             FallbackMark::clear(conn, inner.held.table()).await?;
             inner.leave_fallback();
             info!(
                 slot = inner.reader.slot().slot(),
                 "the slot can be read again and every row written before it is in the held table: streaming the slot again"
             );
-            return Ok(true);
+            return Ok(Some(identity));
         }
         tokio::select! {
             _ = inner.reader_wake.notified() => {}
             _ = tokio::time::sleep(FALLBACK_POLL) => {}
-            _ = stop.cancelled() => return Ok(false),
+            _ = stop.cancelled() => return Ok(None),
         }
     }
 }
@@ -283,7 +309,11 @@ enum Restored {
     /// Readable: rows up to `fence` (in `seq`) may have committed before its consistent point, and
     /// go to the held table before the slot is streamed. `made_at` is the new slot's consistent
     /// point, when it is new.
-    Ready { fence: i64, made_at: Option<u64> },
+    Ready {
+        fence: i64,
+        made_at: Option<u64>,
+        identity: Identity,
+    },
 }
 
 /// Makes the slot readable again (with `wal.auto_recreate`: drops a lost slot, or one older than
@@ -327,6 +357,11 @@ async fn restore(
     if let Some(p) = check.problem {
         return Ok(Restored::NotYet(p));
     }
+    // A transaction that began before the publication held the table (added again, made again)
+    // and commits later is decoded as of its start, without the table: its rows come only from
+    // the table, so it must have ended before the fence is read. (A new slot waited for those
+    // already.)
+    wait_for_running_transactions(conn).await?;
     // Read after the slot exists: a row committed before its consistent point is visible now, so
     // its seq is at most this.
     let fence: i64 = sqlx::query_scalar(&format!(
@@ -344,7 +379,41 @@ async fn restore(
         // The new slot's position replaces the old one's.
         inner.slot_confirmed.store(c, Ordering::SeqCst);
     }
-    Ok(Restored::Ready { fence, made_at })
+    Ok(Restored::Ready {
+        fence,
+        made_at,
+        identity: check.identity,
+    })
+}
+
+/// How long the reader waits for the transactions running when the publication became right, at
+/// most (then it reads the fence anyway, and says so).
+const RUNNING_WAIT: Duration = Duration::from_secs(60);
+
+/// Waits until every transaction running now (in any database) has ended.
+async fn wait_for_running_transactions(conn: &mut PgConnection) -> Result<(), Error> {
+    let map = |e| map_sqlx("wal fallback", e);
+    let until: String = sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(map)?;
+    let deadline = Instant::now() + RUNNING_WAIT;
+    loop {
+        let done: bool =
+            sqlx::query_scalar("SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::xid8")
+                .bind(&until)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(map)?;
+        if done {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            warn!("transactions that began before the publication held the outbox table still run after 60 s: rows they write may be neither moved nor decoded; end long transactions before changing the publication");
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Says which table-less events no slot read: those committed between the old slot's last

@@ -14,7 +14,9 @@ use outbox_core::Error;
 use super::buffer::{Inner, State};
 use super::confirm::{check_reader_privileges, confirm_settled};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
-use super::fallback::{check_slot, fall_back, mark_unfinished, warn_unreadable, FallbackMark};
+use super::fallback::{
+    check_slot, fall_back, mark_unfinished, warn_unreadable, FallbackMark, Identity,
+};
 use super::held::{move_failed, spill, take_in, Spilling};
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
@@ -224,9 +226,6 @@ async fn origin(conn: &mut PgConnection) -> Result<Origin, Error> {
     })
 }
 
-/// The publication, its entry for the outbox table and the table, as [`SlotCheck`] has them.
-type PublicationIdentity = (Option<i64>, Option<i64>, Option<i64>);
-
 /// A transaction taken from the stream. One in which a relation is described again makes the
 /// reader look whether the publication changed first (see [`verify_publication`]).
 async fn taken(
@@ -234,7 +233,7 @@ async fn taken(
     conn: &mut PgConnection,
     stream: &Stream,
     t: Result<WalTransaction, Error>,
-    identity: PublicationIdentity,
+    identity: Identity,
 ) -> Result<WalTransaction, Error> {
     let t = stream.taken(t)?;
     if stream.described_again() {
@@ -250,7 +249,7 @@ async fn taken(
 async fn verify_publication(
     inner: &Inner,
     conn: &mut PgConnection,
-    identity: PublicationIdentity,
+    identity: Identity,
 ) -> Result<(), Error> {
     let check = check_slot(inner, conn).await?;
     if let Some(problem) = check.problem {
@@ -284,14 +283,17 @@ async fn read_slot(
     check_reader_privileges(inner, conn).await?;
     // A slot that cannot be streamed: publish from the outbox table until it can. A fallback not
     // finished (this relay's or another's that stopped) moves the rows before the fence first.
-    let problem = check_slot(inner, conn).await?.problem;
+    let check = check_slot(inner, conn).await?;
     let mark = FallbackMark::load(conn, inner.held.table()).await?;
-    if (problem.is_some() || mark.is_some()) && !fall_back(inner, conn, problem, mark, stop).await?
-    {
-        return Ok(());
-    }
+    let identity = if check.problem.is_some() || mark.is_some() {
+        match fall_back(inner, conn, check.problem, mark, stop).await? {
+            Some(identity) => identity,
+            None => return Ok(()),
+        }
+    } else {
+        check.identity
+    };
     let origin = origin(conn).await?;
-    let identity = check_slot(inner, conn).await?.identity;
     let mut stream = open_stream(inner, origin).await?;
     let result = read_stream(inner, conn, &mut stream, identity, stop).await;
     stream.close().await;
@@ -302,7 +304,7 @@ async fn read_stream(
     inner: &Inner,
     conn: &mut PgConnection,
     stream: &mut Stream,
-    identity: PublicationIdentity,
+    identity: Identity,
     stop: &CancellationToken,
 ) -> Result<(), Error> {
     let mut last_confirm = Instant::now();
