@@ -9,6 +9,9 @@ use outbox_postgres::wal::{ReaderHandle, WalConfig, WalSlot, WalStore};
 use outbox_postgres::{migrate, OutboxTable, PostgresStore};
 use tokio::task::JoinHandle;
 
+use crate::harness::{committed_in_db, wait_until, Load, RelayProcess, Sink};
+use crate::Verdict;
+
 /// The slot, publication and held table of a test table; the slot and publication are dropped
 /// when this is (failed test or not): a forgotten slot keeps WAL for ever.
 pub struct WalSource {
@@ -233,6 +236,37 @@ pub fn run_store(
         relay.run(shutdown).await;
         reader.stop().await;
     })
+}
+
+impl WalSource {
+    /// Ends a scenario of relay processes over this source: stops `load`, waits for every event it
+    /// committed at `sink`, stops `relays` cleanly, waits for the held table to empty, and judges
+    /// the delivery. Returns what committed and the verdict.
+    ///
+    /// # Panics
+    /// When an event does not arrive, a relay does not stop cleanly or the held table does not
+    /// empty (this is test support).
+    pub async fn finish(
+        &self,
+        pg: &sqlx::PgPool,
+        table: &OutboxTable,
+        sink: &Sink,
+        load: Load,
+        relays: Vec<RelayProcess>,
+    ) -> (Vec<(String, uuid::Uuid)>, Verdict) {
+        let written = load.stop().await;
+        let committed = committed_in_db(pg, table, &written).await;
+        sink.wait_all(&committed, Duration::from_secs(180)).await;
+        for r in relays {
+            assert_eq!(r.terminate(Duration::from_secs(60)), Some(0));
+        }
+        wait_until(Duration::from_secs(30), "the held table empty", || async {
+            self.held_unpublished().await == 0
+        })
+        .await;
+        let verdict = sink.judge(&committed).await;
+        (committed, verdict)
+    }
 }
 
 /// `(key, value)` pairs borrowed, as `RelayProcess::start` takes them.

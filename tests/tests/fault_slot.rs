@@ -14,8 +14,8 @@ use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::wal::FALLBACK_MARK_TYPE;
 use outbox_postgres::OutboxTable;
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, logged, relay_log_dir, report_with, restart_postgres,
-    wait_until, Broker, RelayProcess, Sink,
+    assert_crash_verdict, logged, relay_log_dir, report_with, restart_postgres, wait_until, Broker,
+    RelayProcess, Sink,
 };
 use outbox_tests::wal::{pairs, WalSource};
 
@@ -273,17 +273,7 @@ async fn slot_lost(fault: Fault, scenario: &str) {
         recoveries.push(struck.elapsed());
         before = sink.received_count().await;
     }
-    let written = load.stop().await;
-    let committed = committed_in_db(&pg, &table, &written).await;
-    sink.wait_all(&committed, Duration::from_secs(180)).await;
-    for r in relays {
-        assert_eq!(r.terminate(Duration::from_secs(60)), Some(0));
-    }
-    wait_until(Duration::from_secs(30), "the held table empty", || async {
-        wal.held_unpublished().await == 0
-    })
-    .await;
-    let verdict = sink.judge(&committed).await;
+    let (committed, verdict) = wal.finish(&pg, &table, &sink, load, relays).await;
     let fallbacks = logged(&table, "falls back to the outbox table");
     let max = recoveries.iter().max().copied().unwrap_or_default();
     report_with(

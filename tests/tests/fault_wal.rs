@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use outbox_postgres::testing::{fresh_table, pool};
 use outbox_tests::harness::{
-    assert_crash_verdict, committed_in_db, one_at_a_time, relay_log_dir, report_with, soak_factor,
-    wait_until, Broker, RelayProcess, Sink,
+    assert_crash_verdict, one_at_a_time, relay_log_dir, report_with, soak_factor, wait_until,
+    Broker, RelayProcess, Sink,
 };
 use outbox_tests::wal::{pairs, WalSource};
 
@@ -67,17 +67,7 @@ async fn reader_killed(broker: Broker, kills: usize, scenario: &str) {
         before = sink.received_count().await;
         relays.push(RelayProcess::start(&table, &sink, &pairs(&env)));
     }
-    let written = load.stop().await;
-    let committed = committed_in_db(&pg, &table, &written).await;
-    sink.wait_all(&committed, Duration::from_secs(180)).await;
-    for r in relays {
-        assert_eq!(r.terminate(Duration::from_secs(60)), Some(0));
-    }
-    wait_until(Duration::from_secs(30), "the held table empty", || async {
-        wal.held_unpublished().await == 0
-    })
-    .await;
-    let verdict = sink.judge(&committed).await;
+    let (committed, verdict) = wal.finish(&pg, &table, &sink, load, relays).await;
     let max = takeovers.iter().max().copied().unwrap_or_default();
     let mean = takeovers.iter().sum::<Duration>() / takeovers.len().max(1) as u32;
     report_with(

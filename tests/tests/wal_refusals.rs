@@ -7,7 +7,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::testkit::{sample_event, ScriptedPublisher};
@@ -16,7 +15,7 @@ use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::wal::{WalStore, UNDECODABLE_AGGREGATE_TYPE};
 use outbox_postgres::{OutboxTable, PostgresStore, Writer};
 use outbox_tests::harness::wait_until;
-use outbox_tests::wal::WalSource;
+use outbox_tests::wal::{run_store, WalSource};
 use uuid::Uuid;
 
 /// The server's current WAL position: a transaction committed before it is confirmed once the
@@ -76,15 +75,6 @@ fn delivered_once(publisher: &ScriptedPublisher, ids: &[Uuid]) {
     assert_eq!(times.len(), ids.len(), "nothing unexpected delivered");
 }
 
-/// A relay over `store` with `publisher`, until `shutdown`; its reader stops after it.
-fn run(
-    store: WalStore,
-    publisher: &Arc<ScriptedPublisher>,
-    shutdown: &CancellationToken,
-) -> tokio::task::JoinHandle<()> {
-    outbox_tests::wal::run_store(store, publisher.clone(), shutdown)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unstorable_and_50k_undecodable_messages_in_one_transaction_are_dead_lettered() {
     let pool = pool(4).await;
@@ -133,7 +123,7 @@ async fn unstorable_and_50k_undecodable_messages_in_one_transaction_are_dead_let
     let publisher = ScriptedPublisher::new();
     let shutdown = CancellationToken::new();
     let store = wal.store(outbox_core::Wake::new()).await;
-    let task = run(store.clone(), &publisher, &shutdown);
+    let task = run_store(store.clone(), publisher.clone(), &shutdown);
     wait_until(
         Duration::from_secs(180),
         "the events published, the rest dead-lettered, the transaction confirmed",
@@ -196,7 +186,7 @@ async fn rows_a_foreign_key_or_a_trigger_keeps_stay_and_are_published_once() {
     let publisher = ScriptedPublisher::new();
     let shutdown = CancellationToken::new();
     let store = wal.store(outbox_core::Wake::new()).await;
-    let task = run(store.clone(), &publisher, &shutdown);
+    let task = run_store(store.clone(), publisher.clone(), &shutdown);
     wait_until(
         Duration::from_secs(60),
         "every event published and the writes confirmed",
@@ -254,7 +244,7 @@ async fn a_role_without_delete_fails_readiness_and_reads_nothing_until_granted()
 
     let publisher = ScriptedPublisher::new();
     let shutdown = CancellationToken::new();
-    let task = run(store.clone(), &publisher, &shutdown);
+    let task = run_store(store.clone(), publisher.clone(), &shutdown);
     let e = store.check().await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
     assert!(

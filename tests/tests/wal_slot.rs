@@ -14,18 +14,9 @@ use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::wal::{mark_new_slot, MessageWriter, WalStore};
 use outbox_postgres::{OutboxTable, Writer};
 use outbox_tests::harness::{assert_clean_verdict, wait_until};
-use outbox_tests::wal::WalSource;
+use outbox_tests::wal::{run_store, WalSource};
 use outbox_tests::{check, Verdict};
 use uuid::Uuid;
-
-/// A relay over `store` with `publisher`, until `shutdown`; its reader stops after it.
-fn run(
-    store: WalStore,
-    publisher: &Arc<ScriptedPublisher>,
-    shutdown: &CancellationToken,
-) -> tokio::task::JoinHandle<()> {
-    outbox_tests::wal::run_store(store, publisher.clone(), shutdown)
-}
 
 /// One event for each of 5 aggregates, in one transaction; each event's aggregate and id.
 async fn write_rows(pool: &sqlx::PgPool, table: &OutboxTable, round: usize) -> Vec<(String, Uuid)> {
@@ -68,6 +59,39 @@ fn verdict(publisher: &ScriptedPublisher, committed: &[(String, Uuid)]) -> Verdi
     check(committed, &received)
 }
 
+/// A relay over a fresh table's WAL source, running.
+struct Running {
+    pool: sqlx::PgPool,
+    table: OutboxTable,
+    wal: WalSource,
+    publisher: Arc<ScriptedPublisher>,
+    shutdown: CancellationToken,
+    store: WalStore,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn start(auto_recreate: bool) -> Running {
+        let pool = pool(4).await;
+        let table = fresh_table(&pool).await;
+        let mut wal = WalSource::setup(&table).await;
+        wal.config.auto_recreate = auto_recreate;
+        let publisher = ScriptedPublisher::new();
+        let shutdown = CancellationToken::new();
+        let store = wal.store(outbox_core::Wake::new()).await;
+        let task = run_store(store.clone(), publisher.clone(), &shutdown);
+        Running {
+            pool,
+            table,
+            wal,
+            publisher,
+            shutdown,
+            store,
+            task,
+        }
+    }
+}
+
 /// Rows of the outbox table (the WAL source deletes what it published, once confirmed).
 async fn rows_left(pool: &sqlx::PgPool, table: &OutboxTable) -> i64 {
     sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified()))
@@ -84,14 +108,15 @@ enum Fault {
 }
 
 async fn operator_makes_it_again(fault: Fault) {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    let mut wal = WalSource::setup(&table).await;
-    wal.config.auto_recreate = false;
-    let publisher = ScriptedPublisher::new();
-    let shutdown = CancellationToken::new();
-    let store = wal.store(outbox_core::Wake::new()).await;
-    let task = run(store.clone(), &publisher, &shutdown);
+    let Running {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+        store,
+        task,
+    } = Running::start(false).await;
     let mut rows = Vec::new();
     let mut messages = Vec::new();
     for round in 0..3 {
@@ -224,15 +249,16 @@ async fn table_dropped_and_made_again_fails_readiness_and_loses_no_row() {
 /// reader): the rows written in between were not decoded, and are published from the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_removed_and_added_again_at_once_loses_no_row() {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    let mut wal = WalSource::setup(&table).await;
     // The test adds the table back itself (a relay that looked in between would have).
-    wal.config.auto_recreate = false;
-    let publisher = ScriptedPublisher::new();
-    let shutdown = CancellationToken::new();
-    let store = wal.store(outbox_core::Wake::new()).await;
-    let task = run(store.clone(), &publisher, &shutdown);
+    let Running {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+        store,
+        task,
+    } = Running::start(false).await;
     let mut rows = Vec::new();
     for round in 0..3 {
         rows.extend(write_rows(&pool, &table, round).await);
@@ -291,7 +317,7 @@ async fn rows_written_before_the_slot_was_made_are_published() {
     let publisher = ScriptedPublisher::new();
     let shutdown = CancellationToken::new();
     let store = wal.store(outbox_core::Wake::new()).await;
-    let task = run(store.clone(), &publisher, &shutdown);
+    let task = run_store(store.clone(), publisher.clone(), &shutdown);
     delivered(&publisher, &rows).await;
     for round in 6..9 {
         rows.extend(write_rows(&pool, &table, round).await);
@@ -325,13 +351,15 @@ async fn retained(pool: &sqlx::PgPool, wal: &WalSource) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_outbox_on_a_busy_database_keeps_no_wal() {
-    let pool = pool(4).await;
-    let table = fresh_table(&pool).await;
-    let wal = WalSource::setup(&table).await;
-    let publisher = ScriptedPublisher::new();
-    let shutdown = CancellationToken::new();
-    let store = wal.store(outbox_core::Wake::new()).await;
-    let task = run(store.clone(), &publisher, &shutdown);
+    let Running {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+        store,
+        task,
+    } = Running::start(true).await;
     wait_until(Duration::from_secs(30), "the reader reads", || async {
         store.progress().active
     })
