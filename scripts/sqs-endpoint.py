@@ -10,7 +10,8 @@ moto also recounts every message of the queue (visible, delayed, in flight) each
 queue's attributes, which it does several times for each message sent: sending into a queue that
 holds a few thousand messages costs O(messages) per message, and a consumer that falls behind makes
 every send slower. The three approximate counts are kept for 100 ms instead (SQS itself documents
-them as approximate). Nothing else is changed. Arguments are moto_server's.
+them as approximate). FIFO receives keep a message group's order when a receive's connection is
+reset (see below). Nothing else is changed. Arguments are moto_server's.
 
 With `SQS_SEND_LOG=<path>` in its environment, every message the endpoint accepts is also recorded
 there, one line `<queue name> TAB <MessageDeduplicationId>` per SendMessage or batch entry (FIFO
@@ -76,6 +77,30 @@ if SEND_LOG:
         return message
 
     sqs_models.SQSBackend.send_message = send_message_logged
+
+# FIFO receives hold a message group while one of its messages is in flight, as SQS does. moto
+# snapshots the groups in flight once per call and reads them without a lock, so a receive whose
+# connection was reset (its handler goes on and takes messages for a client that is gone) beside the
+# client's retried receive could hand out a group's later message first; and when several messages
+# of a group became visible again it handed out the last of them first. Receives of one queue now
+# run one at a time, each first letting go of the messages whose visibility ran out.
+_receive_locks = {}
+_receive_locks_lock = threading.Lock()
+_receive_message = sqs_models.SQSBackend.receive_message
+
+
+def receive_message_in_group_order(self, queue_name, *args, **kwargs):
+    with _receive_locks_lock:
+        lock = _receive_locks.setdefault(queue_name, threading.Lock())
+    with lock:
+        queue = self.get_queue(queue_name)
+        for message in list(queue.pending_messages):
+            if message.visible:
+                queue.pending_messages.discard(message)
+        return _receive_message(self, queue_name, *args, **kwargs)
+
+
+sqs_models.SQSBackend.receive_message = receive_message_in_group_order
 
 from moto.server import main  # noqa: E402  (after the patch, so the server sees it)
 
