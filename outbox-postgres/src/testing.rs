@@ -37,11 +37,16 @@ pub fn database_url_named(prefix: &str) -> (String, String) {
 }
 
 /// How many sessions named `name` hold a claim while its batch is published: the claim's
-/// transaction stays open, idle, until the batch is settled (`idle in transaction`). A statement
-/// running on its own (a claim query, an empty claim) does not count.
+/// transaction stays open, idle, until the batch is settled (`idle in transaction`), holding its
+/// partitions (advisory locks) or its rows (a transaction id). A statement running on its own (a
+/// claim query, an empty claim) does not count, nor does a transaction of several statements seen
+/// between two of them that holds neither (the statistics' read-only transaction).
 pub async fn sessions_holding_a_claim(pg: &PgPool, name: &str) -> i64 {
     sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle in transaction'",
+        "SELECT count(*) FROM pg_stat_activity a
+         WHERE a.application_name = $1 AND a.state = 'idle in transaction'
+           AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.granted
+                         AND l.locktype IN ('advisory', 'transactionid'))",
     )
     .bind(name)
     .fetch_one(pg)
