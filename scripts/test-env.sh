@@ -13,11 +13,17 @@
 #   .tools/moto.log);
 # - the operations kit's checkers: promtool (Debian package prometheus, unpacked into .tools/),
 #   kubernetes-validate and the Dockerfile parser dockerfile (PyPI, in .tools/ops-venv); the
-#   CloudEvents SDK for Python (PyPI cloudevents, in .tools/ce-venv) behind .tools/bin/cloudevents-decode.
+#   CloudEvents SDK for Python (PyPI cloudevents, in .tools/ce-venv) behind .tools/bin/cloudevents-decode;
+# - PgBouncer 1.24.1 in transaction mode, built from Debian's source tarball into .tools/ (Debian 12
+#   packages 1.18, which has no max_prepared_statements): 127.0.0.1:6432 with prepared statements on,
+#   127.0.0.1:6433 with them off (max_prepared_statements = 0, as before 1.21); state in
+#   /var/lib/outbox-test/pgbouncer, logs beside it.
 # Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test),
 #              AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f; another broker is used as is),
 #              KAFKA_BROKERS (default 127.0.0.1:9092; another broker is used as is),
-#              SQS_ENDPOINT_URL (default http://127.0.0.1:4566; another endpoint is used as is).
+#              SQS_ENDPOINT_URL (default http://127.0.0.1:4566; another endpoint is used as is),
+#              PGBOUNCER_URL (default postgres://postgres@127.0.0.1:6432/test; another pooler is used
+#              as is, and the one without prepared statements is then not started).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOOLS="$PWD/.tools"
@@ -314,6 +320,75 @@ ensure_ops_tools() {
   log "promtool, kubernetes-validate, the Dockerfile parser and the CloudEvents decoder are in .tools/"
 }
 
+# PgBouncer in transaction mode, the pooler of managed offerings and large installations. Debian 12
+# packages 1.18, which cannot carry prepared statements; 1.21 added max_prepared_statements. The
+# source tarball is Debian's own (trixie's 1.24.1, checksum pinned), built once into .tools/.
+PGBOUNCER_VERSION=1.24.1
+PGBOUNCER_SHA256=da72a3aba13072876d055a3e58dd4aba4a5de4ed6148e73033185245598fd3e0
+PGBOUNCER_STATE=/var/lib/outbox-test/pgbouncer
+ensure_pgbouncer() {
+  if [ -n "${PGBOUNCER_URL:-}" ]; then
+    log "using the pooler at PGBOUNCER_URL"
+    return
+  fi
+  local bin="$TOOLS/pgbouncer-$PGBOUNCER_VERSION/bin/pgbouncer"
+  if [ ! -x "$bin" ]; then
+    dpkg -s libevent-dev >/dev/null 2>&1 || apt_install libevent-dev
+    log "building PgBouncer $PGBOUNCER_VERSION (Debian's source tarball) into .tools/"
+    local src
+    src=$(mktemp -d)
+    curl -fsS --retry 3 -o "$src/pgbouncer.tar.gz" \
+      "http://deb.debian.org/debian/pool/main/p/pgbouncer/pgbouncer_$PGBOUNCER_VERSION.orig.tar.gz" \
+      || { log "cannot download PgBouncer's source from deb.debian.org; set PGBOUNCER_URL to a running PgBouncer >= 1.21 in transaction mode"; exit 1; }
+    echo "$PGBOUNCER_SHA256  $src/pgbouncer.tar.gz" | sha256sum -c --quiet - \
+      || { log "PgBouncer's source tarball does not match its pinned checksum"; exit 1; }
+    tar -xzf "$src/pgbouncer.tar.gz" -C "$src"
+    (cd "$src/pgbouncer-$PGBOUNCER_VERSION" \
+      && ./configure --prefix="$TOOLS/pgbouncer-$PGBOUNCER_VERSION" --without-cares --with-openssl >"$src/build.log" 2>&1 \
+      && make -j2 >>"$src/build.log" 2>&1 && make install >>"$src/build.log" 2>&1) \
+      || { log "building PgBouncer failed; see $src/build.log"; exit 1; }
+    rm -rf "$src"
+  fi
+  mkdir -p "$PGBOUNCER_STATE"
+  printf '"postgres" ""\n' >"$PGBOUNCER_STATE/userlist.txt"
+  local port prepared
+  for port in 6432 6433; do
+    if port_open 127.0.0.1 "$port"; then
+      log "PgBouncer is running on 127.0.0.1:$port"
+      continue
+    fi
+    prepared=200
+    [ "$port" = 6433 ] && prepared=0
+    cat >"$PGBOUNCER_STATE/pgbouncer-$port.ini" <<INI
+[databases]
+* = host=127.0.0.1 port=5432
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $port
+unix_socket_dir =
+auth_type = trust
+auth_file = $PGBOUNCER_STATE/userlist.txt
+pool_mode = transaction
+max_prepared_statements = $prepared
+max_client_conn = 1000
+default_pool_size = 12
+ignore_startup_parameters = extra_float_digits
+logfile = $PGBOUNCER_STATE/pgbouncer-$port.log
+pidfile = $PGBOUNCER_STATE/pgbouncer-$port.pid
+INI
+    chown -R postgres "$PGBOUNCER_STATE" 2>/dev/null || true
+    log "starting PgBouncer on 127.0.0.1:$port (transaction mode, max_prepared_statements = $prepared)"
+    if [ "$(id -u)" -eq 0 ]; then
+      "$bin" -d -u postgres "$PGBOUNCER_STATE/pgbouncer-$port.ini"
+    else
+      "$bin" -d "$PGBOUNCER_STATE/pgbouncer-$port.ini"
+    fi
+    for _ in $(seq 1 100); do port_open 127.0.0.1 "$port" && break; sleep 0.1; done
+    port_open 127.0.0.1 "$port" || { log "PgBouncer did not come up; see $PGBOUNCER_STATE/pgbouncer-$port.log"; exit 1; }
+  done
+}
+
 ensure_build_deps
 remove_test_net_rules
 ensure_ops_tools
@@ -322,4 +397,5 @@ ensure_postgres
 ensure_rabbitmq
 ensure_kafka
 ensure_sqs
+ensure_pgbouncer
 log "ready"

@@ -25,6 +25,13 @@ pub struct DatabaseConfig {
     /// `postgres://user:password@host:port/database`. Default the local server as `postgres`
     /// (`DATABASE_URL` overrides the file). The password is never logged.
     pub url: String,
+    /// A URL that reaches PostgreSQL itself (or a session-mode pool), for what needs a server
+    /// session of its own: the WAL source's replication connection and reader lock, and LISTEN
+    /// (`notify`). Needed only when `url` goes through a connection pooler in transaction mode
+    /// (PgBouncer and the poolers of managed offerings), which the relay finds out at start.
+    /// Default: unset, `url` serves both.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub direct_url: Option<String>,
     /// Connections in the pool. The relay needs `relay.max_in_flight` (each batch in flight holds
     /// one) + 1 (statistics) + 1 (readiness check) + 1 more with `notify` (the listener holds one);
     /// the `outbox` binary refuses less. Default 8.
@@ -82,6 +89,7 @@ impl Default for DatabaseConfig {
     fn default() -> Self {
         DatabaseConfig {
             url: DEFAULT_DATABASE_URL.into(),
+            direct_url: None,
             pool_size: 8,
             schema: DEFAULT_SCHEMA.into(),
             table: DEFAULT_TABLE.into(),
@@ -103,6 +111,7 @@ impl std::fmt::Debug for DatabaseConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DatabaseConfig")
             .field("url", &redact_url(&self.url))
+            .field("direct_url", &self.direct_url.as_deref().map(redact_url))
             .field("pool_size", &self.pool_size)
             .field("schema", &self.schema)
             .field("table", &self.table)
@@ -129,6 +138,14 @@ impl DatabaseConfig {
                 "database.url = {:?}: expected postgres://user[:password]@host[:port]/database",
                 redact_url(&self.url)
             )));
+        }
+        if let Some(direct) = &self.direct_url {
+            if !(direct.starts_with("postgres://") || direct.starts_with("postgresql://")) {
+                return Err(Error::config(format!(
+                    "database.direct_url = {:?}: expected postgres://user[:password]@host[:port]/database (the server itself, not a pooler)",
+                    redact_url(direct)
+                )));
+            }
         }
         if !(1..=1000).contains(&self.pool_size) {
             return Err(Error::config(format!(

@@ -8,6 +8,7 @@ mod inbox;
 pub mod migrate;
 pub mod notify;
 mod pool;
+pub mod pooler;
 mod row;
 mod store;
 mod table;

@@ -10,7 +10,13 @@ use crate::error::map_sqlx;
 /// # Errors
 /// A connection error naming the host (the password is never shown) and how to fix it.
 pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, outbox_core::Error> {
-    connect_with(url, max_connections, std::time::Duration::from_secs(10)).await
+    connect_url(
+        url,
+        "database.url",
+        max_connections,
+        std::time::Duration::from_secs(10),
+    )
+    .await
 }
 
 /// Opens a pool as [`DatabaseConfig`] says (URL, pool size, acquire timeout).
@@ -18,10 +24,16 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, ou
 /// # Errors
 /// As [`connect`].
 pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, outbox_core::Error> {
-    connect_with(&config.url, config.pool_size, config.acquire_timeout).await
+    connect_url(
+        &config.url,
+        "database.url",
+        config.pool_size,
+        config.acquire_timeout,
+    )
+    .await
 }
 
-/// Run on every new connection of a pool opened here (see `connect_with`). Keepalives find a peer
+/// Run on every new connection of a pool opened here (see `connect_url`). Keepalives find a peer
 /// gone while the connection is quiet; `tcp_user_timeout` (PostgreSQL 12 and later) one gone while
 /// the server still has data it sent unacknowledged (a cut in the middle of an answer, or right
 /// after one whose acknowledgement was lost with it), where keepalives do not apply and the
@@ -31,8 +43,10 @@ pub(crate) const KEEPALIVES: &str =
      SELECT set_config('tcp_user_timeout', '25000', false)
      WHERE EXISTS (SELECT 1 FROM pg_settings WHERE name = 'tcp_user_timeout')";
 
-async fn connect_with(
+/// A pool of `url`, the value of the setting `setting` (named in its errors).
+pub(crate) async fn connect_url(
     url: &str,
+    setting: &str,
     max_connections: u32,
     acquire_timeout: std::time::Duration,
 ) -> Result<sqlx::PgPool, outbox_core::Error> {
@@ -40,10 +54,14 @@ async fn connect_with(
     let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| {
         outbox_core::Error::new(
             outbox_core::ErrorKind::Config,
-            "database.url is not a valid PostgreSQL URL: expected postgres://user[:password]@host[:port]/database",
+            format!("{setting} is not a valid PostgreSQL URL: expected postgres://user[:password]@host[:port]/database"),
         )
         .with_source(e)
     })?;
+    // sqlx asks for `extra_float_digits = 2` in the startup packet by default; nothing here reads
+    // floats as text, and PgBouncer refuses a startup parameter it does not know unless told to
+    // ignore it (`ignore_startup_parameters`).
+    let options = options.extra_float_digits(None);
     let where_ = format!(
         "{}:{}/{}",
         options.get_host(),

@@ -25,12 +25,30 @@ pub fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_string())
 }
 
+/// PgBouncer in transaction mode with prepared statements carried (`max_prepared_statements`
+/// above 0): `PGBOUNCER_URL`, or the one `scripts/test-env.sh` starts on 127.0.0.1:6432.
+pub fn pgbouncer_url() -> String {
+    std::env::var("PGBOUNCER_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".to_string())
+}
+
+/// PgBouncer in transaction mode without prepared statements (as before 1.21):
+/// `PGBOUNCER_UNPREPARED_URL`, or the one `scripts/test-env.sh` starts on 127.0.0.1:6433.
+pub fn pgbouncer_unprepared_url() -> String {
+    std::env::var("PGBOUNCER_UNPREPARED_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6433/test".to_string())
+}
+
 /// A name of its own for the sessions of one process under test (`<prefix>-<random>`), and the test
 /// database's URL carrying it as `application_name`, so that `pg_stat_activity` tells its sessions
 /// apart ([`sessions_holding_a_claim`]).
 pub fn database_url_named(prefix: &str) -> (String, String) {
+    url_named(&database_url(), prefix)
+}
+
+/// As [`database_url_named`], for `url` (the test database through a pooler, say).
+pub fn url_named(url: &str, prefix: &str) -> (String, String) {
     let name = format!("{prefix}-{}", &Uuid::new_v4().simple().to_string()[..12]);
-    let url = database_url();
     let separator = if url.contains('?') { '&' } else { '?' };
     let named = format!("{url}{separator}application_name={name}");
     (name, named)
@@ -56,13 +74,20 @@ pub async fn sessions_holding_a_claim(pg: &PgPool, name: &str) -> i64 {
 
 /// A pool to the test database; panics with how to start the server when it is unreachable.
 pub async fn pool(max_connections: u32) -> PgPool {
-    let url = database_url();
-    match connect(&url, max_connections).await {
+    pool_at(&database_url(), max_connections).await
+}
+
+/// A pool of `url` (the test database, directly or through a pooler); panics with how to start the
+/// server or the pooler when it is unreachable.
+pub async fn pool_at(url: &str, max_connections: u32) -> PgPool {
+    match connect(url, max_connections).await {
         Ok(p) => p,
         Err(e) => panic!(
-            "PostgreSQL is required for this test and is unreachable: {e}\n\
-             Start it with `bash scripts/test-env.sh` (it runs `pg_ctlcluster --skip-systemctl-redirect <version> main start` \
-             and creates the database), or point DATABASE_URL at a running server."
+            "PostgreSQL (or the pooler in front of it) is required for this test and is unreachable at {}: {e}\n\
+             Start them with `bash scripts/test-env.sh` (it starts PostgreSQL on 5432 with \
+             `pg_ctlcluster --skip-systemctl-redirect <version> main start`, creates the database, and starts PgBouncer \
+             on 6432 and 6433), or point DATABASE_URL, PGBOUNCER_URL and PGBOUNCER_UNPREPARED_URL at running servers.",
+            crate::redact_url(url)
         ),
     }
 }

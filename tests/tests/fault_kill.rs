@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::testing::{database_url, fresh_table, pgbouncer_url, pool};
 use outbox_tests::harness::{
     assert_clean_run, assert_crash_verdict, committed_in_db, one_at_a_time, relay_log_dir, report,
     soak_factor, Broker, Kills, RelayProcess, Sink,
@@ -17,15 +17,16 @@ const BATCH: usize = 100;
 const IN_FLIGHT: usize = 2;
 
 /// `relays` relay processes under continuous writes; `kills` times, one of them (in turn) is
-/// SIGKILLed mid-batch and started again; then a fresh relay drains what is left.
-async fn killed_in_turn(broker: Broker, relays: usize, kills: usize, scenario: &str) {
+/// SIGKILLed mid-batch and started again; then a fresh relay drains what is left. The writers and
+/// the relays connect to `url`.
+async fn killed_in_turn(broker: Broker, relays: usize, kills: usize, scenario: &str, url: &str) {
     let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
     let sink = Sink::new(broker).await;
-    let load = broker.load(&table).await;
+    let load = broker.load_at(url, &table).await;
     let mut running: Vec<RelayProcess> = (0..relays)
-        .map(|_| RelayProcess::start(&table, &sink, &[]))
+        .map(|_| RelayProcess::start_at(url, &table, &sink, &[]))
         .collect();
     let mut killer = Kills::new(scenario);
     let mut before = sink.received_count().await;
@@ -34,7 +35,7 @@ async fn killed_in_turn(broker: Broker, relays: usize, kills: usize, scenario: &
         let victim = running.remove(i);
         killer.kill(victim, &pg, &sink, before).await;
         before = sink.received_count().await;
-        running.insert(i, RelayProcess::start(&table, &sink, &[]));
+        running.insert(i, RelayProcess::start_at(url, &table, &sink, &[]));
     }
     let written = load.stop().await;
     let committed = committed_in_db(&pg, &table, &written).await;
@@ -81,34 +82,50 @@ async fn sigterm_under_load(broker: Broker) {
     let _ = std::fs::remove_dir_all(relay_log_dir(&table));
 }
 
+/// Through PgBouncer in transaction mode (`scripts/test-env.sh` starts it), as managed databases
+/// are reached: the writers and the relay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_x20_rabbitmq() {
-    killed_in_turn(Broker::Amqp, 1, 20, "sigkill-x20").await;
+async fn sigkill_x20_rabbitmq_through_pgbouncer() {
+    killed_in_turn(
+        Broker::Amqp,
+        1,
+        20,
+        "sigkill-x20-pgbouncer",
+        &pgbouncer_url(),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_x20_kafka() {
-    killed_in_turn(Broker::Kafka, 1, 20, "sigkill-x20").await;
+    killed_in_turn(Broker::Kafka, 1, 20, "sigkill-x20", &database_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_x20_sqs() {
-    killed_in_turn(Broker::Sqs, 1, 20, "sigkill-x20").await;
+    killed_in_turn(Broker::Sqs, 1, 20, "sigkill-x20", &database_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_relays_killed_in_turn_rabbitmq() {
-    killed_in_turn(Broker::Amqp, 3, 12, "3-relays-sigkill-x12").await;
+    killed_in_turn(Broker::Amqp, 3, 12, "3-relays-sigkill-x12", &database_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_relays_killed_in_turn_kafka() {
-    killed_in_turn(Broker::Kafka, 3, 12, "3-relays-sigkill-x12").await;
+    killed_in_turn(
+        Broker::Kafka,
+        3,
+        12,
+        "3-relays-sigkill-x12",
+        &database_url(),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_relays_killed_in_turn_sqs() {
-    killed_in_turn(Broker::Sqs, 3, 12, "3-relays-sigkill-x12").await;
+    killed_in_turn(Broker::Sqs, 3, 12, "3-relays-sigkill-x12", &database_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{fresh_table, pool};
+use outbox_postgres::testing::{database_url, fresh_table, pgbouncer_url, pool};
 use outbox_tests::harness::{
     assert_crash_verdict, committed_by_seq, one_at_a_time, relay_log_dir, report, soak_factor,
     unpublished, Broker, Kills, RacingLoad, RelayProcess, Sink,
@@ -21,8 +21,9 @@ const BATCH: usize = 100;
 const IN_FLIGHT: usize = 2;
 
 /// With `wal`, the relays read the WAL source (the outbox table's rows are kept, to judge by): one
-/// reads, the other stands by, and the kills land on either.
-async fn racing_writers_two_relays_killed(broker: Broker, wal: bool) {
+/// reads, the other stands by, and the kills land on either. With `pooled`, the writers and the
+/// relays (polling) go through PgBouncer in transaction mode.
+async fn racing_writers_two_relays_killed(broker: Broker, wal: bool, pooled: bool) {
     let _serial = one_at_a_time().await;
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
@@ -32,15 +33,20 @@ async fn racing_writers_two_relays_killed(broker: Broker, wal: bool) {
         None => vec![(KEEP.0.to_string(), KEEP.1.to_string())],
     };
     let sink = Sink::new(broker).await;
-    let load = RacingLoad::start(&table, 8, 6, Duration::from_millis(5));
-    let mut relays = vec![
-        RelayProcess::start(&table, &sink, &pairs(&env)),
-        RelayProcess::start(&table, &sink, &pairs(&env)),
-    ];
-    let scenario = if wal {
-        "racing-writers-2-relays-kill9-wal"
+    let url = if pooled {
+        pgbouncer_url()
     } else {
-        "racing-writers-2-relays-kill9"
+        database_url()
+    };
+    let load = RacingLoad::start_at(&url, &table, 8, 6, Duration::from_millis(5));
+    let mut relays = vec![
+        RelayProcess::start_at(&url, &table, &sink, &pairs(&env)),
+        RelayProcess::start_at(&url, &table, &sink, &pairs(&env)),
+    ];
+    let scenario = match (wal, pooled) {
+        (true, _) => "racing-writers-2-relays-kill9-wal",
+        (false, true) => "racing-writers-2-relays-kill9-pgbouncer",
+        (false, false) => "racing-writers-2-relays-kill9",
     };
     let mut killer = Kills::new(scenario);
     let mut before = sink.received_count().await;
@@ -52,7 +58,7 @@ async fn racing_writers_two_relays_killed(broker: Broker, wal: bool) {
             killer.kill(relays.remove(i), &pg, &sink, before).await;
         }
         before = sink.received_count().await;
-        relays.insert(i, RelayProcess::start(&table, &sink, &pairs(&env)));
+        relays.insert(i, RelayProcess::start_at(&url, &table, &sink, &pairs(&env)));
     }
     let rolled_back = load.stop().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
@@ -87,22 +93,24 @@ async fn racing_writers_two_relays_killed(broker: Broker, wal: bool) {
     let _ = std::fs::remove_dir_all(relay_log_dir(&table));
 }
 
+/// Through PgBouncer in transaction mode (`scripts/test-env.sh` starts it), as managed databases
+/// are reached: the writers and both relays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn racing_writers_two_relays_kill9_rabbitmq() {
-    racing_writers_two_relays_killed(Broker::Amqp, false).await;
+async fn racing_writers_two_relays_kill9_rabbitmq_through_pgbouncer() {
+    racing_writers_two_relays_killed(Broker::Amqp, false, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_two_relays_kill9_rabbitmq_wal_source() {
-    racing_writers_two_relays_killed(Broker::Amqp, true).await;
+    racing_writers_two_relays_killed(Broker::Amqp, true, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_two_relays_kill9_kafka_wal_source() {
-    racing_writers_two_relays_killed(Broker::Kafka, true).await;
+    racing_writers_two_relays_killed(Broker::Kafka, true, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_two_relays_kill9_kafka() {
-    racing_writers_two_relays_killed(Broker::Kafka, false).await;
+    racing_writers_two_relays_killed(Broker::Kafka, false, false).await;
 }

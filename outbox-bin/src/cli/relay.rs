@@ -8,6 +8,7 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 use outbox_core::{CancellationToken, Error, Relay, Store};
+use outbox_postgres::pooler::{session_pool, SessionUse};
 use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
 use outbox_postgres::{notify, OutboxTable, PostgresStore, Source};
 
@@ -26,22 +27,31 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
     let start = async {
         // Under the WAL source, the polling machinery works on the held table.
         let pg = if wal_source {
-            let held = config.wal.held_table(&table)?;
-            let pg = store(&config, held).await?;
-            wal_preflight(&config, &table, &pg).await?;
-            pg
+            store(&config, config.wal.held_table(&table)?).await?
         } else {
             store(&config, table.clone()).await?
         };
+        // Behind a transaction-mode pooler, what needs a session of its own goes to
+        // database.direct_url.
+        let mut uses = Vec::new();
+        if wal_source {
+            uses.push(SessionUse::WalSource);
+        } else if config.database.notify {
+            uses.push(SessionUse::Listen);
+        }
+        let session = session_pool(&config.database, pg.pool(), &uses).await?;
+        if wal_source {
+            wal_preflight(&config, &table, &pg).await?;
+        }
         // A missing privilege is waited for below, with readiness saying which.
         match pg.check().await {
             Err(e) if !outbox_postgres::is_missing_grant(&e) => return Err(e.into()),
             _ => {}
         }
         let publisher = build_publisher(&config).await?;
-        Ok::<_, Failure>((pg, publisher))
+        Ok::<_, Failure>((pg, session, publisher))
     };
-    let (pg, publisher) = tokio::select! {
+    let (pg, session, publisher) = tokio::select! {
         started = start => started?,
         _ = shutdown.cancelled() => {
             info!("shutdown requested while starting; nothing was claimed");
@@ -53,8 +63,12 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         let slot = config.wal.slot(&table)?;
         Some(
             WalStore::new(
-                pg.pool().clone(),
-                &config.database.url,
+                session.clone(),
+                config
+                    .database
+                    .direct_url
+                    .as_deref()
+                    .unwrap_or(&config.database.url),
                 slot,
                 pg.clone(),
                 &config.wal,
@@ -141,7 +155,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
     // Under the WAL source, the slot's stream brings the events: no NOTIFY listener.
     if config.database.notify && wal.is_none() {
         let wake = relay.wake_handle();
-        let (pool, table, shutdown) = (pg.pool().clone(), table.clone(), shutdown.clone());
+        let (pool, table, shutdown) = (session.clone(), table.clone(), shutdown.clone());
         tokio::spawn(async move {
             if let Err(e) = notify::listen(&pool, &table, wake, shutdown).await {
                 warn!(error = %e, "LISTEN/NOTIFY unavailable; relying on polling");

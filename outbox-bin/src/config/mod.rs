@@ -136,7 +136,10 @@ impl Config {
         let in_flight = u32::try_from(self.relay.max_in_flight).unwrap_or(u32::MAX);
         in_flight
             .saturating_add(2)
-            .saturating_add(u32::from(self.database.notify))
+            // The listener's connection, unless it comes from database.direct_url's pool.
+            .saturating_add(u32::from(
+                self.database.notify && self.database.direct_url.is_none(),
+            ))
             .saturating_add(u32::from(self.database.cleans_automatically()))
     }
 
@@ -145,6 +148,11 @@ impl Config {
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
         shown.database.url = outbox_postgres::redact_url(&shown.database.url);
+        shown.database.direct_url = shown
+            .database
+            .direct_url
+            .as_deref()
+            .map(outbox_postgres::redact_url);
         // The value in force, also when it is derived from the relay's settings.
         shown.http.liveness_timeout = Some(self.liveness_timeout());
         adapters::amqp::ADAPTER.redact(&mut shown.amqp);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::testkit::sample_event;
-use outbox_postgres::testing::pool;
+use outbox_postgres::testing::{database_url, pool, pool_at};
 use outbox_postgres::{OutboxTable, Writer};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
@@ -64,6 +64,18 @@ impl Load {
         per_tx: usize,
         pause: Duration,
     ) -> Load {
+        Self::start_at(&database_url(), table, writers, aggregates, per_tx, pause).await
+    }
+
+    /// As [`Load::start`], the writers connecting to `url` (the test database through a pooler).
+    pub async fn start_at(
+        url: &str,
+        table: &OutboxTable,
+        writers: usize,
+        aggregates: usize,
+        per_tx: usize,
+        pause: Duration,
+    ) -> Load {
         let pg = pool(1).await;
         sqlx::query(&format!(
             "CREATE TABLE IF NOT EXISTS {} (id uuid PRIMARY KEY, aggregate_id text NOT NULL, seq bigint NOT NULL)",
@@ -81,8 +93,9 @@ impl Load {
         let mut tasks = Vec::new();
         for w in 0..writers {
             let (table, stop, record) = (table.clone(), stop.clone(), record.clone());
+            let url = url.to_string();
             tasks.push(tokio::spawn(async move {
-                let pg = pool(2).await;
+                let pg = pool_at(&url, 2).await;
                 let writer = Writer::new(table);
                 let mut out = Written {
                     committed: Vec::new(),
@@ -174,6 +187,18 @@ impl RacingLoad {
         aggregates: usize,
         hold: Duration,
     ) -> RacingLoad {
+        Self::start_at(&database_url(), table, writers, aggregates, hold)
+    }
+
+    /// As [`RacingLoad::start`], the writers connecting to `url` (the test database through a
+    /// pooler).
+    pub fn start_at(
+        url: &str,
+        table: &OutboxTable,
+        writers: usize,
+        aggregates: usize,
+        hold: Duration,
+    ) -> RacingLoad {
         let seed = seed();
         println!("racing writers: seed={seed} (OUTBOX_TEST_SEED reproduces the writers' choices)");
         let stop = Arc::new(AtomicBool::new(false));
@@ -181,8 +206,9 @@ impl RacingLoad {
         for w in 0..writers {
             let (table, stop) = (table.clone(), stop.clone());
             let mut rng = fastrand::Rng::with_seed(seed.wrapping_add(w as u64));
+            let url = url.to_string();
             tasks.push(tokio::spawn(async move {
-                let pg = pool(1).await;
+                let pg = pool_at(&url, 1).await;
                 let writer = Writer::new(table.clone());
                 let plain = format!(
                     "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', $1, 'order.updated', '{{}}') RETURNING id",

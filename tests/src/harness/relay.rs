@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use outbox_postgres::testing::{database_url_named, sessions_holding_a_claim};
+use outbox_postgres::testing::{database_url, sessions_holding_a_claim, url_named};
 use outbox_postgres::OutboxTable;
 use uuid::Uuid;
 
@@ -38,7 +38,23 @@ impl RelayProcess {
     /// Starts `outbox relay` over `table`, publishing to `sink`, with `extra` settings; its log
     /// (stderr) goes to a file of its own under [`relay_log_dir`].
     pub fn start(table: &OutboxTable, sink: &Sink, extra: &[(&str, &str)]) -> RelayProcess {
-        Self::start_logging_to(table, sink, extra, Self::log_file(table))
+        Self::start_at(&database_url(), table, sink, extra)
+    }
+
+    /// As [`RelayProcess::start`], its `database.url` being `url` (the test database through a
+    /// pooler).
+    pub fn start_at(
+        url: &str,
+        table: &OutboxTable,
+        sink: &Sink,
+        extra: &[(&str, &str)],
+    ) -> RelayProcess {
+        Self::spawn(
+            Self::command_at(url, table),
+            sink,
+            extra,
+            Self::log_file(table),
+        )
     }
 
     /// As [`RelayProcess::start`], the relay's log (stderr) going to `log`.
@@ -48,11 +64,17 @@ impl RelayProcess {
         extra: &[(&str, &str)],
         log: impl Into<Stdio>,
     ) -> RelayProcess {
-        let (mut c, tag) = Self::command(table);
+        Self::spawn(Self::command(table), sink, extra, log)
+    }
+
+    fn spawn(
+        (mut c, tag): (Command, String),
+        sink: &Sink,
+        extra: &[(&str, &str)],
+        log: impl Into<Stdio>,
+    ) -> RelayProcess {
         sink.configure(&mut c);
-        for (k, v) in extra {
-            c.env(k, v);
-        }
+        c.envs(extra.iter().copied());
         let child = c.stdout(Stdio::null()).stderr(log.into()).spawn().unwrap();
         RelayProcess { child, tag }
     }
@@ -101,6 +123,11 @@ impl RelayProcess {
 
     /// The relay's command with the harness's settings, and its sessions' `application_name`.
     fn command(table: &OutboxTable) -> (Command, String) {
+        Self::command_at(&database_url(), table)
+    }
+
+    /// As [`RelayProcess::command`], its `database.url` being `url`.
+    fn command_at(url: &str, table: &OutboxTable) -> (Command, String) {
         let mut c = Command::new(outbox_bin());
         c.arg("relay").current_dir(std::env::temp_dir());
         for (k, _) in std::env::vars() {
@@ -108,7 +135,7 @@ impl RelayProcess {
                 c.env_remove(k);
             }
         }
-        let (tag, url) = database_url_named("outbox-test-relay");
+        let (tag, url) = url_named(url, "outbox-test-relay");
         c.env("DATABASE_URL", url)
             .env("OUTBOX_DATABASE__SCHEMA", table.schema())
             .env("OUTBOX_HTTP__ENABLED", "false")

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::Publisher;
+use outbox_postgres::testing::database_url;
 use outbox_postgres::OutboxTable;
 use uuid::Uuid;
 
@@ -28,9 +29,14 @@ impl Broker {
     /// A write load the broker's test server keeps up with: moto (the SQS emulator) slows down past
     /// a few hundred messages per second, so SQS scenarios write less.
     pub async fn load(self, table: &OutboxTable) -> Load {
+        self.load_at(&database_url(), table).await
+    }
+
+    /// As [`Broker::load`], the writers connecting to `url` (the test database through a pooler).
+    pub async fn load_at(self, url: &str, table: &OutboxTable) -> Load {
         match self {
-            Broker::Sqs => Load::start(table, 1, 40, 5, Duration::from_millis(60)).await,
-            _ => Load::start(table, 2, 40, 5, Duration::from_millis(15)).await,
+            Broker::Sqs => Load::start_at(url, table, 1, 40, 5, Duration::from_millis(60)).await,
+            _ => Load::start_at(url, table, 2, 40, 5, Duration::from_millis(15)).await,
         }
     }
 

@@ -1,0 +1,176 @@
+//! Connection poolers in front of the server (PgBouncer, the pooler of a managed offering).
+//!
+//! In transaction mode a pooler lends a server session to a client for one transaction, then to
+//! another client. What runs inside a transaction works through it: the writer, the polling claim
+//! (transaction-scoped advisory locks, `SET LOCAL`), statistics, cleanup. Named prepared statements,
+//! which sqlx uses for every query, work only when the pooler carries them across sessions
+//! (PgBouncer 1.21 or later with `max_prepared_statements` above 0). What needs a session of its own
+//! cannot go through it at all: the WAL source's replication connection and its reader lock (a
+//! session advisory lock, which another client would be lent and share), and LISTEN
+//! (`database.notify`). Those take `database.direct_url`.
+
+use std::collections::BTreeSet;
+
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
+use sqlx::Connection;
+
+use outbox_core::{Error, ErrorKind};
+
+use crate::config::DatabaseConfig;
+use crate::error::map_sqlx;
+
+/// How a URL's connections reach the server's sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// Each connection keeps one server session (the server itself, or a session-mode pool).
+    Session,
+    /// Connections share server sessions between transactions (a transaction- or statement-mode
+    /// pooler).
+    Transaction,
+}
+
+/// What the relay needs a server session of its own for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionUse {
+    /// The WAL source: its replication connection and its reader lock.
+    WalSource,
+    /// LISTEN for `database.notify`.
+    Listen,
+}
+
+impl SessionUse {
+    fn what(self) -> &'static str {
+        match self {
+            SessionUse::WalSource => {
+                "the WAL source (database.source = \"wal\") needs a server session of its own for its replication connection and its reader lock"
+            }
+            SessionUse::Listen => {
+                "LISTEN (database.notify = true) needs a server session of its own to receive notifications"
+            }
+        }
+    }
+}
+
+/// Two connections of `options` run a few statements in turn and report the server session
+/// (`pg_backend_pid()`) each ran in. Straight to the server, each connection keeps its own session
+/// throughout. Through a transaction-mode pooler, a connection is lent a session per statement:
+/// the one another connection just gave back (PgBouncer's default, last in first out), or the next
+/// in turn (`server_round_robin`), so one connection sees two sessions or two see the same one.
+///
+/// # Errors
+/// A connection error, or (a config error naming `max_prepared_statements` and `setting`) a
+/// pooler that does not carry named prepared statements between the sessions it lends.
+pub async fn probe(options: &PgConnectOptions, setting: &str) -> Result<Pooling, Error> {
+    let connect = || async {
+        PgConnection::connect_with(options)
+            .await
+            .map_err(|e| map_sqlx("connect", e))
+    };
+    let mut conns = [connect().await?, connect().await?];
+    let mut seen = [BTreeSet::new(), BTreeSet::new()];
+    let mut result = Ok(());
+    for i in [0, 0, 1, 1, 0, 1, 0, 0, 1, 1] {
+        match sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+            .fetch_one(&mut conns[i])
+            .await
+        {
+            Ok(pid) => {
+                seen[i].insert(pid);
+            }
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    for conn in conns {
+        let _ = conn.close().await;
+    }
+    if let Err(e) = result {
+        return Err(prepared_statements_refused(e, setting));
+    }
+    Ok(
+        if seen.iter().all(|s| s.len() == 1) && seen[0].is_disjoint(&seen[1]) {
+            Pooling::Session
+        } else {
+            Pooling::Transaction
+        },
+    )
+}
+
+/// A probe's failed statement: the refusal of a pooler that does not carry prepared statements
+/// (`prepared statement "sqlx_s_1" already exists` or `does not exist`), said with its fix;
+/// anything else as it came.
+fn prepared_statements_refused(e: sqlx::Error, setting: &str) -> Error {
+    let code = match &e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.to_string()),
+        _ => None,
+    };
+    let base = map_sqlx("connection pooler check", e);
+    match code.as_deref() {
+        // duplicate_prepared_statement, invalid_sql_statement_name
+        Some("42P05" | "26000") => Error::new(
+            ErrorKind::Config,
+            format!(
+                "{setting} reaches a connection pooler in transaction mode that does not keep prepared statements apart between its clients: \
+                 the relay and the writer use named prepared statements. Set max_prepared_statements (PgBouncer 1.21 or later, e.g. 200) on the pooler, \
+                 use its session mode, or point {setting} at the server itself"
+            ),
+        )
+        .with_source(base),
+        _ => base,
+    }
+}
+
+/// The pool for what needs a server session of its own (`uses`; none: `pool` itself).
+/// `database.direct_url` when set (it must not reach a transaction-mode pooler), else `pool`,
+/// which then must not either. `pool` (of `database.url`) is probed in any case, so that a pooler
+/// without prepared statements is refused before anything is claimed.
+///
+/// # Errors
+/// A config error naming `database.direct_url` when a use needs a session and none is to be had,
+/// the probe's errors ([`probe`]), or a connection error of `database.direct_url`.
+pub async fn session_pool(
+    config: &DatabaseConfig,
+    pool: &PgPool,
+    uses: &[SessionUse],
+) -> Result<PgPool, Error> {
+    let main = probe(&pool.connect_options(), "database.url").await?;
+    if main == Pooling::Transaction {
+        tracing::info!("database.url reaches a connection pooler in transaction mode");
+    }
+    let Some(direct) = &config.direct_url else {
+        if let (Pooling::Transaction, Some(need)) = (main, uses.first()) {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "database.url reaches a connection pooler in transaction mode (PgBouncer or similar): {}. \
+                     Set database.direct_url (OUTBOX_DATABASE__DIRECT_URL) to the server itself or to a session-mode pool{}",
+                    need.what(),
+                    if *need == SessionUse::Listen {
+                        ", or set database.notify = false (polling alone finds every event)"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        return Ok(pool.clone());
+    };
+    let direct = crate::pool::connect_url(
+        direct,
+        "database.direct_url",
+        config.pool_size,
+        config.acquire_timeout,
+    )
+    .await?;
+    if probe(&direct.connect_options(), "database.direct_url").await? == Pooling::Transaction {
+        direct.close().await;
+        return Err(Error::new(
+            ErrorKind::Config,
+            "database.direct_url reaches a connection pooler in transaction mode: it is for what needs a server session of its own \
+             (the WAL source, LISTEN), so point it at the server itself or at a session-mode pool",
+        ));
+    }
+    Ok(direct)
+}
