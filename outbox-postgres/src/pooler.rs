@@ -61,8 +61,10 @@ impl SessionUse {
 /// A connection error, or (a config error naming `max_prepared_statements` and `setting`) a
 /// pooler that does not carry named prepared statements between the sessions it lends.
 pub async fn probe(options: &PgConnectOptions, setting: &str) -> Result<Pooling, Error> {
+    // As the pools of this crate: without the startup parameter PgBouncer refuses.
+    let options = options.clone().extra_float_digits(None);
     let connect = || async {
-        PgConnection::connect_with(options)
+        PgConnection::connect_with(&options)
             .await
             .map_err(|e| map_sqlx("connect", e))
     };
@@ -83,11 +85,30 @@ pub async fn probe(options: &PgConnectOptions, setting: &str) -> Result<Pooling,
             }
         }
     }
+    // Statement mode refuses transactions, and every claim is one.
+    let transactions = if result.is_ok() {
+        sqlx::raw_sql("BEGIN; SELECT 1; COMMIT")
+            .execute(&mut conns[0])
+            .await
+            .map(|_| ())
+    } else {
+        Ok(())
+    };
     for conn in conns {
         let _ = conn.close().await;
     }
     if let Err(e) = result {
         return Err(prepared_statements_refused(e, setting));
+    }
+    if let Err(e) = transactions {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "{setting} refuses a transaction of several statements (a connection pooler in statement mode?): \
+                 the relay claims and the writer writes in transactions. Use the pooler's transaction or session mode"
+            ),
+        )
+        .with_source(map_sqlx("connection pooler check", e)));
     }
     Ok(
         if seen.iter().all(|s| s.len() == 1) && seen[0].is_disjoint(&seen[1]) {
@@ -157,6 +178,12 @@ pub async fn session_pool(
         }
         return Ok(pool.clone());
     };
+    if uses.is_empty() {
+        tracing::info!(
+            "database.direct_url is set but unused: only the WAL source and database.notify need a session of their own"
+        );
+        return Ok(pool.clone());
+    }
     let direct = crate::pool::connect_url(
         direct,
         "database.direct_url",
@@ -164,13 +191,38 @@ pub async fn session_pool(
         config.acquire_timeout,
     )
     .await?;
-    if probe(&direct.connect_options(), "database.direct_url").await? == Pooling::Transaction {
+    let checked = async {
+        if probe(&direct.connect_options(), "database.direct_url").await? == Pooling::Transaction {
+            return Err(Error::new(
+                ErrorKind::Config,
+                "database.direct_url reaches a connection pooler in transaction mode: it is for what needs a server session of its own \
+                 (the WAL source, LISTEN), so point it at the server itself or at a session-mode pool",
+            ));
+        }
+        let (a, b) = (server_of(pool).await?, server_of(&direct).await?);
+        if a != b {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "database.url and database.direct_url reach different databases (database {:?} of server {} and database {:?} of server {}): \
+                     both must reach the same database of the same server",
+                    a.1, a.0, b.1, b.0
+                ),
+            ));
+        }
+        Ok(())
+    };
+    if let Err(e) = checked.await {
         direct.close().await;
-        return Err(Error::new(
-            ErrorKind::Config,
-            "database.direct_url reaches a connection pooler in transaction mode: it is for what needs a server session of its own \
-             (the WAL source, LISTEN), so point it at the server itself or at a session-mode pool",
-        ));
+        return Err(e);
     }
     Ok(direct)
+}
+
+/// The server (its system identifier) and the database a pool reaches.
+async fn server_of(pool: &PgPool) -> Result<(i64, String), Error> {
+    sqlx::query_as("SELECT (SELECT system_identifier FROM pg_control_system()), current_database()")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| map_sqlx("connection pooler check", e))
 }

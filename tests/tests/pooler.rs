@@ -29,7 +29,9 @@ async fn write_through(url: &str, table: &OutboxTable, n: usize) -> Vec<(String,
     let pg = pool_at(url, 1).await;
     let writer = Writer::new(table.clone());
     let mut tx = pg.begin().await.unwrap();
-    let events: Vec<_> = (0..n).map(|i| sample_event(&format!("p-{i}"), i)).collect();
+    let events: Vec<_> = (0..n)
+        .map(|i| sample_event(&format!("p-{}", Uuid::new_v4().simple()), i))
+        .collect();
     let keys: Vec<String> = events.iter().map(|e| e.aggregate_id.clone()).collect();
     let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
     tx.commit().await.unwrap();
@@ -92,8 +94,9 @@ async fn a_pooler_without_prepared_statements_is_refused_at_start() {
 }
 
 /// LISTEN (`database.notify`) through the pooler: refused, naming `database.direct_url` and
-/// `database.notify = false`. With `direct_url`, the relay listens there: with a poll interval
-/// of an hour, only a notification can bring the events written through the pooler.
+/// `database.notify = false`; a `direct_url` to another database: refused. With `direct_url`, the
+/// relay listens there: with a poll interval of an hour, once the relay has drained a first batch
+/// only a notification brings a second one, written through the pooler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listen_needs_direct_url_behind_a_pooler() {
     let pg = pool(2).await;
@@ -107,7 +110,21 @@ async fn listen_needs_direct_url_behind_a_pooler() {
     assert_eq!(exit_code(relay), Some(2));
     assert_eq!(logged(&table, "database.direct_url"), 1);
     assert_eq!(logged(&table, "database.notify = false"), 1);
-    let direct = database_url();
+    let elsewhere = database_url().replace("/test", "/postgres");
+    assert_ne!(
+        elsewhere,
+        database_url(),
+        "DATABASE_URL names the database test"
+    );
+    let relay = RelayProcess::start_at(
+        &pgbouncer_url(),
+        &table,
+        &sink,
+        &[notify, ("OUTBOX_DATABASE__DIRECT_URL", &elsewhere)],
+    );
+    assert_eq!(exit_code(relay), Some(2));
+    assert_eq!(logged(&table, "reach different databases"), 1);
+    let (direct_name, direct) = url_named(&database_url(), "outbox-test-direct");
     let relay = RelayProcess::start_at(
         &pgbouncer_url(),
         &table,
@@ -118,13 +135,13 @@ async fn listen_needs_direct_url_behind_a_pooler() {
             ("OUTBOX_RELAY__POLL_INTERVAL", "1h"),
         ],
     );
-    // The relay's first poll finds nothing; then it waits on the listener.
     wait_until(Duration::from_secs(60), "the relay never listened", || {
-        let pg = pg.clone();
+        let (pg, name) = (pg.clone(), direct_name.clone());
         async move {
             sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND datname = current_database()",
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN %'",
             )
+            .bind(name)
             .fetch_one(&pg)
             .await
             .unwrap()
@@ -132,7 +149,9 @@ async fn listen_needs_direct_url_behind_a_pooler() {
         }
     })
     .await;
-    let committed = write_through(&pgbouncer_url(), &table, 20).await;
+    let mut committed = write_through(&pgbouncer_url(), &table, 10).await;
+    sink.wait_all(&committed, Duration::from_secs(60)).await;
+    committed.extend(write_through(&pgbouncer_url(), &table, 10).await);
     let verdict = sink.verdict(&committed, Duration::from_secs(60)).await;
     assert_eq!(
         (verdict.lost, verdict.order_violations),

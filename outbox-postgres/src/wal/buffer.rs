@@ -108,6 +108,9 @@ pub(super) struct State {
     pub(super) failed: usize,
     /// The position last confirmed by this reader.
     pub(super) confirmed: u64,
+    /// The server session (`pg_backend_pid()`) that holds the reader lock while reading; 0 when
+    /// not reading.
+    pub(super) session: i32,
 }
 
 impl State {

@@ -74,8 +74,8 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
         // Standby until the lock is ours.
         let locked = loop {
             match try_lock(&mut conn, &slot).await {
-                Ok(true) => break Ok(()),
-                Ok(false) => {
+                Ok((true, session)) => break Ok(session),
+                Ok((false, _)) => {
                     if !waiting_logged {
                         info!(slot = %slot, "another relay reads the slot; standing by to take over");
                         waiting_logged = true;
@@ -87,13 +87,16 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
                 Err(e) => break Err(e),
             }
         };
-        if let Err(e) = locked {
-            warn!(error = %e, slot = %slot, "the WAL reader lost its connection while standing by; reconnecting");
-            if pause(&stop, RECONNECT_PAUSE).await {
-                return;
+        let session = match locked {
+            Ok(session) => session,
+            Err(e) => {
+                warn!(error = %e, slot = %slot, "the WAL reader lost its connection while standing by; reconnecting");
+                if pause(&stop, RECONNECT_PAUSE).await {
+                    return;
+                }
+                continue;
             }
-            continue;
-        }
+        };
         waiting_logged = false;
         {
             let mut st = inner.state();
@@ -101,6 +104,7 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
                 generation: st.generation + 1,
                 active: true,
                 next_lease: st.next_lease,
+                session,
                 ..State::default()
             };
         }
@@ -202,13 +206,35 @@ async fn connect(inner: &Inner) -> Result<PgConnection, Error> {
     Ok(conn)
 }
 
-/// Takes the slot's reader lock if it is free (a session lock: freed when the session ends).
-async fn try_lock(conn: &mut PgConnection, slot: &str) -> Result<bool, Error> {
-    sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('outbox-wal-reader'), hashtext($1))")
-        .bind(slot)
+/// Takes the slot's reader lock if it is free (a session lock: freed when the session ends);
+/// whether it did, and the server session it holds it in.
+async fn try_lock(conn: &mut PgConnection, slot: &str) -> Result<(bool, i32), Error> {
+    sqlx::query_as(
+        "SELECT pg_try_advisory_lock(hashtext('outbox-wal-reader'), hashtext($1)), pg_backend_pid()",
+    )
+    .bind(slot)
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("wal reader lock", e))
+}
+
+/// The reader's statements must run in the session that holds its lock. A pooler in transaction
+/// mode that the start-up probe could not see (one instance per client behind a load balancer)
+/// lends each statement a server session: the lock would stay in one that other clients are lent.
+async fn same_session(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error> {
+    let now: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *conn)
         .await
-        .map_err(|e| map_sqlx("wal reader lock", e))
+        .map_err(|e| map_sqlx("wal read", e))?;
+    let locked = inner.state().session;
+    if now == locked {
+        return Ok(());
+    }
+    Err(Error::config(format!(
+        "the WAL reader's connection went from server session {locked} to {now}: it goes through a connection pooler in \
+         transaction mode, which would lend its reader lock to other clients. Set database.direct_url to the server itself \
+         (or to a session-mode pool)"
+    )))
 }
 
 /// The server's identity, for the ids of messages written without one.
@@ -359,6 +385,7 @@ async fn read_stream(
             // table does not: its rows are not decoded, and the reader publishes them from the
             // table instead.
             slot_checked = Instant::now();
+            same_session(inner, conn).await?;
             verify_publication(inner, conn, identity).await?;
         }
         // Take in while fewer than `read_ahead` events wait to be claimed: a relay that does not
