@@ -14,6 +14,10 @@
 # - the operations kit's checkers: promtool (Debian package prometheus, unpacked into .tools/),
 #   kubernetes-validate and the Dockerfile parser dockerfile (PyPI, in .tools/ops-venv); the
 #   CloudEvents SDK for Python (PyPI cloudevents, in .tools/ce-venv) behind .tools/bin/cloudevents-decode;
+# - TLS with a throwaway CA (/var/lib/outbox-test/tls: ca.pem, a server certificate for localhost,
+#   other-ca.pem): PostgreSQL's certificate files (one reload), a RabbitMQ listener on 5671
+#   (rabbitmq.conf, one restart), HTTPS for the SQS endpoint on 4567 and a Kafka broker behind TLS on
+#   9094 (a second Tansu on 9095; both behind scripts/tls-proxy.py);
 # - PgBouncer 1.24.1 in transaction mode, built from Debian's source tarball into .tools/ (Debian 12
 #   packages 1.18, which has no max_prepared_statements): 127.0.0.1:6432 with prepared statements on,
 #   127.0.0.1:6433 with them off (max_prepared_statements = 0, as before 1.21); state in
@@ -22,8 +26,8 @@
 #              AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f; another broker is used as is),
 #              KAFKA_BROKERS (default 127.0.0.1:9092; another broker is used as is),
 #              SQS_ENDPOINT_URL (default http://127.0.0.1:4566; another endpoint is used as is),
-#              PGBOUNCER_URL (default postgres://postgres@127.0.0.1:6432/test; another pooler is used
-#              as is, and the one without prepared statements is then not started).
+#              PGBOUNCER_URL and PGBOUNCER_UNPREPARED_URL (default the two PgBouncers started here;
+#              when set, other poolers are used as they are and none is started).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOOLS="$PWD/.tools"
@@ -328,7 +332,11 @@ PGBOUNCER_SHA256=da72a3aba13072876d055a3e58dd4aba4a5de4ed6148e73033185245598fd3e
 PGBOUNCER_STATE=/var/lib/outbox-test/pgbouncer
 ensure_pgbouncer() {
   if [ -n "${PGBOUNCER_URL:-}" ]; then
-    log "using the pooler at PGBOUNCER_URL"
+    log "using the poolers at PGBOUNCER_URL and PGBOUNCER_UNPREPARED_URL"
+    return
+  fi
+  if [ "$DATABASE_URL" != "postgres://postgres@127.0.0.1:5432/test" ]; then
+    log "DATABASE_URL is not the local server: the pooler tests need PGBOUNCER_URL and PGBOUNCER_UNPREPARED_URL (PgBouncer >= 1.21 in transaction mode, with and without max_prepared_statements) in front of it"
     return
   fi
   local bin="$TOOLS/pgbouncer-$PGBOUNCER_VERSION/bin/pgbouncer"
@@ -339,7 +347,7 @@ ensure_pgbouncer() {
     src=$(mktemp -d)
     curl -fsS --retry 3 -o "$src/pgbouncer.tar.gz" \
       "http://deb.debian.org/debian/pool/main/p/pgbouncer/pgbouncer_$PGBOUNCER_VERSION.orig.tar.gz" \
-      || { log "cannot download PgBouncer's source from deb.debian.org; set PGBOUNCER_URL to a running PgBouncer >= 1.21 in transaction mode"; exit 1; }
+      || { log "cannot download PgBouncer's source from deb.debian.org (the pool keeps the versions of current releases: a newer one may have replaced $PGBOUNCER_VERSION; update PGBOUNCER_VERSION and PGBOUNCER_SHA256 here), or set PGBOUNCER_URL and PGBOUNCER_UNPREPARED_URL to running PgBouncers >= 1.21 in transaction mode"; exit 1; }
     echo "$PGBOUNCER_SHA256  $src/pgbouncer.tar.gz" | sha256sum -c --quiet - \
       || { log "PgBouncer's source tarball does not match its pinned checksum"; exit 1; }
     tar -xzf "$src/pgbouncer.tar.gz" -C "$src"
@@ -351,15 +359,13 @@ ensure_pgbouncer() {
   fi
   mkdir -p "$PGBOUNCER_STATE"
   printf '"postgres" ""\n' >"$PGBOUNCER_STATE/userlist.txt"
-  local port prepared
+  local port prepared ini pid
   for port in 6432 6433; do
-    if port_open 127.0.0.1 "$port"; then
-      log "PgBouncer is running on 127.0.0.1:$port"
-      continue
-    fi
     prepared=200
     [ "$port" = 6433 ] && prepared=0
-    cat >"$PGBOUNCER_STATE/pgbouncer-$port.ini" <<INI
+    ini="$PGBOUNCER_STATE/pgbouncer-$port.ini"
+    # No ignore_startup_parameters: the relay's pools must not send what PgBouncer refuses.
+    cat >"$ini.new" <<INI
 [databases]
 * = host=127.0.0.1 port=5432
 
@@ -373,29 +379,177 @@ pool_mode = transaction
 max_prepared_statements = $prepared
 max_client_conn = 1000
 default_pool_size = 12
-ignore_startup_parameters = extra_float_digits
 logfile = $PGBOUNCER_STATE/pgbouncer-$port.log
 pidfile = $PGBOUNCER_STATE/pgbouncer-$port.pid
 INI
+    pid=$(cat "$PGBOUNCER_STATE/pgbouncer-$port.pid" 2>/dev/null || true)
+    if port_open 127.0.0.1 "$port"; then
+      if [ -z "$pid" ] || ! grep -qa pgbouncer "/proc/$pid/cmdline" 2>/dev/null; then
+        log "something else listens on 127.0.0.1:$port (not the PgBouncer this script starts): stop it, or set PGBOUNCER_URL and PGBOUNCER_UNPREPARED_URL"
+        exit 1
+      fi
+      if cmp -s "$ini" "$ini.new"; then
+        rm -f "$ini.new"
+        log "PgBouncer is running on 127.0.0.1:$port"
+        continue
+      fi
+      log "restarting PgBouncer on 127.0.0.1:$port with this script's settings"
+      # SIGQUIT: immediate shutdown (SIGTERM waits for every client). Its exit removes the
+      # pidfile: wait for it, so that it does not remove the next one's.
+      kill -QUIT "$pid" 2>/dev/null || true
+      for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+    mv "$ini.new" "$ini"
+    rm -f "$PGBOUNCER_STATE/pgbouncer-$port.pid"
     chown -R postgres "$PGBOUNCER_STATE" 2>/dev/null || true
     log "starting PgBouncer on 127.0.0.1:$port (transaction mode, max_prepared_statements = $prepared)"
     if [ "$(id -u)" -eq 0 ]; then
-      "$bin" -d -u postgres "$PGBOUNCER_STATE/pgbouncer-$port.ini"
+      "$bin" -d -u postgres "$ini"
     else
-      "$bin" -d "$PGBOUNCER_STATE/pgbouncer-$port.ini"
+      "$bin" -d "$ini"
     fi
     for _ in $(seq 1 100); do port_open 127.0.0.1 "$port" && break; sleep 0.1; done
     port_open 127.0.0.1 "$port" || { log "PgBouncer did not come up; see $PGBOUNCER_STATE/pgbouncer-$port.log"; exit 1; }
   done
 }
 
+# TLS with a private CA, as managed servers are reached: a throwaway CA (ca.pem), a server
+# certificate for the name localhost only (so that 127.0.0.1 is a name it does not hold), and a
+# second CA that signed nothing (other-ca.pem), for the tests of a wrong CA or host name.
+TLS_DIR=/var/lib/outbox-test/tls
+ensure_tls_certs() {
+  mkdir -p "$TLS_DIR"
+  chmod 755 "$TLS_DIR" "$(dirname "$TLS_DIR")"
+  if [ -s "$TLS_DIR/server.pem" ] && [ -s "$TLS_DIR/other-ca.pem" ] \
+      && openssl verify -CAfile "$TLS_DIR/ca.pem" "$TLS_DIR/server.pem" >/dev/null 2>&1 \
+      && openssl x509 -checkend 2592000 -noout -in "$TLS_DIR/server.pem" >/dev/null 2>&1; then
+    log "the test CA and server certificate are in $TLS_DIR"
+  else
+    log "making a throwaway CA and a server certificate for localhost in $TLS_DIR"
+    (
+      cd "$TLS_DIR"
+      for ca in ca other-ca; do
+        openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=outbox test $ca" \
+          -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+          -keyout "$ca.key" -out "$ca.pem" >/dev/null 2>&1
+      done
+      openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key -out server.csr >/dev/null 2>&1
+      printf 'subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' >server.ext
+      openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 825 \
+        -extfile server.ext -out server.pem >/dev/null 2>&1
+      rm -f server.csr server.ext ca.srl
+    ) || { log "openssl could not make the test certificates"; exit 1; }
+  fi
+  chmod 644 "$TLS_DIR"/*.pem
+  chmod 600 "$TLS_DIR"/*.key
+  # A copy of the server key for each server that reads it under its own user.
+  local user
+  for user in postgres rabbitmq; do
+    id "$user" >/dev/null 2>&1 || continue
+    install -m 600 -o "$user" "$TLS_DIR/server.key" "$TLS_DIR/server-$user.key"
+  done
+}
+
+# PostgreSQL's TLS (Debian turns ssl on with a snakeoil certificate): the test CA's certificate,
+# one reload. Plain connections stay accepted.
+ensure_postgres_tls() {
+  [ "$DATABASE_URL" = "postgres://postgres@127.0.0.1:5432/test" ] || return 0
+  local cert
+  cert=$(psql -h 127.0.0.1 -U postgres -d test -tAc "SHOW ssl_cert_file")
+  if [ "$cert" = "$TLS_DIR/server.pem" ] && [ "$(psql -h 127.0.0.1 -U postgres -d test -tAc "SHOW ssl")" = "on" ]; then
+    log "PostgreSQL serves TLS with the test CA's certificate"
+    return
+  fi
+  log "PostgreSQL: ssl = on with the test CA's certificate (one reload)"
+  psql -h 127.0.0.1 -U postgres -d test -q \
+    -c "ALTER SYSTEM SET ssl = on" \
+    -c "ALTER SYSTEM SET ssl_cert_file = '$TLS_DIR/server.pem'" \
+    -c "ALTER SYSTEM SET ssl_key_file = '$TLS_DIR/server-postgres.key'" \
+    -c "SELECT pg_reload_conf()" >/dev/null
+  for _ in $(seq 1 50); do
+    [ "$(psql -h 127.0.0.1 -U postgres -d test -tAc "SHOW ssl_cert_file")" = "$TLS_DIR/server.pem" ] && break
+    sleep 0.1
+  done
+}
+
+# RabbitMQ's TLS listener on 127.0.0.1:5671 beside the plain one: set in rabbitmq.conf, which takes
+# one restart of the node, done once.
+ensure_rabbitmq_tls() {
+  [ -z "${AMQP_URL:-}" ] || return 0
+  local conf=/etc/rabbitmq/rabbitmq.conf
+  if ! grep -q '^listeners.ssl.local' "$conf" 2>/dev/null; then
+    log "RabbitMQ: a TLS listener on 127.0.0.1:5671 (rabbitmq.conf; one restart)"
+    cat >>"$conf" <<CONF
+# The test suite's TLS listener (scripts/test-env.sh), with the test CA's server certificate.
+listeners.ssl.local = 127.0.0.1:5671
+ssl_options.cacertfile = $TLS_DIR/ca.pem
+ssl_options.certfile = $TLS_DIR/server.pem
+ssl_options.keyfile = $TLS_DIR/server-rabbitmq.key
+ssl_options.verify = verify_none
+ssl_options.fail_if_no_peer_cert = false
+CONF
+    timeout 120 rabbitmqctl stop >/dev/null 2>&1 || true
+    for _ in $(seq 1 120); do port_open 127.0.0.1 5672 || break; sleep 0.5; done
+    rabbitmq-server -detached || true
+  fi
+  for _ in $(seq 1 240); do port_open 127.0.0.1 5671 && port_open 127.0.0.1 5672 && break; sleep 0.5; done
+  port_open 127.0.0.1 5671 || { log "RabbitMQ's TLS listener did not come up; see /var/log/rabbitmq/"; exit 1; }
+  log "RabbitMQ serves TLS on 127.0.0.1:5671"
+}
+
+# A Kafka broker over TLS: Tansu serves no working TLS listener (0.6.0), so a second Tansu on
+# 127.0.0.1:9095 advertises localhost:9094, where scripts/tls-proxy.py serves TLS in front of it.
+# Clients bootstrap and reconnect through the TLS address only.
+ensure_kafka_tls() {
+  [ -z "${KAFKA_BROKERS:-}" ] || return 0
+  if ! port_open 127.0.0.1 9095; then
+    log "starting a second Tansu on 127.0.0.1:9095 (advertised as localhost:9094, behind TLS)"
+    nohup "$TOOLS/bin/tansu" broker --listener-url tcp://127.0.0.1:9095 \
+      --advertised-listener-url tcp://localhost:9094 --storage-engine memory://tansu/ \
+      >"$TOOLS/tansu-tls.log" 2>&1 &
+    echo $! >"$TOOLS/tansu-tls.pid"
+    for _ in $(seq 1 100); do port_open 127.0.0.1 9095 && break; sleep 0.2; done
+    port_open 127.0.0.1 9095 || { log "the second Tansu did not come up; see .tools/tansu-tls.log"; exit 1; }
+  fi
+  if ! port_open 127.0.0.1 9094; then
+    log "starting the Kafka TLS listener on 127.0.0.1:9094"
+    nohup python3 "$PWD/scripts/tls-proxy.py" 127.0.0.1:9094 127.0.0.1:9095 "$TLS_DIR/server.pem" "$TLS_DIR/server.key" \
+      >"$TOOLS/kafka-tls.log" 2>&1 &
+    echo $! >"$TOOLS/kafka-tls.pid"
+    for _ in $(seq 1 100); do port_open 127.0.0.1 9094 && break; sleep 0.1; done
+    port_open 127.0.0.1 9094 || { log "the Kafka TLS listener did not come up; see .tools/kafka-tls.log"; exit 1; }
+  fi
+  log "Kafka serves TLS on localhost:9094"
+}
+
+# The SQS endpoint over HTTPS: scripts/tls-proxy.py on 127.0.0.1:4567 in front of moto (one set of
+# queues for both).
+ensure_sqs_tls() {
+  [ -z "${SQS_ENDPOINT_URL:-}" ] || return 0
+  if port_open 127.0.0.1 4567; then
+    log "the SQS endpoint serves HTTPS on 127.0.0.1:4567"
+    return
+  fi
+  log "starting the SQS endpoint's HTTPS listener on 127.0.0.1:4567"
+  nohup python3 "$PWD/scripts/tls-proxy.py" 127.0.0.1:4567 127.0.0.1:4566 "$TLS_DIR/server.pem" "$TLS_DIR/server.key" \
+    >"$TOOLS/sqs-tls.log" 2>&1 &
+  echo $! >"$TOOLS/sqs-tls.pid"
+  for _ in $(seq 1 100); do port_open 127.0.0.1 4567 && break; sleep 0.1; done
+  port_open 127.0.0.1 4567 || { log "the HTTPS listener did not come up; see .tools/sqs-tls.log"; exit 1; }
+}
+
 ensure_build_deps
 remove_test_net_rules
 ensure_ops_tools
 ensure_locales
+ensure_tls_certs
 ensure_postgres
+ensure_postgres_tls
 ensure_rabbitmq
+ensure_rabbitmq_tls
 ensure_kafka
+ensure_kafka_tls
 ensure_sqs
+ensure_sqs_tls
 ensure_pgbouncer
 log "ready"

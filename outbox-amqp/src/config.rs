@@ -36,6 +36,11 @@ pub struct AmqpConfig {
     /// Broker URL, `amqp://user:password@host:port/vhost` (`amqps://` for TLS). Default
     /// `amqp://guest:guest@127.0.0.1:5672/%2f`. The password is never logged.
     pub url: String,
+    /// A CA certificate file (PEM) to trust for `amqps://` besides the public web roots: the
+    /// private or provider CA that signed the broker's certificate (Amazon MQ, a corporate CA).
+    /// Default: unset, only the public roots.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<std::path::PathBuf>,
     /// Exchange events are published to. Default `outbox.events`. An event's own `destination`
     /// (set by the writer) names another exchange for that event.
     pub exchange: String,
@@ -94,6 +99,7 @@ impl Default for AmqpConfig {
     fn default() -> Self {
         AmqpConfig {
             url: DEFAULT_URL.into(),
+            tls_ca_file: None,
             exchange: DEFAULT_EXCHANGE.into(),
             exchange_type: ExchangeType::Topic,
             declare_exchange: true,
@@ -118,6 +124,7 @@ impl std::fmt::Debug for AmqpConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmqpConfig")
             .field("url", &redact_url(&self.url))
+            .field("tls_ca_file", &self.tls_ca_file)
             .field("exchange", &self.exchange)
             .field("exchange_type", &self.exchange_type)
             .field("declare_exchange", &self.declare_exchange)
@@ -165,6 +172,14 @@ impl AmqpConfig {
                 "amqp.url = {:?}: expected amqp://user:password@host:port/vhost (or amqps:// for TLS)",
                 redact_url(&self.url)
             )));
+        }
+        if let Some(path) = &self.tls_ca_file {
+            if !self.url.starts_with("amqps://") {
+                return Err(Error::config(
+                    "amqp.tls_ca_file is set but amqp.url is amqp:// (plain): use amqps://host:5671/vhost for TLS, or unset amqp.tls_ca_file",
+                ));
+            }
+            outbox_core::tls::read_ca_file(path, "amqp.tls_ca_file")?;
         }
         if self.exchange.len() > 255 {
             return Err(Error::config(format!(

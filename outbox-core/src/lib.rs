@@ -15,6 +15,7 @@ mod relay;
 pub mod routing;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testkit;
+pub mod tls;
 #[cfg(feature = "opentelemetry")]
 pub mod trace;
 

@@ -27,6 +27,16 @@ pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| crate::DEFAULT_BROKERS.to_string())
 }
 
+/// A client of `brokers` with `properties`.
+fn client_config(brokers: &str, properties: &[(String, String)]) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers);
+    for (k, v) in properties {
+        c.set(k, v);
+    }
+    c
+}
+
 fn unreachable(at: &str, e: impl std::fmt::Display) -> ! {
     panic!(
         "a Kafka-protocol broker is required for this test and is unreachable at {}: {e}\n\
@@ -95,6 +105,8 @@ pub struct Fixture {
     pub got: Arc<Mutex<Vec<Delivered>>>,
     /// What the consumer's polls failed with (a consumer error is not a lost message).
     pub errors: Arc<Mutex<Vec<String>>>,
+    /// The clients' properties besides the brokers (TLS, ...).
+    properties: Vec<(String, String)>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -114,9 +126,30 @@ impl Fixture {
 
     /// Creates `topic` on the broker at `brokers` (a broker of the test's own, say) and consumes it.
     pub async fn create_at(brokers: &str, topic: &str, partitions: i32) -> Fixture {
+        Fixture::create_with(brokers, topic, partitions, &[]).await
+    }
+
+    /// As [`Fixture::create_at`], the admin client and the consumer also given `properties`
+    /// (`security.protocol`, `ssl.ca.location`, ...).
+    pub async fn create_with(
+        brokers: &str,
+        topic: &str,
+        partitions: i32,
+        properties: &[(&str, &str)],
+    ) -> Fixture {
         let topic = topic.to_string();
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", brokers)
+        let properties: Vec<(String, String)> = properties
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let client = |extra: &[(&str, &str)]| {
+            let mut c = client_config(brokers, &properties);
+            for (k, v) in extra {
+                c.set(*k, *v);
+            }
+            c
+        };
+        let admin: AdminClient<DefaultClientContext> = client(&[])
             .create()
             .unwrap_or_else(|e| unreachable(brokers, e));
         let created = admin
@@ -137,16 +170,14 @@ impl Fixture {
                 panic!("cannot create topic {t}: {code:?}");
             }
         }
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers)
-            .set(
-                "group.id",
-                format!("outbox-test-{}", uuid::Uuid::new_v4().simple()),
-            )
-            .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            .create()
-            .unwrap_or_else(|e| unreachable(brokers, e));
+        let group = format!("outbox-test-{}", uuid::Uuid::new_v4().simple());
+        let consumer: BaseConsumer = client(&[
+            ("group.id", &group),
+            ("enable.auto.commit", "false"),
+            ("auto.offset.reset", "earliest"),
+        ])
+        .create()
+        .unwrap_or_else(|e| unreachable(brokers, e));
         let mut tpl = TopicPartitionList::new();
         for p in 0..partitions {
             tpl.add_partition_offset(&topic, p, Offset::Beginning)
@@ -204,6 +235,7 @@ impl Fixture {
             partitions,
             got,
             errors,
+            properties,
             stop,
             thread: Mutex::new(Some(thread)),
         }
@@ -213,6 +245,7 @@ impl Fixture {
         KafkaConfig {
             brokers: self.brokers.clone(),
             topic: self.topic.clone(),
+            properties: self.properties.iter().cloned().collect(),
             ..KafkaConfig::default()
         }
     }
@@ -248,9 +281,9 @@ impl Fixture {
             self.partitions,
             self.got.clone(),
         );
+        let properties = self.properties.clone();
         tokio::task::spawn_blocking(move || {
-            let probe: BaseConsumer = ClientConfig::new()
-                .set("bootstrap.servers", &brokers)
+            let probe: BaseConsumer = client_config(&brokers, &properties)
                 .create()
                 .unwrap_or_else(|e| unreachable(&brokers, e));
             let deadline = std::time::Instant::now() + within;
@@ -290,9 +323,9 @@ impl Fixture {
     pub async fn high_watermarks(&self) -> Vec<i64> {
         let (brokers, topic, partitions) =
             (self.brokers.clone(), self.topic.clone(), self.partitions);
+        let properties = self.properties.clone();
         tokio::task::spawn_blocking(move || {
-            let probe: BaseConsumer = ClientConfig::new()
-                .set("bootstrap.servers", &brokers)
+            let probe: BaseConsumer = client_config(&brokers, &properties)
                 .create()
                 .unwrap_or_else(|e| unreachable(&brokers, e));
             (0..partitions)

@@ -62,6 +62,7 @@ pub(crate) async fn connect_url(
     // floats as text, and PgBouncer refuses a startup parameter it does not know unless told to
     // ignore it (`ignore_startup_parameters`).
     let options = options.extra_float_digits(None);
+    let host = options.get_host().to_string();
     let where_ = format!(
         "{}:{}/{}",
         options.get_host(),
@@ -86,6 +87,18 @@ pub(crate) async fn connect_url(
         .connect_with(options)
         .await
         .map_err(|e| {
+            if let Some(problem) = outbox_core::tls::certificate_problem(&e) {
+                return outbox_core::tls::certificate_error(
+                    problem,
+                    outbox_core::tls::TlsSettings {
+                        server: "PostgreSQL",
+                        host: &host,
+                        address: setting,
+                        ca: &format!("sslrootcert=<file> (with sslmode=verify-full) in {setting}"),
+                    },
+                )
+                .with_source(map_sqlx("connect", e));
+            }
             let base = map_sqlx("connect", e);
             outbox_core::Error::new(
                 base.kind(),

@@ -25,6 +25,11 @@ pub struct SqsConfig {
     /// Endpoint override for emulators or VPC endpoints, e.g. `http://127.0.0.1:4566`. Default:
     /// `AWS_ENDPOINT_URL` if set, else AWS.
     pub endpoint_url: Option<String>,
+    /// A CA certificate file (PEM) to trust for HTTPS besides the system's roots: the private CA
+    /// of a VPC endpoint behind a corporate proxy, or of an emulator served over HTTPS. Default:
+    /// unset, the system's roots only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<std::path::PathBuf>,
     /// Largest message accepted (body plus attributes); larger events fail permanently without
     /// being sent. Default 1 MiB, SQS's limit (lower it to match a queue's `MaximumMessageSize`).
     pub max_message_bytes: usize,
@@ -56,6 +61,7 @@ impl Default for SqsConfig {
             queue: DEFAULT_QUEUE.into(),
             region: None,
             endpoint_url: None,
+            ca_file: None,
             max_message_bytes: SQS_MAX_BYTES,
             max_concurrent_requests: 16,
             operation_timeout: Duration::from_secs(30),
@@ -120,6 +126,9 @@ impl SqsConfig {
                     "sqs.endpoint_url = {url:?}: expected an http:// or https:// URL"
                 )));
             }
+        }
+        if let Some(path) = &self.ca_file {
+            outbox_core::tls::read_ca_file(path, "sqs.ca_file")?;
         }
         if self.region.as_deref().is_some_and(|r| r.trim().is_empty()) {
             return Err(Error::config(

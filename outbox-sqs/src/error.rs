@@ -83,6 +83,22 @@ where
     E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
     R: std::fmt::Debug + Send + Sync + 'static,
 {
+    if matches!(err, SdkError::DispatchFailure(_)) {
+        if let Some(problem) = outbox_core::tls::certificate_problem(&err) {
+            return outbox_core::tls::certificate_error(
+                problem,
+                outbox_core::tls::TlsSettings {
+                    server: "The SQS endpoint",
+                    host: "",
+                    address: "sqs.endpoint_url (or the region's endpoint)",
+                    ca: "sqs.ca_file",
+                },
+            )
+            .with_context("adapter", "sqs")
+            .with_context("operation", operation)
+            .with_source(err);
+        }
+    }
     let (kind, retryable, detail) = match &err {
         SdkError::ServiceError(service) => {
             let e = service.err();

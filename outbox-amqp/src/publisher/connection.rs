@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{FieldTable, LongString};
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, ExchangeKind};
 use tokio::time::Instant;
 use tracing::{info, warn};
 
@@ -39,7 +40,42 @@ pub(crate) async fn connect_channel(
     name: &str,
 ) -> Result<(Connection, Channel), Error> {
     let props = ConnectionProperties::default().with_connection_name(LongString::from(name));
-    let connection = Connection::connect(&config.url, props).await.map_err(|e| {
+    let tls = OwnedTLSConfig {
+        identity: None,
+        cert_chain: match &config.tls_ca_file {
+            Some(path) => Some(outbox_core::tls::read_ca_file(path, "amqp.tls_ca_file")?),
+            None => None,
+        },
+    };
+    let connected = match DefaultConnectionBuilder::new() {
+        Ok(builder) => {
+            builder
+                .with_uri_str(config.url.clone())
+                .with_properties(props)
+                .with_tls_config(tls)
+                .connect()
+                .await
+        }
+        Err(e) => Err(e),
+    };
+    let connection = connected.map_err(|e| {
+        if let Some(problem) = outbox_core::tls::certificate_problem(&e) {
+            let host = config
+                .url
+                .parse::<lapin::uri::AMQPUri>()
+                .map(|u| u.authority.host)
+                .unwrap_or_default();
+            return outbox_core::tls::certificate_error(
+                problem,
+                outbox_core::tls::TlsSettings {
+                    server: "RabbitMQ",
+                    host: &host,
+                    address: "amqp.url",
+                    ca: "amqp.tls_ca_file",
+                },
+            )
+            .with_source(map_lapin("connect", e));
+        }
         map_lapin("connect", e).with_context("broker", outbox_core::redact_url(&config.url))
     })?;
     let channel = connection

@@ -18,6 +18,26 @@ use super::{build_publisher, store, Failure};
 use crate::config::Config;
 use crate::metrics::Metrics;
 
+/// How long the start waits for the broker's first answer.
+const BROKER_CHECK_AT_START: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Asks the broker once before the relay claims anything. A broker it can never reach as
+/// configured (its certificate refused: a CA not configured, a host name the certificate does not
+/// hold) stops the start with the setting to fix; one that is down or slow does not: the relay
+/// starts, keeps trying, and readiness says so.
+async fn refuse_unreachable_as_configured(
+    publisher: &dyn outbox_core::Publisher,
+) -> Result<(), outbox_core::Error> {
+    match tokio::time::timeout(BROKER_CHECK_AT_START, publisher.check()).await {
+        Ok(Err(e)) if e.kind() == outbox_core::ErrorKind::Config => Err(e),
+        Ok(Err(e)) => {
+            warn!(error = %e, "the broker cannot be reached yet; the relay starts and keeps trying");
+            Ok(())
+        }
+        Ok(Ok(())) | Err(_) => Ok(()),
+    }
+}
+
 pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), Failure> {
     config.check_relay_pool()?;
     // Signals are watched from the start: SIGTERM while connecting is a clean exit too.
@@ -49,6 +69,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
             _ => {}
         }
         let publisher = build_publisher(&config).await?;
+        refuse_unreachable_as_configured(publisher.as_ref()).await?;
         Ok::<_, Failure>((pg, session, publisher))
     };
     let (pg, session, publisher) = tokio::select! {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::join_all;
-use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::producer::Producer as _;
 use tokio::time::Instant;
 
 use outbox_core::format::Formatter;
@@ -25,7 +25,7 @@ use outbox_core::{Error, ErrorKind, Event, PublishOutcome, Publisher};
 use crate::config::KafkaConfig;
 use crate::error::{self, map_kafka};
 use delivery::refused_by_the_broker;
-use producer::{create_producer, CallEnd};
+use producer::{create_producer, CallEnd, Context, Producer};
 pub use record::check_topic;
 
 /// Time a delivery report gets past `message.timeout.ms` to reach the publisher.
@@ -54,7 +54,9 @@ const REPORT_MARGIN: Duration = Duration::from_secs(5);
 ///   through retries. A full local queue is waited out up to `enqueue_timeout`, then reported as
 ///   back-pressure (no attempt counted).
 pub struct KafkaPublisher {
-    producer: std::sync::Mutex<FutureProducer>,
+    producer: std::sync::Mutex<Producer>,
+    /// The producers' client context (their last error).
+    context: Context,
     topic: Template,
     /// Where events may go (`kafka.allowed_destinations`).
     allowed: AllowList,
@@ -81,9 +83,11 @@ impl KafkaPublisher {
     pub fn new(config: KafkaConfig) -> Result<Self, Error> {
         let topic = config.validate()?;
         let allowed = config.allow_list()?;
-        let producer = create_producer(&config)?;
+        let context = Context::default();
+        let producer = create_producer(&config, &context)?;
         Ok(KafkaPublisher {
             producer: std::sync::Mutex::new(producer),
+            context,
             topic,
             allowed,
             config,
@@ -229,7 +233,26 @@ impl Publisher for KafkaPublisher {
         .await
         .map_err(|e| error::task_failed("metadata", e))?
         .map_err(|e| {
-            error::brokers_do_not_answer(&self.config.brokers, map_kafka("metadata request", e))
+            let cause = map_kafka("metadata request", e);
+            let refused = self
+                .context
+                .last_error()
+                .as_deref()
+                .and_then(outbox_core::tls::problem_in);
+            match refused {
+                Some(problem) => outbox_core::tls::certificate_error(
+                    problem,
+                    outbox_core::tls::TlsSettings {
+                        server: "Kafka",
+                        host: &self.config.brokers,
+                        address: "kafka.brokers",
+                        ca: "kafka.properties.\"ssl.ca.location\"",
+                    },
+                )
+                .with_context("adapter", "kafka")
+                .with_source(cause),
+                None => error::brokers_do_not_answer(&self.config.brokers, cause),
+            }
         })
     }
 

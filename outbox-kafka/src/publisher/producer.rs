@@ -4,8 +4,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::error::KafkaError;
+use rdkafka::producer::{FutureProducer, Producer as _};
 use tracing::{error, warn};
 
 use outbox_core::{Error, Publisher};
@@ -34,23 +36,56 @@ pub(super) struct CallEnd {
     pub(super) events: usize,
 }
 
-/// A producer with `config`'s properties.
-pub(super) fn create_producer(config: &KafkaConfig) -> Result<FutureProducer, Error> {
+/// The producer's client context: librdkafka's errors logged as by default, the last one kept.
+/// A broker certificate refused during the TLS handshake shows only there (the metadata request
+/// of [`Publisher::check`] just times out), so `check` reads it to name the setting to fix.
+#[derive(Clone, Default)]
+pub(super) struct Context {
+    last_error: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl Context {
+    /// The last error librdkafka reported.
+    pub(super) fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl ClientContext for Context {
+    fn error(&self, error: KafkaError, reason: &str) {
+        error!("librdkafka: {error}: {reason}");
+        *self
+            .last_error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reason.to_string());
+    }
+}
+
+/// The publisher's producer.
+pub(super) type Producer = FutureProducer<Context>;
+
+/// A producer with `config`'s properties, reporting its errors to `context`.
+pub(super) fn create_producer(config: &KafkaConfig, context: &Context) -> Result<Producer, Error> {
     let mut client = ClientConfig::new();
     for (k, v) in config.producer_properties() {
         client.set(k, v);
     }
-    client.create().map_err(producer_not_created)
+    client
+        .create_with_context(context.clone())
+        .map_err(producer_not_created)
 }
 
 impl KafkaPublisher {
     /// A copy of the producer new calls use.
-    pub(super) fn producer(&self) -> FutureProducer {
+    pub(super) fn producer(&self) -> Producer {
         self.current().clone()
     }
 
     /// The producer new calls use, locked (a poisoned lock still holds a usable producer).
-    fn current(&self) -> std::sync::MutexGuard<'_, FutureProducer> {
+    fn current(&self) -> std::sync::MutexGuard<'_, Producer> {
         self.producer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -58,7 +93,7 @@ impl KafkaPublisher {
 
     /// Drops `producer`, a call's copy, off the async workers when it has been replaced: the last
     /// copy of a replaced producer destroys it, which waits for its threads.
-    pub(super) fn let_go(&self, producer: FutureProducer) {
+    pub(super) fn let_go(&self, producer: Producer) {
         if !self.is_current(&producer) {
             drop(tokio::task::spawn_blocking(move || drop(producer)));
         }
@@ -70,7 +105,7 @@ impl KafkaPublisher {
     /// state waits forever, and a connection wedged by an outage can fail even metadata requests
     /// long after the brokers are back). Unacknowledged events
     /// were reported as failures, so nothing is lost; a new producer starts a new idempotence session.
-    pub(super) async fn recover(&self, producer: &FutureProducer, call: CallEnd) {
+    pub(super) async fn recover(&self, producer: &Producer, call: CallEnd) {
         let CallEnd {
             all_timed_out,
             some_timed_out,
@@ -131,19 +166,19 @@ impl KafkaPublisher {
     }
 
     /// Whether `producer` is the one new calls use.
-    pub(super) fn is_current(&self, producer: &FutureProducer) -> bool {
+    pub(super) fn is_current(&self, producer: &Producer) -> bool {
         self.current().client().native_ptr() == producer.client().native_ptr()
     }
 
     /// Replaces `used` (the producer a call found failing) with a new one, unless another call
     /// replaced it already: several batches in flight on a failed producer make one new producer,
     /// not one each (which would discard the producer newer batches already use).
-    pub(super) fn replace_producer(&self, used: &FutureProducer) {
+    pub(super) fn replace_producer(&self, used: &Producer) {
         let mut current = self.current();
         if current.client().native_ptr() != used.client().native_ptr() {
             return;
         }
-        match create_producer(&self.config) {
+        match create_producer(&self.config, &self.context) {
             Ok(fresh) => *current = fresh,
             Err(e) => error!(error = %e, "cannot create a new Kafka producer"),
         }

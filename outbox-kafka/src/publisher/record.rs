@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
+use rdkafka::producer::{DeliveryFuture, FutureRecord};
 use tokio::time::Instant;
 
 use outbox_core::format::Formatter;
@@ -93,7 +93,7 @@ impl KafkaPublisher {
     /// error, when it cannot be sent, names the event.
     pub(super) async fn enqueue(
         &self,
-        producer: &FutureProducer,
+        producer: &super::producer::Producer,
         event: &Event,
         enqueue_deadline: Instant,
     ) -> Result<DeliveryFuture, Error> {

@@ -17,7 +17,7 @@ use aws_config::{BehaviorVersion, Region};
 use aws_sdk_sqs::config::retry::RetryConfig;
 use aws_sdk_sqs::config::timeout::TimeoutConfig;
 use aws_sdk_sqs::Client;
-use aws_smithy_http_client::tls::{rustls_provider::CryptoMode, Provider};
+use aws_smithy_http_client::tls::{rustls_provider::CryptoMode, Provider, TlsContext, TrustStore};
 use futures::future::join_all;
 
 use outbox_core::cache::{BoundedCache, DEFAULT_DESTINATION_CACHE};
@@ -67,10 +67,26 @@ impl std::fmt::Debug for SqsPublisher {
     }
 }
 
-/// An HTTPS client on rustls with the ring provider (the workspace's one TLS stack).
+/// An HTTPS client on rustls with the ring provider (the workspace's one TLS stack), trusting
+/// the system's roots.
 pub fn https_client() -> aws_sdk_sqs::config::SharedHttpClient {
+    https_client_trusting(None)
+}
+
+/// As [`https_client`], also trusting the CA certificates of `ca_pem` (PEM text).
+pub fn https_client_trusting(ca_pem: Option<&str>) -> aws_sdk_sqs::config::SharedHttpClient {
+    let mut trust = TrustStore::default();
+    if let Some(pem) = ca_pem {
+        trust = trust.with_pem_certificate(pem.as_bytes().to_vec());
+    }
     aws_smithy_http_client::Builder::new()
         .tls_provider(Provider::Rustls(CryptoMode::Ring))
+        .tls_context(
+            TlsContext::builder()
+                .with_trust_store(trust)
+                .build()
+                .unwrap_or_default(),
+        )
         .build_https()
 }
 
@@ -81,8 +97,12 @@ impl SqsPublisher {
     /// A config error naming the key when `config` does not validate.
     pub async fn new(config: SqsConfig) -> Result<Self, Error> {
         config.validate()?;
-        let mut loader =
-            aws_config::defaults(BehaviorVersion::latest()).http_client(https_client());
+        let ca = match &config.ca_file {
+            Some(path) => Some(outbox_core::tls::read_ca_file(path, "sqs.ca_file")?),
+            None => None,
+        };
+        let mut loader = aws_config::defaults(BehaviorVersion::latest())
+            .http_client(https_client_trusting(ca.as_deref()));
         if let Some(region) = &config.region {
             loader = loader.region(Region::new(region.clone()));
         }

@@ -1,0 +1,170 @@
+//! A server's certificate refused during the TLS handshake, told apart from other connection
+//! failures so that it is reported as the configuration problem it is (a missing CA, a wrong host
+//! name), with the setting to fix, instead of as a server to wait for.
+//!
+//! The clients of the adapters put the verifier's verdict in their error's text: rustls (sqlx,
+//! lapin, the AWS SDK, the WAL source's replication client) and OpenSSL (librdkafka).
+
+use crate::{Error, ErrorKind};
+
+/// Why a server's certificate was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CertificateProblem {
+    /// Signed by no CA the client trusts (a private CA not configured, or the wrong one).
+    UnknownIssuer,
+    /// Valid, but not for the host name the client connected to.
+    WrongName,
+    /// Expired, or not valid yet.
+    Expired,
+    /// Refused, the client saying no more (OpenSSL through librdkafka): an unknown CA or a host
+    /// name the certificate does not hold.
+    Unverified,
+}
+
+/// The certificate problem an error (or one of its causes) reports, if any.
+pub fn certificate_problem(err: &(dyn std::error::Error + 'static)) -> Option<CertificateProblem> {
+    let mut next = Some(err);
+    while let Some(e) = next {
+        if let Some(p) = problem_in(&e.to_string()) {
+            return Some(p);
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// The certificate problem a message reports: the texts of rustls and OpenSSL.
+pub fn problem_in(text: &str) -> Option<CertificateProblem> {
+    let t = text.to_ascii_lowercase();
+    if t.contains("not valid for name")
+        || t.contains("hostname mismatch")
+        || t.contains("notvalidforname")
+    {
+        Some(CertificateProblem::WrongName)
+    } else if t.contains("unknownissuer")
+        || t.contains("unknown issuer")
+        || t.contains("unable to get local issuer certificate")
+        || t.contains("self-signed certificate")
+        || t.contains("self signed certificate")
+        || t.contains("unknown ca")
+    {
+        Some(CertificateProblem::UnknownIssuer)
+    } else if t.contains("invalid peer certificate: expired")
+        || t.contains("certificate has expired")
+        || t.contains("certificate is not yet valid")
+        || t.contains("notvalidyet")
+    {
+        Some(CertificateProblem::Expired)
+    } else if t.contains("certificate verify failed") {
+        // OpenSSL's verdict as librdkafka reports it, without the reason.
+        Some(CertificateProblem::Unverified)
+    } else {
+        None
+    }
+}
+
+/// Where a server is configured: for the error that names what to fix.
+#[derive(Debug, Clone, Copy)]
+pub struct TlsSettings<'a> {
+    /// What the server is ("PostgreSQL", "RabbitMQ", ...).
+    pub server: &'a str,
+    /// The host the client connected to (empty when not known).
+    pub host: &'a str,
+    /// The setting that holds the server's address (`database.url`, `amqp.url`, ...).
+    pub address: &'a str,
+    /// How to trust a private CA (`sslrootcert=<file> in database.url`, `amqp.tls_ca_file`, ...).
+    pub ca: &'a str,
+}
+
+/// A config error (not retryable) for `problem`, naming the setting to fix.
+pub fn certificate_error(problem: CertificateProblem, s: TlsSettings<'_>) -> Error {
+    let at = if s.host.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", s.host)
+    };
+    let message = match problem {
+        CertificateProblem::UnknownIssuer => format!(
+            "{}'s certificate{at} is not signed by a CA this relay trusts: set {} to the certificate (PEM) of the CA that signed it",
+            s.server, s.ca
+        ),
+        CertificateProblem::WrongName => format!(
+            "{}'s certificate is not valid for the host name in {}{at}: connect with a name the certificate holds (its subject alternative names), or have a certificate made for this one",
+            s.server, s.address
+        ),
+        CertificateProblem::Unverified => format!(
+            "{}'s certificate{at} could not be verified: set {} to the certificate (PEM) of the CA that signed it, and connect with a host name in {} that the certificate holds",
+            s.server, s.ca, s.address
+        ),
+        CertificateProblem::Expired => format!(
+            "{}'s certificate{at} has expired or is not valid yet: renew it on the server (or check this machine's clock)",
+            s.server
+        ),
+    };
+    Error::new(ErrorKind::Config, message).with_retryable(false)
+}
+
+/// The PEM text of the CA certificate file `path`, the value of `setting`.
+///
+/// # Errors
+/// A config error naming `setting` when the file cannot be read or holds no PEM certificate.
+pub fn read_ca_file(path: &std::path::Path, setting: &str) -> Result<String, Error> {
+    let pem = std::fs::read_to_string(path).map_err(|e| {
+        Error::config(format!(
+            "{setting} = {:?}: cannot read the CA certificate file ({e}); expected a readable PEM file",
+            path.display()
+        ))
+    })?;
+    if !pem.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(Error::config(format!(
+            "{setting} = {:?} holds no PEM certificate: expected one or more \"-----BEGIN CERTIFICATE-----\" blocks (the CA that signed the server's certificate)",
+            path.display()
+        )));
+    }
+    Ok(pem)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rustls_and_openssl_texts() {
+        let cases = [
+            ("invalid peer certificate: UnknownIssuer", Some(CertificateProblem::UnknownIssuer)),
+            (
+                "invalid peer certificate: certificate not valid for name \"127.0.0.1\"; certificate is only valid for DnsName(\"localhost\")",
+                Some(CertificateProblem::WrongName),
+            ),
+            ("invalid peer certificate: Expired", Some(CertificateProblem::Expired)),
+            (
+                "SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed (install ca-certificates package) (after 3ms in state SSL_HANDSHAKE): unable to get local issuer certificate",
+                Some(CertificateProblem::UnknownIssuer),
+            ),
+            (
+                "ssl://localhost:9094/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified",
+                Some(CertificateProblem::Unverified),
+            ),
+            ("certificate verify failed: Hostname mismatch", Some(CertificateProblem::WrongName)),
+            ("connection refused", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(problem_in(text), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn the_error_names_the_setting() {
+        let s = TlsSettings {
+            server: "RabbitMQ",
+            host: "mq.internal",
+            address: "amqp.url",
+            ca: "amqp.tls_ca_file",
+        };
+        let e = certificate_error(CertificateProblem::UnknownIssuer, s);
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("amqp.tls_ca_file"));
+        let e = certificate_error(CertificateProblem::WrongName, s);
+        assert!(e.to_string().contains("mq.internal") && e.to_string().contains("amqp.url"));
+    }
+}

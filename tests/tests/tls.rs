@@ -1,0 +1,350 @@
+//! TLS with a private CA, as managed servers are reached. `scripts/test-env.sh` makes a throwaway
+//! CA, a server certificate for the name `localhost` only, and a second CA that signed nothing,
+//! and serves TLS from PostgreSQL (`ssl = on`), RabbitMQ (127.0.0.1:5671) and the SQS endpoint
+//! (HTTPS on 127.0.0.1:4567, in front of the same moto). Each client verifies the certificate
+//! against the CA: `outbox migrate`, `status`, the writer, both relay sources (the WAL source's
+//! replication connection included) and the publishers. A wrong CA, or a host name the certificate
+//! does not hold, stops the relay at start with an error naming the setting to fix.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use outbox_core::testkit::sample_event;
+use outbox_postgres::testing::{fresh_table, pool, pool_at, unmigrated_table};
+use outbox_postgres::{OutboxTable, Writer};
+use outbox_tests::harness::{logged, outbox_bin, relay_log_dir, Broker, RelayProcess, Sink};
+use outbox_tests::wal::{pairs, WalSource};
+use uuid::Uuid;
+
+/// The test CA's directory: `OUTBOX_TEST_TLS_DIR`, or where `scripts/test-env.sh` makes it.
+fn tls_dir() -> PathBuf {
+    let dir = PathBuf::from(
+        std::env::var("OUTBOX_TEST_TLS_DIR").unwrap_or_else(|_| "/var/lib/outbox-test/tls".into()),
+    );
+    assert!(
+        dir.join("ca.pem").exists() && dir.join("other-ca.pem").exists(),
+        "the test CA is missing from {}: run `bash scripts/test-env.sh` (it makes the CA and turns on the TLS listeners)",
+        dir.display()
+    );
+    dir
+}
+
+fn ca(name: &str) -> String {
+    tls_dir().join(name).display().to_string()
+}
+
+/// The test database over TLS, verified against `ca_file` (`ca.pem`, `other-ca.pem`), reached by
+/// `host` (`localhost` is the certificate's name; `127.0.0.1` is not).
+fn postgres_url(host: &str, ca_file: &str) -> String {
+    let base = std::env::var("POSTGRES_TLS_URL")
+        .unwrap_or_else(|_| "postgres://postgres@localhost:5432/test".into());
+    format!(
+        "{}?sslmode=verify-full&sslrootcert={}",
+        base.replace("@localhost:", &format!("@{host}:")),
+        ca(ca_file)
+    )
+}
+
+fn amqps_url(host: &str) -> String {
+    std::env::var("AMQP_TLS_URL")
+        .unwrap_or_else(|_| "amqps://guest:guest@localhost:5671/%2f".into())
+        .replace("@localhost:", &format!("@{host}:"))
+}
+
+fn sqs_https_endpoint(host: &str) -> String {
+    std::env::var("SQS_TLS_ENDPOINT_URL")
+        .unwrap_or_else(|_| "https://localhost:4567".into())
+        .replace("//localhost:", &format!("//{host}:"))
+}
+
+fn kafka_tls_brokers(host: &str) -> String {
+    std::env::var("KAFKA_TLS_BROKERS")
+        .unwrap_or_else(|_| "localhost:9094".into())
+        .replace("localhost:", &format!("{host}:"))
+}
+
+/// Runs the `outbox` CLI with `env` over `table`; its exit code and output.
+fn cli(table: &OutboxTable, args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut c = Command::new(outbox_bin());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTBOX_") {
+            c.env_remove(k);
+        }
+    }
+    c.args(args)
+        .current_dir(std::env::temp_dir())
+        .env("OUTBOX_DATABASE__SCHEMA", table.schema())
+        .env("OUTBOX_LOG__LEVEL", "warn")
+        .envs(env.iter().copied());
+    let out = c.output().unwrap();
+    (
+        out.status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// Commits `n` events (an aggregate each) through `url` with the writer API.
+async fn write_through(url: &str, table: &OutboxTable, n: usize) -> Vec<(String, Uuid)> {
+    let pg = pool_at(url, 1).await;
+    let writer = Writer::new(table.clone());
+    let mut tx = pg.begin().await.unwrap();
+    let events: Vec<_> = (0..n)
+        .map(|i| sample_event(&format!("tls-{}", Uuid::new_v4().simple()), i))
+        .collect();
+    let keys: Vec<String> = events.iter().map(|e| e.aggregate_id.clone()).collect();
+    let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
+    tx.commit().await.unwrap();
+    keys.into_iter().zip(ids).collect()
+}
+
+/// Waits (up to 60 s) for the relay to exit; its exit code.
+fn exit_code(mut relay: RelayProcess) -> Option<i32> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = relay.child.try_wait().unwrap() {
+            return status.code();
+        }
+        assert!(Instant::now() < deadline, "the relay did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether every session named `name` is encrypted (and there is one).
+async fn sessions_encrypted(pg: &sqlx::PgPool, name: &str) -> bool {
+    let (n, all): (i64, Option<bool>) = sqlx::query_as(
+        "SELECT count(*), bool_and(s.ssl) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+         WHERE a.application_name = $1",
+    )
+    .bind(name)
+    .fetch_one(pg)
+    .await
+    .unwrap();
+    n > 0 && all == Some(true)
+}
+
+/// `outbox migrate` and `status`, the writer, and the polling relay over TLS; the relay's
+/// sessions encrypted; a wrong CA and a wrong host name refused at start, naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_over_tls_with_a_private_ca_polling() {
+    let pg = pool(2).await;
+    let table = unmigrated_table();
+    let url = postgres_url("localhost", "ca.pem");
+    let (code, out) = cli(&table, &["migrate"], &[("DATABASE_URL", &url)]);
+    assert_eq!(code, Some(0), "migrate over TLS: {out}");
+    let (code, out) = cli(&table, &["status"], &[("DATABASE_URL", &url)]);
+    assert_eq!(code, Some(0), "status over TLS: {out}");
+    for (bad, names) in [
+        (postgres_url("localhost", "other-ca.pem"), "sslrootcert"),
+        (postgres_url("127.0.0.1", "ca.pem"), "host name"),
+    ] {
+        let (code, out) = cli(&table, &["migrate"], &[("DATABASE_URL", &bad)]);
+        assert_eq!(code, Some(2), "{out}");
+        assert!(out.contains(names) && out.contains("database.url"), "{out}");
+    }
+    let sink = Sink::new(Broker::Amqp).await;
+    for (bad, names) in [
+        (postgres_url("localhost", "other-ca.pem"), "sslrootcert"),
+        (postgres_url("127.0.0.1", "ca.pem"), "host name"),
+    ] {
+        let before = logged(&table, names);
+        let relay = RelayProcess::start_at(&bad, &table, &sink, &[]);
+        assert_eq!(exit_code(relay), Some(2));
+        assert!(logged(&table, names) > before, "the refusal names {names}");
+    }
+    let relay = RelayProcess::start_at(&url, &table, &sink, &[]);
+    let committed = write_through(&url, &table, 30).await;
+    let verdict = sink.verdict(&committed, Duration::from_secs(60)).await;
+    assert_eq!(
+        (verdict.lost, verdict.order_violations),
+        (0, 0),
+        "{verdict}"
+    );
+    assert!(
+        sessions_encrypted(&pg, &relay.tag).await,
+        "the relay's sessions are not all encrypted"
+    );
+    assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
+    let _ = std::fs::remove_dir_all(relay_log_dir(&table));
+}
+
+/// The WAL source over TLS: the replication connection (its own client) verifies the CA too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_over_tls_with_a_private_ca_wal_source() {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    let source = WalSource::setup(&table).await;
+    let url = postgres_url("localhost", "ca.pem");
+    let sink = Sink::new(Broker::Amqp).await;
+    let relay = RelayProcess::start_at(&url, &table, &sink, &pairs(&source.relay_env(&[])));
+    let committed = write_through(&url, &table, 30).await;
+    let verdict = sink.verdict(&committed, Duration::from_secs(90)).await;
+    assert_eq!(
+        (verdict.lost, verdict.order_violations),
+        (0, 0),
+        "{verdict}"
+    );
+    let walsender_encrypted: Option<bool> = sqlx::query_scalar(
+        "SELECT s.ssl FROM pg_replication_slots r JOIN pg_stat_ssl s ON s.pid = r.active_pid
+         WHERE r.slot_name = $1",
+    )
+    .bind(source.slot.slot())
+    .fetch_optional(&pg)
+    .await
+    .unwrap();
+    assert_eq!(
+        walsender_encrypted,
+        Some(true),
+        "the slot's replication connection is not encrypted"
+    );
+    assert!(sessions_encrypted(&pg, &relay.tag).await);
+    assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
+    let _ = std::fs::remove_dir_all(relay_log_dir(&table));
+}
+
+/// A publisher over TLS (`env` points it there) delivers what the writer commits; each of
+/// `refused` (settings, and the text the refusal must hold) stops the relay at start.
+async fn publisher_over_tls(
+    broker: Broker,
+    env: &[(&str, &str)],
+    refused: &[(Vec<(&str, &str)>, &str)],
+) {
+    let pg = pool(2).await;
+    let table = fresh_table(&pg).await;
+    // The HTTPS endpoint stands in front of the shared moto: a queue there (not one of a
+    // recording endpoint of its own).
+    // The Kafka broker behind TLS is a broker of its own: its topic is made and read over TLS.
+    let sink = match broker {
+        Broker::Sqs => Sink::Sqs(outbox_sqs::testing::Fixture::new(true).await),
+        Broker::Kafka => Sink::Kafka(
+            outbox_kafka::testing::Fixture::create_with(
+                &kafka_tls_brokers("localhost"),
+                &format!("outbox.test.{}", Uuid::new_v4().simple()),
+                2,
+                &[
+                    ("security.protocol", "ssl"),
+                    ("ssl.ca.location", &ca("ca.pem")),
+                ],
+            )
+            .await,
+        ),
+        Broker::Amqp => Sink::new(broker).await,
+    };
+    let direct = outbox_postgres::testing::database_url();
+    for (settings, names) in refused {
+        let before = logged(&table, names);
+        let relay = RelayProcess::start_at(&direct, &table, &sink, settings);
+        assert_eq!(exit_code(relay), Some(2), "refused: {names}");
+        assert!(logged(&table, names) > before, "the refusal names {names}");
+    }
+    let relay = RelayProcess::start_at(&direct, &table, &sink, env);
+    let committed = write_through(&direct, &table, 30).await;
+    let verdict = sink.verdict(&committed, Duration::from_secs(90)).await;
+    assert_eq!(
+        (verdict.lost, verdict.order_violations),
+        (0, 0),
+        "{verdict}"
+    );
+    assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
+    let _ = std::fs::remove_dir_all(relay_log_dir(&table));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_over_tls_with_a_private_ca() {
+    let (good, ca_pem, other) = (amqps_url("localhost"), ca("ca.pem"), ca("other-ca.pem"));
+    let wrong_host = amqps_url("127.0.0.1");
+    publisher_over_tls(
+        Broker::Amqp,
+        &[
+            ("OUTBOX_AMQP__URL", &good),
+            ("OUTBOX_AMQP__TLS_CA_FILE", &ca_pem),
+        ],
+        &[
+            // The public roots only: the private CA is not among them.
+            (vec![("OUTBOX_AMQP__URL", &good)], "amqp.tls_ca_file"),
+            (
+                vec![
+                    ("OUTBOX_AMQP__URL", &good),
+                    ("OUTBOX_AMQP__TLS_CA_FILE", &other),
+                ],
+                "amqp.tls_ca_file",
+            ),
+            (
+                vec![
+                    ("OUTBOX_AMQP__URL", &wrong_host),
+                    ("OUTBOX_AMQP__TLS_CA_FILE", &ca_pem),
+                ],
+                "not valid for the host name in amqp.url",
+            ),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_over_https_with_a_private_ca() {
+    let (good, ca_pem, other) = (
+        sqs_https_endpoint("localhost"),
+        ca("ca.pem"),
+        ca("other-ca.pem"),
+    );
+    let wrong_host = sqs_https_endpoint("127.0.0.1");
+    publisher_over_tls(
+        Broker::Sqs,
+        &[
+            ("OUTBOX_SQS__ENDPOINT_URL", &good),
+            ("OUTBOX_SQS__CA_FILE", &ca_pem),
+        ],
+        &[
+            (vec![("OUTBOX_SQS__ENDPOINT_URL", &good)], "sqs.ca_file"),
+            (
+                vec![
+                    ("OUTBOX_SQS__ENDPOINT_URL", &good),
+                    ("OUTBOX_SQS__CA_FILE", &other),
+                ],
+                "sqs.ca_file",
+            ),
+            (
+                vec![
+                    ("OUTBOX_SQS__ENDPOINT_URL", &wrong_host),
+                    ("OUTBOX_SQS__CA_FILE", &ca_pem),
+                ],
+                "not valid for the host name in sqs.endpoint_url",
+            ),
+        ],
+    )
+    .await;
+}
+
+/// Kafka over TLS (librdkafka's OpenSSL, through `kafka.properties`): `security.protocol = ssl`
+/// and `ssl.ca.location`. librdkafka does not say why it refused a certificate: each refusal
+/// names both `ssl.ca.location` and the host name in `kafka.brokers`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_over_tls_with_a_private_ca() {
+    let (ca_pem, other) = (ca("ca.pem"), ca("other-ca.pem"));
+    let wrong_host = kafka_tls_brokers("127.0.0.1");
+    let ssl = ("OUTBOX_KAFKA__PROPERTIES__SECURITY.PROTOCOL", "ssl");
+    let ca_location = "OUTBOX_KAFKA__PROPERTIES__SSL.CA.LOCATION";
+    let names_both = "\"ssl.ca.location\" to the certificate (PEM) of the CA that signed it, and connect with a host name in kafka.brokers";
+    publisher_over_tls(
+        Broker::Kafka,
+        &[ssl, (ca_location, &ca_pem)],
+        &[
+            (vec![ssl, (ca_location, &other)], names_both),
+            (
+                vec![
+                    ssl,
+                    (ca_location, &ca_pem),
+                    ("OUTBOX_KAFKA__BROKERS", &wrong_host),
+                ],
+                names_both,
+            ),
+        ],
+    )
+    .await;
+}
