@@ -417,6 +417,8 @@ INI
 # certificate for the name localhost only (so that 127.0.0.1 is a name it does not hold), and a
 # second CA that signed nothing (other-ca.pem), for the tests of a wrong CA or host name.
 TLS_DIR=/var/lib/outbox-test/tls
+# Set when this run made new certificates: the servers and proxies then take them up again.
+TLS_RENEWED=0
 ensure_tls_certs() {
   mkdir -p "$TLS_DIR"
   chmod 755 "$TLS_DIR" "$(dirname "$TLS_DIR")"
@@ -426,6 +428,7 @@ ensure_tls_certs() {
     log "the test CA and server certificate are in $TLS_DIR"
   else
     log "making a throwaway CA and a server certificate for localhost in $TLS_DIR"
+    TLS_RENEWED=1
     (
       cd "$TLS_DIR"
       for ca in ca other-ca; do
@@ -456,7 +459,7 @@ ensure_postgres_tls() {
   [ "$DATABASE_URL" = "postgres://postgres@127.0.0.1:5432/test" ] || return 0
   local cert
   cert=$(psql -h 127.0.0.1 -U postgres -d test -tAc "SHOW ssl_cert_file")
-  if [ "$cert" = "$TLS_DIR/server.pem" ] && [ "$(psql -h 127.0.0.1 -U postgres -d test -tAc "SHOW ssl")" = "on" ]; then
+  if [ "$TLS_RENEWED" = 0 ] && [ "$cert" = "$TLS_DIR/server.pem" ] && postgres_tls_verified; then
     log "PostgreSQL serves TLS with the test CA's certificate"
     return
   fi
@@ -467,20 +470,64 @@ ensure_postgres_tls() {
     -c "ALTER SYSTEM SET ssl_key_file = '$TLS_DIR/server-postgres.key'" \
     -c "SELECT pg_reload_conf()" >/dev/null
   for _ in $(seq 1 50); do
-    [ "$(psql -h 127.0.0.1 -U postgres -d test -tAc "SHOW ssl_cert_file")" = "$TLS_DIR/server.pem" ] && break
+    postgres_tls_verified && return
     sleep 0.1
   done
+  log "PostgreSQL does not serve TLS with the test CA's certificate after a reload; see /var/log/postgresql/"
+  exit 1
+}
+
+# A connection that verifies the server's certificate against the test CA.
+postgres_tls_verified() {
+  psql "postgres://postgres@localhost:5432/test?sslmode=verify-full&sslrootcert=$TLS_DIR/ca.pem" -tAc "SELECT 1" >/dev/null 2>&1
+}
+
+# Whether the TLS listener on 127.0.0.1:$1 presents a certificate the test CA verifies.
+tls_verified() {
+  echo | timeout 10 openssl s_client -connect "127.0.0.1:$1" -servername localhost -CAfile "$TLS_DIR/ca.pem" \
+    -verify_hostname localhost -verify_return_error >/dev/null 2>&1
+}
+
+# scripts/tls-proxy.py on 127.0.0.1:$2 in front of 127.0.0.1:$3, named $1 (its pid and log in
+# /var/lib/outbox-test/run: one per machine, whichever checkout started it); started again when
+# the certificates were renewed; a port held by another process is refused.
+RUN_DIR=/var/lib/outbox-test/run
+ensure_tls_proxy() {
+  local name=$1 listen=$2 target=$3 pid
+  mkdir -p "$RUN_DIR"
+  pid=$(cat "$RUN_DIR/$name.pid" 2>/dev/null || true)
+  if port_open 127.0.0.1 "$listen"; then
+    if [ -z "$pid" ] || ! grep -qa tls-proxy "/proc/$pid/cmdline" 2>/dev/null; then
+      log "something else listens on 127.0.0.1:$listen (not this script's TLS proxy): stop it"
+      exit 1
+    fi
+    if [ "$TLS_RENEWED" = 0 ]; then
+      return
+    fi
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do port_open 127.0.0.1 "$listen" || break; sleep 0.1; done
+  fi
+  nohup python3 "$PWD/scripts/tls-proxy.py" "127.0.0.1:$listen" "127.0.0.1:$target" "$TLS_DIR/server.pem" "$TLS_DIR/server.key" \
+    >"$RUN_DIR/$name.log" 2>&1 &
+  echo $! >"$RUN_DIR/$name.pid"
+  for _ in $(seq 1 100); do port_open 127.0.0.1 "$listen" && break; sleep 0.1; done
+  tls_verified "$listen" || { log "the TLS proxy on 127.0.0.1:$listen did not come up; see $RUN_DIR/$name.log"; exit 1; }
 }
 
 # RabbitMQ's TLS listener on 127.0.0.1:5671 beside the plain one: set in rabbitmq.conf, which takes
 # one restart of the node, done once.
 ensure_rabbitmq_tls() {
   [ -z "${AMQP_URL:-}" ] || return 0
-  local conf=/etc/rabbitmq/rabbitmq.conf
-  if ! grep -q '^listeners.ssl.local' "$conf" 2>/dev/null; then
+  local conf=/etc/rabbitmq/rabbitmq.conf marker="# The test suite's TLS listener (scripts/test-env.sh)"
+  local restart=0
+  if ! grep -qF "$marker" "$conf" 2>/dev/null; then
+    if grep -q '^listeners.ssl' "$conf" 2>/dev/null; then
+      log "rabbitmq.conf already has a TLS listener of its own; the TLS tests need one on 127.0.0.1:5671 with the test CA's certificate: remove it, or set AMQP_URL (and AMQP_TLS_URL)"
+      exit 1
+    fi
     log "RabbitMQ: a TLS listener on 127.0.0.1:5671 (rabbitmq.conf; one restart)"
     cat >>"$conf" <<CONF
-# The test suite's TLS listener (scripts/test-env.sh), with the test CA's server certificate.
+$marker, with the test CA's server certificate.
 listeners.ssl.local = 127.0.0.1:5671
 ssl_options.cacertfile = $TLS_DIR/ca.pem
 ssl_options.certfile = $TLS_DIR/server.pem
@@ -488,12 +535,18 @@ ssl_options.keyfile = $TLS_DIR/server-rabbitmq.key
 ssl_options.verify = verify_none
 ssl_options.fail_if_no_peer_cert = false
 CONF
+    restart=1
+  elif [ "$TLS_RENEWED" = 1 ] || ! tls_verified 5671; then
+    log "RabbitMQ: taking up the test CA's new certificate (one restart)"
+    restart=1
+  fi
+  if [ "$restart" = 1 ]; then
     timeout 120 rabbitmqctl stop >/dev/null 2>&1 || true
     for _ in $(seq 1 120); do port_open 127.0.0.1 5672 || break; sleep 0.5; done
     rabbitmq-server -detached || true
   fi
   for _ in $(seq 1 240); do port_open 127.0.0.1 5671 && port_open 127.0.0.1 5672 && break; sleep 0.5; done
-  port_open 127.0.0.1 5671 || { log "RabbitMQ's TLS listener did not come up; see /var/log/rabbitmq/"; exit 1; }
+  tls_verified 5671 || { log "RabbitMQ's TLS listener did not come up with the test CA's certificate; see /var/log/rabbitmq/"; exit 1; }
   log "RabbitMQ serves TLS on 127.0.0.1:5671"
 }
 
@@ -511,14 +564,7 @@ ensure_kafka_tls() {
     for _ in $(seq 1 100); do port_open 127.0.0.1 9095 && break; sleep 0.2; done
     port_open 127.0.0.1 9095 || { log "the second Tansu did not come up; see .tools/tansu-tls.log"; exit 1; }
   fi
-  if ! port_open 127.0.0.1 9094; then
-    log "starting the Kafka TLS listener on 127.0.0.1:9094"
-    nohup python3 "$PWD/scripts/tls-proxy.py" 127.0.0.1:9094 127.0.0.1:9095 "$TLS_DIR/server.pem" "$TLS_DIR/server.key" \
-      >"$TOOLS/kafka-tls.log" 2>&1 &
-    echo $! >"$TOOLS/kafka-tls.pid"
-    for _ in $(seq 1 100); do port_open 127.0.0.1 9094 && break; sleep 0.1; done
-    port_open 127.0.0.1 9094 || { log "the Kafka TLS listener did not come up; see .tools/kafka-tls.log"; exit 1; }
-  fi
+  ensure_tls_proxy kafka-tls 9094 9095
   log "Kafka serves TLS on localhost:9094"
 }
 
@@ -526,16 +572,8 @@ ensure_kafka_tls() {
 # queues for both).
 ensure_sqs_tls() {
   [ -z "${SQS_ENDPOINT_URL:-}" ] || return 0
-  if port_open 127.0.0.1 4567; then
-    log "the SQS endpoint serves HTTPS on 127.0.0.1:4567"
-    return
-  fi
-  log "starting the SQS endpoint's HTTPS listener on 127.0.0.1:4567"
-  nohup python3 "$PWD/scripts/tls-proxy.py" 127.0.0.1:4567 127.0.0.1:4566 "$TLS_DIR/server.pem" "$TLS_DIR/server.key" \
-    >"$TOOLS/sqs-tls.log" 2>&1 &
-  echo $! >"$TOOLS/sqs-tls.pid"
-  for _ in $(seq 1 100); do port_open 127.0.0.1 4567 && break; sleep 0.1; done
-  port_open 127.0.0.1 4567 || { log "the HTTPS listener did not come up; see .tools/sqs-tls.log"; exit 1; }
+  ensure_tls_proxy sqs-tls 4567 4566
+  log "the SQS endpoint serves HTTPS on 127.0.0.1:4567"
 }
 
 ensure_build_deps

@@ -18,6 +18,13 @@ for features in amqp kafka sqs ""; do
     status=1
   fi
 done
+# Every library crate packages for crates.io (metadata, license files, README; what the tarball holds).
+if ! cargo package --workspace --exclude outbox-bin --exclude outbox-tests --no-verify --locked \
+    --allow-dirty >/dev/null 2>"$log"; then
+  cat "$log"
+  echo "a library crate does not package (cargo package)"
+  status=1
+fi
 # Each broker adapter alone, with only its own features (the publisher contract of the shared suite
 # runs in its tests); then the rest of the workspace, every feature on. Every test binary runs
 # whatever failed before it (--no-fail-fast); the exit status is non-zero if any test failed.

@@ -12,6 +12,7 @@ import sys
 
 
 async def pipe(reader, writer):
+    """Copies until EOF; then half-closes where the transport can (plain TCP), else closes."""
     try:
         while True:
             data = await reader.read(65536)
@@ -19,13 +20,15 @@ async def pipe(reader, writer):
                 break
             writer.write(data)
             await writer.drain()
-    except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
+        if writer.can_write_eof():
+            writer.write_eof()
+            return
+    except (OSError, ssl.SSLError, asyncio.IncompleteReadError):
         pass
-    finally:
-        try:
-            writer.close()
-        except Exception:  # noqa: BLE001 (closing a broken stream)
-            pass
+    try:
+        writer.close()
+    except Exception:  # noqa: BLE001 (closing a broken stream)
+        pass
 
 
 async def main():
@@ -44,6 +47,11 @@ async def main():
         await asyncio.gather(
             pipe(client_reader, server_writer), pipe(server_reader, client_writer)
         )
+        for w in (server_writer, client_writer):
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 (closing a broken stream)
+                pass
 
     server = await asyncio.start_server(handle, lhost, int(lport), ssl=context)
     async with server:

@@ -5,6 +5,7 @@
 
 pub mod adapters;
 pub mod bench;
+pub mod build_info;
 pub mod cleanup;
 pub mod cli;
 pub mod config;

@@ -28,6 +28,17 @@ pub struct OperationLabel {
     pub operation: String,
 }
 
+/// Label set of `outbox_build_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabel {
+    /// The crate version.
+    pub version: String,
+    /// The commit built from.
+    pub commit: String,
+    /// The publishers compiled in.
+    pub adapters: String,
+}
+
 /// Label set of the cleanup rounds.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
@@ -142,6 +153,19 @@ impl Metrics {
         let cleanup_runs = Family::<OutcomeLabel, Counter>::default();
         let cleanup_last_success = Gauge::<f64, AtomicU64>::default();
         let wal = WalGauges::register(&mut registry);
+        let build_info = Family::<BuildLabel, Gauge>::default();
+        build_info
+            .get_or_create(&BuildLabel {
+                version: crate::build_info::VERSION.into(),
+                commit: crate::build_info::COMMIT.into(),
+                adapters: crate::build_info::ADAPTERS.into(),
+            })
+            .set(1);
+        registry.register(
+            "outbox_build_info",
+            "Always 1; the labels say which build runs: version, commit, adapters compiled in",
+            build_info,
+        );
         registry.register(
             "outbox_events_published",
             "Events published (acknowledged by the broker)",
@@ -541,6 +565,18 @@ mod tests {
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }
+        let build = format!(
+            "outbox_build_info{{version=\"{}\",commit=\"{}\",adapters=\"{}\"}} 1",
+            crate::build_info::VERSION,
+            crate::build_info::COMMIT,
+            crate::build_info::ADAPTERS
+        );
+        assert!(text.contains(&build), "missing {build:?} in\n{text}");
+        assert_ne!(
+            crate::build_info::COMMIT,
+            "",
+            "the commit is known or `unknown`"
+        );
     }
 
     #[test]

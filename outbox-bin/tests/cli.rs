@@ -551,6 +551,30 @@ async fn the_wal_source_needs_its_setup_and_its_operators_tools_work_on_the_held
         "{}",
         text(&out.stderr)
     );
+    // The operators' tools name it too (not `outbox migrate`), and so does `outbox check`.
+    let out = run(wal(&["status"]));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("run `outbox wal setup`"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(wal(&["check"]));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("FAIL  wal") && text(&out.stdout).contains("outbox wal setup"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = run(wal(&["wal", "setup"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = run(wal(&["check"]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("ok    wal"),
+        "{}",
+        text(&out.stdout)
+    );
     let out = run(wal(&["wal", "setup"]));
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(
@@ -967,4 +991,63 @@ fn an_unmigrated_table_is_a_runtime_error_that_says_to_migrate() {
     c.env("OUTBOX_RELAY__BATCH_SIZE", "0");
     let out = run(c);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}
+
+/// `outbox check`: one line per check, the fix named; exit 2 on a setting or the schema, 1 on a
+/// server down, 0 once all is well. `outbox config` refuses what the relay would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_each_problem_and_its_fix() {
+    let table = unmigrated_table();
+    let out = run(outbox(&table, &["check"]));
+    let shown = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{shown}{}", text(&out.stderr));
+    for line in ["ok    configuration", "ok    database", "ok    broker"] {
+        assert!(shown.contains(line), "{line}: {shown}");
+    }
+    assert!(
+        shown.contains("FAIL  schema") && shown.contains("run `outbox migrate`"),
+        "{shown}"
+    );
+    assert_eq!(run(outbox(&table, &["migrate"])).status.code(), Some(0));
+    let out = run(outbox(&table, &["check"]));
+    let shown = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{shown}{}", text(&out.stderr));
+    for line in [
+        "ok    configuration",
+        "ok    database",
+        "ok    pooler",
+        "ok    schema",
+        "ok    privileges",
+        "ok    broker",
+    ] {
+        assert!(shown.contains(line), "{line}: {shown}");
+    }
+    // A pool the relay would refuse: `outbox config` says so (exit 2), and so does `check`.
+    let mut c = outbox(&table, &["config"]);
+    c.env("OUTBOX_DATABASE__POOL_SIZE", "2");
+    let out = run(c);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("database.pool_size"),
+        "{}",
+        text(&out.stderr)
+    );
+    let mut c = outbox(&table, &["check"]);
+    c.env("OUTBOX_DATABASE__POOL_SIZE", "2");
+    let out = run(c);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stdout).contains("FAIL  configuration"));
+    // A database that does not answer: a runtime failure (1), the cause named.
+    let mut c = outbox(&table, &["check"]);
+    c.env(
+        "DATABASE_URL",
+        format!("postgres://postgres@127.0.0.1:{}/test", free_port()),
+    );
+    let out = run(c);
+    let shown = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{shown}");
+    assert!(
+        shown.contains("FAIL  database") && shown.to_lowercase().contains("refused"),
+        "{shown}"
+    );
 }

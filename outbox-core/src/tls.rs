@@ -46,11 +46,12 @@ pub fn problem_in(text: &str) -> Option<CertificateProblem> {
         || t.contains("unable to get local issuer certificate")
         || t.contains("self-signed certificate")
         || t.contains("self signed certificate")
-        || t.contains("unknown ca")
     {
         Some(CertificateProblem::UnknownIssuer)
     } else if t.contains("invalid peer certificate: expired")
+        || t.contains("certificate expired")
         || t.contains("certificate has expired")
+        || t.contains("certificate not valid yet")
         || t.contains("certificate is not yet valid")
         || t.contains("notvalidyet")
     {
@@ -76,7 +77,18 @@ pub struct TlsSettings<'a> {
     pub ca: &'a str,
 }
 
-/// A config error (not retryable) for `problem`, naming the setting to fix.
+/// The context key that marks a refused certificate ([`certificate_error`]).
+const CERTIFICATE_CONTEXT: &str = "tls";
+
+/// Whether `e` is a refused certificate ([`certificate_error`]).
+pub fn is_certificate_error(e: &Error) -> bool {
+    e.context_value(CERTIFICATE_CONTEXT).is_some()
+}
+
+/// The error for `problem`, naming the setting to fix. A connection error, retryable: a
+/// certificate can change under a running relay (renewed, or a proxy's), and the events then
+/// wait rather than dead-letter. At start it stops the relay and the commands, as a configuration
+/// problem ([`is_certificate_error`]).
 pub fn certificate_error(problem: CertificateProblem, s: TlsSettings<'_>) -> Error {
     let at = if s.host.is_empty() {
         String::new()
@@ -101,7 +113,9 @@ pub fn certificate_error(problem: CertificateProblem, s: TlsSettings<'_>) -> Err
             s.server
         ),
     };
-    Error::new(ErrorKind::Config, message).with_retryable(false)
+    Error::new(ErrorKind::Connection, message)
+        .with_context(CERTIFICATE_CONTEXT, "certificate refused")
+        .with_retryable(true)
 }
 
 /// The PEM text of the CA certificate file `path`, the value of `setting`.
@@ -115,18 +129,85 @@ pub fn read_ca_file(path: &std::path::Path, setting: &str) -> Result<String, Err
             path.display()
         ))
     })?;
-    if !pem.contains("-----BEGIN CERTIFICATE-----") {
+    let blocks = pem_certificates(&pem);
+    if blocks.is_empty() || blocks.iter().any(Option::is_none) {
         return Err(Error::config(format!(
-            "{setting} = {:?} holds no PEM certificate: expected one or more \"-----BEGIN CERTIFICATE-----\" blocks (the CA that signed the server's certificate)",
+            "{setting} = {:?} holds no readable PEM certificate: expected one or more \"-----BEGIN CERTIFICATE-----\" blocks of base64 DER, each with its END line (the CA that signed the server's certificate)",
             path.display()
         )));
     }
     Ok(pem)
 }
 
+/// Each `CERTIFICATE` block of `pem`: its DER bytes, or `None` when the block is cut short or its
+/// body is not base64 of a DER sequence (clients panic on such a file rather than refuse it).
+fn pem_certificates(pem: &str) -> Vec<Option<Vec<u8>>> {
+    const BEGIN: &str = "-----BEGIN CERTIFICATE-----";
+    const END: &str = "-----END CERTIFICATE-----";
+    let mut blocks = Vec::new();
+    let mut rest = pem;
+    while let Some(start) = rest.find(BEGIN) {
+        let body = &rest[start + BEGIN.len()..];
+        let Some(end) = body.find(END) else {
+            blocks.push(None);
+            break;
+        };
+        let text: String = body[..end].chars().filter(|c| !c.is_whitespace()).collect();
+        blocks.push(base64_decode(&text).filter(|der| der.len() > 2 && der[0] == 0x30));
+        rest = &body[end + END.len()..];
+    }
+    blocks
+}
+
+/// Standard base64 with padding; `None` on anything else.
+fn base64_decode(text: &str) -> Option<Vec<u8>> {
+    fn value(c: u8) -> Option<u32> {
+        match c {
+            b'A'..=b'Z' => Some(u32::from(c - b'A')),
+            b'a'..=b'z' => Some(u32::from(c - b'a') + 26),
+            b'0'..=b'9' => Some(u32::from(c - b'0') + 52),
+            b'+' => Some(62),
+            b'/' => Some(63),
+            _ => None,
+        }
+    }
+    let bytes = text.as_bytes();
+    if bytes.is_empty() || !bytes.len().is_multiple_of(4) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
+    for (i, chunk) in bytes.chunks(4).enumerate() {
+        let last = i + 1 == bytes.len() / 4;
+        let pad = chunk.iter().rev().take_while(|c| **c == b'=').count();
+        if pad > 2 || (pad > 0 && !last) {
+            return None;
+        }
+        let mut n = 0u32;
+        for c in &chunk[..4 - pad] {
+            n = (n << 6) | value(*c)?;
+        }
+        n <<= 6 * pad as u32;
+        let decoded = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+        out.extend_from_slice(&decoded[..3 - pad]);
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pem_blocks_are_read_whole_or_refused() {
+        let der = [0x30u8, 0x03, 0x02, 0x01, 0x01];
+        let ok = "-----BEGIN CERTIFICATE-----\nMAMCAQE=\n-----END CERTIFICATE-----\n";
+        assert_eq!(pem_certificates(ok), vec![Some(der.to_vec())]);
+        let cut = "-----BEGIN CERTIFICATE-----\nMAMCAQE=\n";
+        assert_eq!(pem_certificates(cut), vec![None]);
+        let garbled = "-----BEGIN CERTIFICATE-----\nMA*CAQE=\n-----END CERTIFICATE-----\n";
+        assert_eq!(pem_certificates(garbled), vec![None]);
+        assert!(pem_certificates("no pem here").is_empty());
+    }
 
     #[test]
     fn rustls_and_openssl_texts() {
@@ -137,6 +218,12 @@ mod tests {
                 Some(CertificateProblem::WrongName),
             ),
             ("invalid peer certificate: Expired", Some(CertificateProblem::Expired)),
+            (
+                "invalid peer certificate: certificate expired: verification time 1700000000 (UNIX), but certificate is not valid after 1600000000 (UNIX)",
+                Some(CertificateProblem::Expired),
+            ),
+            // The server refused the client's certificate (mutual TLS): not a CA to configure here.
+            ("received fatal alert: tlsv1 alert unknown ca", None),
             (
                 "SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed (install ca-certificates package) (after 3ms in state SSL_HANDSHAKE): unable to get local issuer certificate",
                 Some(CertificateProblem::UnknownIssuer),
@@ -162,7 +249,7 @@ mod tests {
             ca: "amqp.tls_ca_file",
         };
         let e = certificate_error(CertificateProblem::UnknownIssuer, s);
-        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(is_certificate_error(&e) && e.is_retryable());
         assert!(e.to_string().contains("amqp.tls_ca_file"));
         let e = certificate_error(CertificateProblem::WrongName, s);
         assert!(e.to_string().contains("mq.internal") && e.to_string().contains("amqp.url"));

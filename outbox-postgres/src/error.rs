@@ -54,7 +54,10 @@ pub fn map_sqlx(operation: &'static str, err: sqlx::Error) -> Error {
         sqlx::Error::PoolTimedOut => (
             ErrorKind::Timeout,
             true,
-            format!("no database connection available in time during {operation}"),
+            format!(
+                "no database connection available within database.acquire_timeout during {operation} \
+                 (the pool is busy, or the server does not answer: raise database.pool_size or database.acquire_timeout, or check the server)"
+            ),
         ),
         sqlx::Error::PoolClosed => (
             ErrorKind::Connection,

@@ -107,6 +107,33 @@ fn checksum(sql: &str) -> String {
     format!("{h:016x}")
 }
 
+/// The versions of the migrations `table` has not had yet (all of them when it was never
+/// migrated); reads only.
+///
+/// # Errors
+/// A database error.
+pub async fn pending(pool: &PgPool, table: &OutboxTable) -> Result<Vec<i64>, Error> {
+    let bookkeeping = table.qualified_derived("migrations");
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(&bookkeeping)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| map_sqlx("migration check", e))?;
+    let applied: Vec<i64> = if exists {
+        sqlx::query_scalar(&format!("SELECT version FROM {bookkeeping}"))
+            .fetch_all(pool)
+            .await
+            .map_err(|e| map_sqlx("migration check", e))?
+    } else {
+        Vec::new()
+    };
+    Ok(rendered(table)
+        .into_iter()
+        .map(|m| m.version)
+        .filter(|v| !applied.contains(v))
+        .collect())
+}
+
 /// Applies the migrations not yet applied to `table`, in one transaction, and returns their versions.
 ///
 /// Idempotent and safe to run from several processes at once, for one table or several tables of one

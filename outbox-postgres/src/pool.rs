@@ -51,6 +51,7 @@ pub(crate) async fn connect_url(
     acquire_timeout: std::time::Duration,
 ) -> Result<sqlx::PgPool, outbox_core::Error> {
     use sqlx::postgres::PgPoolOptions;
+    use sqlx::{postgres::PgConnection, Connection};
     let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| {
         outbox_core::Error::new(
             outbox_core::ErrorKind::Config,
@@ -69,6 +70,45 @@ pub(crate) async fn connect_url(
         options.get_port(),
         options.get_database().unwrap_or("")
     );
+    // One connection first, on its own: the pool retries a refused connection until
+    // `acquire_timeout` and then reports only that it timed out, hiding the cause (refused, a name
+    // that does not resolve, a password refused, a certificate refused).
+    let failed = |e: sqlx::Error| {
+        if let Some(problem) = outbox_core::tls::certificate_problem(&e) {
+            return outbox_core::tls::certificate_error(
+                problem,
+                outbox_core::tls::TlsSettings {
+                    server: "PostgreSQL",
+                    host: &host,
+                    address: setting,
+                    ca: &format!("sslrootcert=<file> (with sslmode=verify-full) in {setting}"),
+                },
+            )
+            .with_source(map_sqlx("connect", e));
+        }
+        let base = map_sqlx("connect", e);
+        outbox_core::Error::new(
+            base.kind(),
+            format!("cannot connect to PostgreSQL at {where_}: is the server running and the database created?"),
+        )
+        .with_source(base)
+    };
+    match tokio::time::timeout(acquire_timeout, PgConnection::connect_with(&options)).await {
+        Err(_) => {
+            return Err(outbox_core::Error::new(
+                outbox_core::ErrorKind::Timeout,
+                format!(
+                    "PostgreSQL at {where_} did not answer within database.acquire_timeout ({}): is the address right, \
+                     and does a firewall let the connection through?",
+                    outbox_core::duration::format(acquire_timeout)
+                ),
+            ))
+        }
+        Ok(Err(e)) => return Err(failed(e)),
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+        }
+    }
     PgPoolOptions::new()
         .max_connections(max_connections.max(1))
         // Server-side TCP keepalives and user timeout: when the relay's host or network vanishes,
@@ -86,24 +126,5 @@ pub(crate) async fn connect_url(
         .acquire_timeout(acquire_timeout)
         .connect_with(options)
         .await
-        .map_err(|e| {
-            if let Some(problem) = outbox_core::tls::certificate_problem(&e) {
-                return outbox_core::tls::certificate_error(
-                    problem,
-                    outbox_core::tls::TlsSettings {
-                        server: "PostgreSQL",
-                        host: &host,
-                        address: setting,
-                        ca: &format!("sslrootcert=<file> (with sslmode=verify-full) in {setting}"),
-                    },
-                )
-                .with_source(map_sqlx("connect", e));
-            }
-            let base = map_sqlx("connect", e);
-            outbox_core::Error::new(
-                base.kind(),
-                format!("cannot connect to PostgreSQL at {where_}: is the server running and the database created?"),
-            )
-            .with_source(base)
-        })
+        .map_err(failed)
 }

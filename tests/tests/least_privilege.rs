@@ -6,7 +6,6 @@
 //! the log names the GRANT, and once granted every event is published once.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +15,7 @@ use outbox_postgres::testing::{database_url, pool, unmigrated_table};
 use outbox_postgres::wal::{MessageWriter, WalConfig};
 use outbox_postgres::{connect, OutboxTable, Writer};
 use outbox_tests::harness::{
-    assert_crash_verdict, free_port, http_status, logged, outbox_bin, relay_log_dir, report_with,
+    assert_crash_verdict, free_port, http_status, logged, outbox_cli, relay_log_dir, report_with,
     wait_until, Broker, RelayProcess, Sink,
 };
 use uuid::Uuid;
@@ -96,28 +95,14 @@ impl Roles {
 
     /// Runs the `outbox` CLI as `role` with `env`; its exit code and output.
     fn cli(&self, role: &str, args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
-        let mut c = Command::new(outbox_bin());
-        for (k, _) in std::env::vars() {
-            if k.starts_with("OUTBOX_") {
-                c.env_remove(k);
-            }
-        }
-        c.args(args)
-            .current_dir(std::env::temp_dir())
-            .env("DATABASE_URL", Roles::url(role, "outbox-test-cli"))
-            .env("OUTBOX_DATABASE__SCHEMA", self.table.schema())
-            .env("OUTBOX_WAL__MESSAGE_PREFIX", self.table.schema())
-            .env("OUTBOX_LOG__LEVEL", "warn")
-            .envs(env.iter().copied());
-        let out = c.output().unwrap();
-        (
-            out.status.code(),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        )
+        let url = Roles::url(role, "outbox-test-cli");
+        let mut all = vec![
+            ("DATABASE_URL", url.as_str()),
+            ("OUTBOX_DATABASE__SCHEMA", self.table.schema()),
+            ("OUTBOX_WAL__MESSAGE_PREFIX", self.table.schema()),
+        ];
+        all.extend_from_slice(env);
+        outbox_cli(args, &all)
     }
 
     /// The table's schema (as the superuser), the owner (the README's first block), and

@@ -6,48 +6,19 @@
 //! through the pooler are in `fault_writers.rs` and `fault_kill.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use outbox_core::testkit::sample_event;
 use outbox_postgres::pooler::{probe, Pooling};
 use outbox_postgres::testing::{
-    database_url, fresh_table, pgbouncer_unprepared_url, pgbouncer_url, pool, pool_at, url_named,
+    database_url, fresh_table, pgbouncer_unprepared_url, pgbouncer_url, pool, url_named,
 };
-use outbox_postgres::{OutboxTable, Writer};
 use outbox_tests::harness::{
-    logged, relay_log_dir, unpublished, wait_until, Broker, RelayProcess, Sink,
+    logged, relay_log_dir, unpublished, wait_until, write_through, Broker, RelayProcess, Sink,
 };
 use outbox_tests::wal::{pairs, WalSource};
-use uuid::Uuid;
 
 fn options(url: &str) -> sqlx::postgres::PgConnectOptions {
     url.parse().unwrap()
-}
-
-/// Commits `n` events (one aggregate each) through `url` with the writer API.
-async fn write_through(url: &str, table: &OutboxTable, n: usize) -> Vec<(String, Uuid)> {
-    let pg = pool_at(url, 1).await;
-    let writer = Writer::new(table.clone());
-    let mut tx = pg.begin().await.unwrap();
-    let events: Vec<_> = (0..n)
-        .map(|i| sample_event(&format!("p-{}", Uuid::new_v4().simple()), i))
-        .collect();
-    let keys: Vec<String> = events.iter().map(|e| e.aggregate_id.clone()).collect();
-    let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
-    tx.commit().await.unwrap();
-    keys.into_iter().zip(ids).collect()
-}
-
-/// Waits (up to 60 s) for the relay to exit; its exit code.
-fn exit_code(mut relay: RelayProcess) -> Option<i32> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(status) = relay.child.try_wait().unwrap() {
-            return status.code();
-        }
-        assert!(Instant::now() < deadline, "the relay did not exit");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -86,7 +57,7 @@ async fn a_pooler_without_prepared_statements_is_refused_at_start() {
     let sink = Sink::new(Broker::Amqp).await;
     let written = write_through(&database_url(), &table, 5).await;
     let relay = RelayProcess::start_at(&pgbouncer_unprepared_url(), &table, &sink, &[]);
-    assert_eq!(exit_code(relay), Some(2));
+    assert_eq!(relay.exit_code(), Some(2));
     assert_eq!(logged(&table, "max_prepared_statements"), 1);
     assert_eq!(unpublished(&pg, &table).await, written.len() as i64);
     assert_eq!(sink.received_count().await, 0);
@@ -107,7 +78,7 @@ async fn listen_needs_direct_url_behind_a_pooler() {
     let sink = Sink::new(Broker::Amqp).await;
     let notify = ("OUTBOX_DATABASE__NOTIFY", "true");
     let relay = RelayProcess::start_at(&pgbouncer_url(), &table, &sink, &[notify]);
-    assert_eq!(exit_code(relay), Some(2));
+    assert_eq!(relay.exit_code(), Some(2));
     assert_eq!(logged(&table, "database.direct_url"), 1);
     assert_eq!(logged(&table, "database.notify = false"), 1);
     let elsewhere = database_url().replace("/test", "/postgres");
@@ -122,7 +93,7 @@ async fn listen_needs_direct_url_behind_a_pooler() {
         &sink,
         &[notify, ("OUTBOX_DATABASE__DIRECT_URL", &elsewhere)],
     );
-    assert_eq!(exit_code(relay), Some(2));
+    assert_eq!(relay.exit_code(), Some(2));
     assert_eq!(logged(&table, "reach different databases"), 1);
     let (direct_name, direct) = url_named(&database_url(), "outbox-test-direct");
     let relay = RelayProcess::start_at(
@@ -152,12 +123,8 @@ async fn listen_needs_direct_url_behind_a_pooler() {
     let mut committed = write_through(&pgbouncer_url(), &table, 10).await;
     sink.wait_all(&committed, Duration::from_secs(60)).await;
     committed.extend(write_through(&pgbouncer_url(), &table, 10).await);
-    let verdict = sink.verdict(&committed, Duration::from_secs(60)).await;
-    assert_eq!(
-        (verdict.lost, verdict.order_violations),
-        (0, 0),
-        "{verdict}"
-    );
+    sink.assert_delivered(&committed, Duration::from_secs(60))
+        .await;
     assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
     let _ = std::fs::remove_dir_all(relay_log_dir(&table));
 }
@@ -173,7 +140,7 @@ async fn the_wal_source_needs_direct_url_behind_a_pooler() {
     let sink = Sink::new(Broker::Amqp).await;
     let env = source.relay_env(&[]);
     let relay = RelayProcess::start_at(&pgbouncer_url(), &table, &sink, &pairs(&env));
-    assert_eq!(exit_code(relay), Some(2));
+    assert_eq!(relay.exit_code(), Some(2));
     assert_eq!(logged(&table, "database.direct_url"), 1);
     let (direct_name, direct) = url_named(&database_url(), "outbox-test-direct");
     let env = source.relay_env(&[("OUTBOX_DATABASE__DIRECT_URL", &direct)]);

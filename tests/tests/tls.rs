@@ -8,13 +8,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::path::PathBuf;
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use outbox_core::testkit::sample_event;
-use outbox_postgres::testing::{fresh_table, pool, pool_at, unmigrated_table};
-use outbox_postgres::{OutboxTable, Writer};
-use outbox_tests::harness::{logged, outbox_bin, relay_log_dir, Broker, RelayProcess, Sink};
+use outbox_postgres::testing::{fresh_table, pool, unmigrated_table};
+use outbox_postgres::OutboxTable;
+use outbox_tests::harness::{
+    logged, outbox_cli, relay_log_dir, write_through, Broker, RelayProcess, Sink,
+};
 use outbox_tests::wal::{pairs, WalSource};
 use uuid::Uuid;
 
@@ -67,52 +67,9 @@ fn kafka_tls_brokers(host: &str) -> String {
 
 /// Runs the `outbox` CLI with `env` over `table`; its exit code and output.
 fn cli(table: &OutboxTable, args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
-    let mut c = Command::new(outbox_bin());
-    for (k, _) in std::env::vars() {
-        if k.starts_with("OUTBOX_") {
-            c.env_remove(k);
-        }
-    }
-    c.args(args)
-        .current_dir(std::env::temp_dir())
-        .env("OUTBOX_DATABASE__SCHEMA", table.schema())
-        .env("OUTBOX_LOG__LEVEL", "warn")
-        .envs(env.iter().copied());
-    let out = c.output().unwrap();
-    (
-        out.status.code(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
-}
-
-/// Commits `n` events (an aggregate each) through `url` with the writer API.
-async fn write_through(url: &str, table: &OutboxTable, n: usize) -> Vec<(String, Uuid)> {
-    let pg = pool_at(url, 1).await;
-    let writer = Writer::new(table.clone());
-    let mut tx = pg.begin().await.unwrap();
-    let events: Vec<_> = (0..n)
-        .map(|i| sample_event(&format!("tls-{}", Uuid::new_v4().simple()), i))
-        .collect();
-    let keys: Vec<String> = events.iter().map(|e| e.aggregate_id.clone()).collect();
-    let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
-    tx.commit().await.unwrap();
-    keys.into_iter().zip(ids).collect()
-}
-
-/// Waits (up to 60 s) for the relay to exit; its exit code.
-fn exit_code(mut relay: RelayProcess) -> Option<i32> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(status) = relay.child.try_wait().unwrap() {
-            return status.code();
-        }
-        assert!(Instant::now() < deadline, "the relay did not exit");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut all = vec![("OUTBOX_DATABASE__SCHEMA", table.schema())];
+    all.extend_from_slice(env);
+    outbox_cli(args, &all)
 }
 
 /// Whether every session named `name` is encrypted (and there is one).
@@ -154,17 +111,13 @@ async fn postgres_over_tls_with_a_private_ca_polling() {
     ] {
         let before = logged(&table, names);
         let relay = RelayProcess::start_at(&bad, &table, &sink, &[]);
-        assert_eq!(exit_code(relay), Some(2));
+        assert_eq!(relay.exit_code(), Some(2));
         assert!(logged(&table, names) > before, "the refusal names {names}");
     }
     let relay = RelayProcess::start_at(&url, &table, &sink, &[]);
     let committed = write_through(&url, &table, 30).await;
-    let verdict = sink.verdict(&committed, Duration::from_secs(60)).await;
-    assert_eq!(
-        (verdict.lost, verdict.order_violations),
-        (0, 0),
-        "{verdict}"
-    );
+    sink.assert_delivered(&committed, Duration::from_secs(60))
+        .await;
     assert!(
         sessions_encrypted(&pg, &relay.tag).await,
         "the relay's sessions are not all encrypted"
@@ -183,12 +136,8 @@ async fn postgres_over_tls_with_a_private_ca_wal_source() {
     let sink = Sink::new(Broker::Amqp).await;
     let relay = RelayProcess::start_at(&url, &table, &sink, &pairs(&source.relay_env(&[])));
     let committed = write_through(&url, &table, 30).await;
-    let verdict = sink.verdict(&committed, Duration::from_secs(90)).await;
-    assert_eq!(
-        (verdict.lost, verdict.order_violations),
-        (0, 0),
-        "{verdict}"
-    );
+    sink.assert_delivered(&committed, Duration::from_secs(90))
+        .await;
     let walsender_encrypted: Option<bool> = sqlx::query_scalar(
         "SELECT s.ssl FROM pg_replication_slots r JOIN pg_stat_ssl s ON s.pid = r.active_pid
          WHERE r.slot_name = $1",
@@ -239,17 +188,13 @@ async fn publisher_over_tls(
     for (settings, names) in refused {
         let before = logged(&table, names);
         let relay = RelayProcess::start_at(&direct, &table, &sink, settings);
-        assert_eq!(exit_code(relay), Some(2), "refused: {names}");
+        assert_eq!(relay.exit_code(), Some(2), "refused: {names}");
         assert!(logged(&table, names) > before, "the refusal names {names}");
     }
     let relay = RelayProcess::start_at(&direct, &table, &sink, env);
     let committed = write_through(&direct, &table, 30).await;
-    let verdict = sink.verdict(&committed, Duration::from_secs(90)).await;
-    assert_eq!(
-        (verdict.lost, verdict.order_violations),
-        (0, 0),
-        "{verdict}"
-    );
+    sink.assert_delivered(&committed, Duration::from_secs(90))
+        .await;
     assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
     let _ = std::fs::remove_dir_all(relay_log_dir(&table));
 }

@@ -42,8 +42,15 @@ pub(crate) async fn connect_channel(
     let props = ConnectionProperties::default().with_connection_name(LongString::from(name));
     let tls = OwnedTLSConfig {
         identity: None,
+        // Read at each connection (a renewed CA file is taken up); the settings' check read it
+        // at start, so a file gone since is a connection failure, retried, not the events' fault.
         cert_chain: match &config.tls_ca_file {
-            Some(path) => Some(outbox_core::tls::read_ca_file(path, "amqp.tls_ca_file")?),
+            Some(path) => Some(
+                outbox_core::tls::read_ca_file(path, "amqp.tls_ca_file").map_err(|e| {
+                    Error::new(outbox_core::ErrorKind::Connection, e.message().to_string())
+                        .with_retryable(true)
+                })?,
+            ),
             None => None,
         },
     };

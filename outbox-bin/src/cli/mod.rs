@@ -14,6 +14,7 @@ use outbox_postgres::{connect_config, OutboxTable, PostgresStore, Source};
 
 use crate::config::{Config, LogFormat};
 
+mod check;
 mod cleanup;
 mod dead_letters;
 mod healthcheck;
@@ -27,6 +28,7 @@ mod wal;
 pub use dead_letters::{DeadLetterCommand, Selection};
 pub use wal::WalCommand;
 
+use check::cmd_check;
 use cleanup::cmd_cleanup;
 use dead_letters::cmd_dead_letters;
 use healthcheck::cmd_healthcheck;
@@ -52,7 +54,7 @@ Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.";
 
 /// `outbox`: the command line.
 #[derive(Debug, Parser)]
-#[command(name = "outbox", version, about = ABOUT, after_help = AFTER_HELP)]
+#[command(name = "outbox", version = crate::build_info::LONG_VERSION, about = ABOUT, after_help = AFTER_HELP)]
 pub struct Cli {
     /// Configuration file (TOML). Default: ./outbox.toml when it exists, else built-in defaults.
     #[arg(long, short, global = true, value_name = "FILE")]
@@ -121,8 +123,15 @@ pub enum Command {
         #[arg(long)]
         destination: Option<String>,
     },
-    /// Print the configuration in force (defaults, file and environment merged; secrets redacted).
+    /// Print the configuration in force (defaults, file and environment merged; secrets redacted),
+    /// then check it as the relay does at start without connecting to anything (exit 2 when the
+    /// relay would refuse it).
     Config,
+    /// Check what the relay needs, as it does at start and more, one line per check with the fix:
+    /// the configuration, the database (connection, TLS, a pooler, the schema, the role's grants,
+    /// the WAL source's prerequisites) and the broker. Claims, writes and publishes nothing. Exit
+    /// 0 when every check passes, 2 on a configuration problem, 1 otherwise.
+    Check,
     /// Measure the writer, the relay and the database on this machine, against the configured
     /// database and broker, in a schema of its own (outbox_bench, dropped at the end); prints a table
     /// (or JSON) of throughputs, latencies, ratios and the relay's peak memory. Build with --release.
@@ -141,9 +150,15 @@ pub struct Failure {
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
         // Configuration errors are the ones the configuration's checks find (a bad value, a publisher
-        // not built in); what the servers report at run time, a missing table included
-        // (`ErrorKind::Schema`), is a runtime failure.
-        let code = if e.kind() == ErrorKind::Config { 2 } else { 1 };
+        // not built in) and a server's certificate refused; what the servers report otherwise, a
+        // missing table included (`ErrorKind::Schema`), is a runtime failure.
+        // A certificate refused is a setting to fix too (the CA, the host name), though at run
+        // time it is a connection error, retried (a certificate can change under a relay).
+        let code = if e.kind() == ErrorKind::Config || outbox_core::tls::is_certificate_error(&e) {
+            2
+        } else {
+            1
+        };
         Failure {
             code,
             message: e.to_string(),
@@ -251,6 +266,15 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
         Source::Wal => config.wal.held_table(&table)?,
         Source::Polling => table.clone(),
     };
+    if matches!(
+        command,
+        Command::Status { .. } | Command::DeadLetters(_) | Command::Cleanup { .. }
+    ) && config.database.source == Source::Wal
+    {
+        let pool = outbox_postgres::connect(&config.database.url, 1).await?;
+        held_table_exists(&pool, &kept).await?;
+        pool.close().await;
+    }
     match command {
         Command::Migrate { print } => cmd_migrate(&config, &table, print).await,
         Command::Relay => cmd_relay(config, table).await,
@@ -269,10 +293,30 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
         Command::Wal(c) => cmd_wal(&config, table, c).await,
         Command::Config => {
             print!("{}", config.to_redacted_toml());
+            check::offline(&config).await?;
             Ok(())
         }
+        Command::Check => cmd_check(&config, table).await,
         Command::Bench(args) => cmd_bench(&config, args).await,
     }
+}
+
+/// Under the WAL source the relay, `status`, `dead-letters` and `cleanup` work on the held table,
+/// which `outbox wal setup` makes: said so when it is missing (not "run `outbox migrate`").
+async fn held_table_exists(pool: &sqlx::PgPool, held: &OutboxTable) -> Result<(), Failure> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(held.qualified())
+        .fetch_one(pool)
+        .await
+        .map_err(|e| outbox_postgres::map_sqlx("held table check", e))?;
+    if exists {
+        return Ok(());
+    }
+    Err(Error::config(format!(
+        "database.source = \"wal\" but the held table {} does not exist: run `outbox wal setup` (after `outbox migrate`; it makes the publication, the slot and that table)",
+        held.qualified()
+    ))
+    .into())
 }
 
 async fn store(config: &Config, table: OutboxTable) -> Result<PostgresStore, Failure> {

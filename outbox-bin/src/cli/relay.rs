@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tracing::{error, info, warn};
 
-use outbox_core::{CancellationToken, Error, Relay, Store};
+use outbox_core::{CancellationToken, Relay, Store};
 use outbox_postgres::pooler::{session_pool, SessionUse};
 use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
 use outbox_postgres::{notify, OutboxTable, PostgresStore, Source};
@@ -29,7 +29,12 @@ async fn refuse_unreachable_as_configured(
     publisher: &dyn outbox_core::Publisher,
 ) -> Result<(), outbox_core::Error> {
     match tokio::time::timeout(BROKER_CHECK_AT_START, publisher.check()).await {
-        Ok(Err(e)) if e.kind() == outbox_core::ErrorKind::Config => Err(e),
+        Ok(Err(e))
+            if e.kind() == outbox_core::ErrorKind::Config
+                || outbox_core::tls::is_certificate_error(&e) =>
+        {
+            Err(e)
+        }
         Ok(Err(e)) => {
             warn!(error = %e, "the broker cannot be reached yet; the relay starts and keeps trying");
             Ok(())
@@ -61,7 +66,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         }
         let session = session_pool(&config.database, pg.pool(), &uses).await?;
         if wal_source {
-            wal_preflight(&config, &table, &pg).await?;
+            wal_preflight(&config, &pg).await?;
         }
         // A missing privilege is waited for below, with readiness saying which.
         match pg.check().await {
@@ -183,7 +188,14 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
             }
         });
     }
-    info!(table = %table.qualified(), publisher = publisher.name(), "relay running; SIGTERM or Ctrl-C stops it");
+    info!(
+        table = %table.qualified(),
+        publisher = publisher.name(),
+        version = crate::build_info::VERSION,
+        commit = crate::build_info::COMMIT,
+        adapters = crate::build_info::ADAPTERS,
+        "relay running; SIGTERM or Ctrl-C stops it"
+    );
     // The relay logs its own summary when it stops.
     if wait_for_grants(store.as_ref(), &liveness, &shutdown).await {
         relay.run(shutdown.clone()).await;
@@ -241,27 +253,10 @@ async fn wait_for_grants(
 }
 
 /// Before the WAL source starts: the server can decode, the held table is there.
-async fn wal_preflight(
-    config: &Config,
-    table: &OutboxTable,
-    held: &PostgresStore,
-) -> Result<(), Failure> {
+async fn wal_preflight(config: &Config, held: &PostgresStore) -> Result<(), Failure> {
     config.wal.validate()?;
     check_wal_level(&wal_level(held.pool()).await?)?;
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-        .bind(held.table().qualified())
-        .fetch_one(held.pool())
-        .await
-        .map_err(|e| outbox_postgres::map_sqlx("wal", e))?;
-    if !exists {
-        return Err(Error::config(format!(
-            "database.source = \"wal\" but the held table {} does not exist: run `outbox wal setup` (it makes the publication, the slot and that table for {})",
-            held.table().qualified(),
-            table.qualified()
-        ))
-        .into());
-    }
-    Ok(())
+    super::held_table_exists(held.pool(), held.table()).await
 }
 
 /// The WAL source's gauges, refreshed every `every`; a loud warning while the slot keeps more

@@ -85,6 +85,7 @@ impl Config {
                     "environment variable {name}: expected OUTBOX_<SECTION>__<KEY>, such as OUTBOX_RELAY__BATCH_SIZE"
                 )));
             }
+            let path = kafka_property_path(&name, path)?;
             set_path(&mut root, &path, guess(&raw));
             sources.push((path, name));
         }
@@ -100,6 +101,30 @@ impl Config {
         config.validate()?;
         Ok(config)
     }
+}
+
+/// librdkafka's property names are dotted (`sasl.password`), and a shell cannot export a variable
+/// with a dot in its name: under `OUTBOX_KAFKA__PROPERTIES__`, each further `__` is a dot
+/// (`OUTBOX_KAFKA__PROPERTIES__SASL__PASSWORD` sets `sasl.password`; a name with dots works too).
+/// A single underscore is refused: it would name a property librdkafka does not have
+/// (`sasl_password`), save `log_level`, the one string property spelled so.
+fn kafka_property_path(name: &str, path: Vec<String>) -> Result<Vec<String>, Error> {
+    if path.len() <= 2 || path[0] != "kafka" || path[1] != "properties" {
+        return Ok(path);
+    }
+    let property = path[2..].join(".");
+    if property.contains('_') && property != "log_level" {
+        let suggested = format!(
+            "OUTBOX_KAFKA__PROPERTIES__{}",
+            property.replace(['_', '.'], "__").to_ascii_uppercase()
+        );
+        return Err(Error::config(format!(
+            "environment variable {name}: librdkafka's property names have dots, not underscores; \
+             write each dot as a double underscore: {suggested} sets {:?}",
+            property.replace('_', ".")
+        )));
+    }
+    Ok(vec![path[0].clone(), path[1].clone(), property])
 }
 
 /// Sets `path` (dotted) in `root` to `value`, creating tables on the way.

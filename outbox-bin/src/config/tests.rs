@@ -377,3 +377,36 @@ fn durations_need_a_unit_and_log_levels_must_be_levels() {
         assert_eq!(c.log.level, ok);
     }
 }
+
+#[test]
+fn kafka_properties_from_a_shell_exportable_variable() {
+    let c = load_str(
+        "",
+        &[
+            ("OUTBOX_KAFKA__PROPERTIES__SASL__PASSWORD", "s3cret"),
+            ("OUTBOX_KAFKA__PROPERTIES__SSL__CA__LOCATION", "/etc/ca.pem"),
+            ("OUTBOX_KAFKA__PROPERTIES__SECURITY.PROTOCOL", "sasl_ssl"),
+            ("OUTBOX_KAFKA__PROPERTIES__LOG_LEVEL", "6"),
+        ],
+    )
+    .unwrap();
+    let p = &c.kafka.properties;
+    assert_eq!(p.get("sasl.password").map(String::as_str), Some("s3cret"));
+    assert_eq!(
+        p.get("ssl.ca.location").map(String::as_str),
+        Some("/etc/ca.pem")
+    );
+    assert_eq!(
+        p.get("security.protocol").map(String::as_str),
+        Some("sasl_ssl")
+    );
+    assert_eq!(p.get("log_level").map(String::as_str), Some("6"));
+    let e = load_str("", &[("OUTBOX_KAFKA__PROPERTIES__SASL_PASSWORD", "s3cret")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("OUTBOX_KAFKA__PROPERTIES__SASL__PASSWORD") && e.contains("\"sasl.password\""),
+        "{e}"
+    );
+    assert!(!e.contains("s3cret"), "{e}");
+}

@@ -232,14 +232,10 @@ impl Publisher for KafkaPublisher {
         })
         .await
         .map_err(|e| error::task_failed("metadata", e))?
+        .map(|()| self.context.answered())
         .map_err(|e| {
             let cause = map_kafka("metadata request", e);
-            let refused = self
-                .context
-                .last_error()
-                .as_deref()
-                .and_then(outbox_core::tls::problem_in);
-            match refused {
+            match self.context.recent_refusal() {
                 Some(problem) => outbox_core::tls::certificate_error(
                     problem,
                     outbox_core::tls::TlsSettings {

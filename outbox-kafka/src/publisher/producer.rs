@@ -5,10 +5,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use rdkafka::client::ClientContext;
-use rdkafka::config::ClientConfig;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer as _};
-use tracing::{error, warn};
+use tracing::{debug, error, info, warn};
 
 use outbox_core::{Error, Publisher};
 
@@ -36,31 +36,77 @@ pub(super) struct CallEnd {
     pub(super) events: usize,
 }
 
-/// The producer's client context: librdkafka's errors logged as by default, the last one kept.
-/// A broker certificate refused during the TLS handshake shows only there (the metadata request
-/// of [`Publisher::check`] just times out), so `check` reads it to name the setting to fix.
+/// The producer's client context: librdkafka's errors logged as by default, and the last one
+/// that reported a refused broker certificate kept, with when. Such a refusal shows only there
+/// (the metadata request of [`Publisher::check`] just times out, and librdkafka follows it with
+/// "all brokers are down" and suppresses its repeats), so `check` reads it to name the setting.
 #[derive(Clone, Default)]
 pub(super) struct Context {
-    last_error: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    refused: std::sync::Arc<
+        std::sync::Mutex<Option<(outbox_core::tls::CertificateProblem, std::time::Instant)>>,
+    >,
 }
 
+/// How long a reported refusal explains a failed check (librdkafka repeats it within 30 s).
+const REFUSAL_FRESH: Duration = Duration::from_secs(60);
+
 impl Context {
-    /// The last error librdkafka reported.
-    pub(super) fn last_error(&self) -> Option<String> {
-        self.last_error
+    fn refused(
+        &self,
+    ) -> std::sync::MutexGuard<'_, Option<(outbox_core::tls::CertificateProblem, std::time::Instant)>>
+    {
+        self.refused
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+    }
+
+    /// The certificate problem librdkafka reported lately, if any.
+    pub(super) fn recent_refusal(&self) -> Option<outbox_core::tls::CertificateProblem> {
+        self.refused()
+            .filter(|(_, at)| at.elapsed() < REFUSAL_FRESH)
+            .map(|(problem, _)| problem)
+    }
+
+    /// Forgets a refusal: the brokers answered since.
+    pub(super) fn answered(&self) {
+        *self.refused() = None;
     }
 }
 
 impl ClientContext for Context {
+    /// librdkafka's log lines, as rdkafka forwards them by default (target `librdkafka`), save one:
+    /// the relay sets `enable.gapless.guarantee` on purpose (an idempotent producer that lost a
+    /// message must stop rather than write the next one), and librdkafka calls the property
+    /// experimental at every start. That line is logged at debug level.
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        if fac == "CONFWARN" && log_message.contains("enable.gapless.guarantee") {
+            debug!(target: "librdkafka", "librdkafka: {fac} {log_message}");
+            return;
+        }
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => {
+                error!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            RDKafkaLogLevel::Warning => {
+                warn!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                info!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            RDKafkaLogLevel::Debug => {
+                debug!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+        }
+    }
+
     fn error(&self, error: KafkaError, reason: &str) {
         error!("librdkafka: {error}: {reason}");
-        *self
-            .last_error
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reason.to_string());
+        if let Some(problem) = outbox_core::tls::problem_in(reason) {
+            *self.refused() = Some((problem, std::time::Instant::now()));
+        }
     }
 }
 

@@ -274,3 +274,18 @@ pub async fn committed_by_seq(pg: &sqlx::PgPool, table: &OutboxTable) -> Vec<(St
     .await
     .unwrap()
 }
+
+/// Commits `n` events, an aggregate each (`w-<random>`), in one transaction through `url` with the
+/// writer API; `(aggregate, id)` in order.
+pub async fn write_through(url: &str, table: &OutboxTable, n: usize) -> Vec<(String, Uuid)> {
+    let pg = pool_at(url, 1).await;
+    let writer = Writer::new(table.clone());
+    let mut tx = pg.begin().await.unwrap();
+    let events: Vec<_> = (0..n)
+        .map(|i| sample_event(&format!("w-{}", Uuid::new_v4().simple()), i))
+        .collect();
+    let keys: Vec<String> = events.iter().map(|e| e.aggregate_id.clone()).collect();
+    let ids = writer.enqueue_many(&mut tx, events).await.unwrap();
+    tx.commit().await.unwrap();
+    keys.into_iter().zip(ids).collect()
+}

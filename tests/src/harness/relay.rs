@@ -268,6 +268,50 @@ impl RelayProcess {
     }
 }
 
+impl RelayProcess {
+    /// Waits (up to 60 s) for the relay to exit by itself (a refusal at start); its exit code.
+    ///
+    /// # Panics
+    /// When it is still running after 60 s.
+    pub fn exit_code(mut self) -> Option<i32> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the relay did not exit"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Runs the `outbox` CLI with `args` and `env` (no other `OUTBOX_*` variable, warnings only);
+/// its exit code and output (standard output, then standard error).
+pub fn outbox_cli(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut c = Command::new(outbox_bin());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTBOX_") {
+            c.env_remove(k);
+        }
+    }
+    c.args(args)
+        .current_dir(std::env::temp_dir())
+        .env("OUTBOX_LOG__LEVEL", "warn")
+        .envs(env.iter().copied());
+    let out = c.output().unwrap();
+    (
+        out.status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
 impl Drop for RelayProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();

@@ -291,6 +291,21 @@ impl Sink {
         v
     }
 
+    /// [`Sink::verdict`], asserting that nothing was lost and nothing arrived out of order.
+    pub async fn assert_delivered(
+        &self,
+        committed: &[(String, Uuid)],
+        timeout: Duration,
+    ) -> Verdict {
+        let verdict = self.verdict(committed, timeout).await;
+        assert_eq!(
+            (verdict.lost, verdict.order_violations),
+            (0, 0),
+            "{verdict}"
+        );
+        verdict
+    }
+
     /// [`Sink::wait_all`], then [`Sink::judge`]: for relays that have already stopped.
     pub async fn verdict(&self, committed: &[(String, Uuid)], timeout: Duration) -> Verdict {
         self.wait_all(committed, timeout).await;

@@ -1,0 +1,218 @@
+//! `outbox check`: what `outbox relay` checks before it claims anything, and more, one line per
+//! check with the fix. It claims, writes and publishes nothing.
+//!
+//! Exit code: 0 when every check passes; 2 when one fails on the configuration (a value, a
+//! missing grant or schema, a certificate refused); 1 when one fails otherwise (a server down).
+
+use std::time::Duration;
+
+use outbox_core::{Error, ErrorKind, Store};
+use outbox_postgres::pooler::{probe, Pooling, SessionUse};
+use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
+use outbox_postgres::{OutboxTable, PostgresStore, Source};
+
+use super::{build_publisher, held_table_exists, store, Failure};
+use crate::config::Config;
+
+/// How long the broker check waits.
+const BROKER_CHECK: Duration = Duration::from_secs(15);
+
+/// The checks' outcomes, printed as they come.
+#[derive(Default)]
+struct Report {
+    failed: Vec<ErrorKind>,
+}
+
+impl Report {
+    fn line(&mut self, name: &str, result: Result<String, Error>) {
+        match result {
+            Ok(detail) => println!("ok    {name:<13} {detail}"),
+            Err(e) => {
+                println!("FAIL  {name:<13} {e}");
+                self.failed
+                    .push(if outbox_core::tls::is_certificate_error(&e) {
+                        ErrorKind::Config
+                    } else {
+                        e.kind()
+                    });
+            }
+        }
+    }
+
+    fn skipped(name: &str, why: &str) {
+        println!("-     {name:<13} skipped: {why}");
+    }
+}
+
+/// The offline part, also run by `outbox config`: the settings as the relay checks them at start
+/// (the pool against what it must hold, the publisher's settings, `relay.publish_timeout` against
+/// the publisher's own limit).
+///
+/// # Errors
+/// The first config error found.
+pub(super) async fn offline(config: &Config) -> Result<String, Error> {
+    config.check_relay_pool()?;
+    if config.database.source == Source::Wal {
+        config.wal.validate()?;
+    }
+    let publisher = build_publisher(config).await?;
+    config.relay.validate_with(publisher.as_ref())?;
+    Ok(format!(
+        "source {}, publisher {}, pool {} connections ({} needed)",
+        match config.database.source {
+            Source::Polling => "polling",
+            Source::Wal => "wal",
+        },
+        publisher.name(),
+        config.database.pool_size,
+        config.pool_connections_needed()
+    ))
+}
+
+pub(super) async fn cmd_check(config: &Config, table: OutboxTable) -> Result<(), Failure> {
+    let mut report = Report::default();
+    report.line("configuration", offline(config).await);
+    let wal = config.database.source == Source::Wal;
+    let kept = if wal {
+        config.wal.held_table(&table)?
+    } else {
+        table.clone()
+    };
+    match store(config, kept.clone()).await {
+        Err(f) => {
+            println!("FAIL  {:<13} {}", "database", f.message);
+            report.failed.push(if f.code == 2 {
+                ErrorKind::Config
+            } else {
+                ErrorKind::Connection
+            });
+            Report::skipped("schema", "no database connection");
+            Report::skipped("privileges", "no database connection");
+        }
+        Ok(pg) => {
+            report.line("database", database(&pg).await);
+            report.line("pooler", pooler(config, &pg).await);
+            report.line("schema", schema(&pg, &table).await);
+            if wal {
+                report.line("wal", wal_prerequisites(config, &table, &pg).await);
+            } else {
+                report.line(
+                    "privileges",
+                    pg.check().await.map(|()| {
+                        format!(
+                            "the role may claim, mark and delete on {}",
+                            table.qualified()
+                        )
+                    }),
+                );
+            }
+        }
+    }
+    report.line("broker", broker(config).await);
+    match report
+        .failed
+        .iter()
+        .max_by_key(|k| **k == ErrorKind::Config)
+    {
+        None => Ok(()),
+        Some(kind) => Err(Failure {
+            code: if *kind == ErrorKind::Config { 2 } else { 1 },
+            message: format!("{} check(s) failed", report.failed.len()),
+        }),
+    }
+}
+
+/// The server, the database and whether the session is encrypted.
+async fn database(pg: &PostgresStore) -> Result<String, Error> {
+    let (version, database, tls): (String, String, Option<bool>) = sqlx::query_as(
+        "SELECT current_setting('server_version'), current_database(),
+                (SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid())",
+    )
+    .fetch_one(pg.pool())
+    .await
+    .map_err(|e| outbox_postgres::map_sqlx("check", e))?;
+    Ok(format!(
+        "PostgreSQL {version}, database {database}, {}",
+        if tls == Some(true) {
+            "TLS"
+        } else {
+            "not encrypted"
+        }
+    ))
+}
+
+/// What `database.url` reaches, and `database.direct_url` when something needs it.
+async fn pooler(config: &Config, pg: &PostgresStore) -> Result<String, Error> {
+    let mut uses = Vec::new();
+    if config.database.source == Source::Wal {
+        uses.push(SessionUse::WalSource);
+    } else if config.database.notify {
+        uses.push(SessionUse::Listen);
+    }
+    let main = probe(&pg.pool().connect_options(), "database.url").await?;
+    // The pool itself when nothing needs a session of its own: dropped, not closed.
+    let _session =
+        outbox_postgres::pooler::session_pool(&config.database, pg.pool(), &uses).await?;
+    Ok(match (main, config.database.direct_url.is_some()) {
+        (Pooling::Session, _) => "database.url reaches the server (or a session-mode pool)".into(),
+        (Pooling::Transaction, true) => "database.url goes through a transaction-mode pooler; database.direct_url reaches the server".into(),
+        (Pooling::Transaction, false) => {
+            "database.url goes through a transaction-mode pooler (nothing here needs a session of its own)".into()
+        }
+    })
+}
+
+/// Every migration applied to the outbox table.
+async fn schema(pg: &PostgresStore, table: &OutboxTable) -> Result<String, Error> {
+    let pending = outbox_postgres::migrate::pending(pg.pool(), table).await?;
+    if pending.is_empty() {
+        return Ok(format!("{} is migrated", table.qualified()));
+    }
+    Err(Error::config(format!(
+        "{} misses {} migration(s) ({pending:?}): run `outbox migrate`",
+        table.qualified(),
+        pending.len()
+    )))
+}
+
+/// `wal_level`, the held table, the role's grants and `REPLICATION`, the slot and publication.
+async fn wal_prerequisites(
+    config: &Config,
+    table: &OutboxTable,
+    held: &PostgresStore,
+) -> Result<String, Error> {
+    check_wal_level(&wal_level(held.pool()).await?)?;
+    held_table_exists(held.pool(), held.table())
+        .await
+        .map_err(|f| Error::config(f.message))?;
+    let slot = config.wal.slot(table)?;
+    let name = slot.slot().to_string();
+    let url = config
+        .database
+        .direct_url
+        .as_deref()
+        .unwrap_or(&config.database.url);
+    let source = WalStore::new(held.pool().clone(), url, slot, held.clone(), &config.wal);
+    source.check().await?;
+    Ok(format!(
+        "wal_level = logical, slot {name} readable, the role may read it and keep the held table {}",
+        held.table().qualified()
+    ))
+}
+
+/// The broker answers, with the configured publisher and its TLS settings.
+async fn broker(config: &Config) -> Result<String, Error> {
+    let publisher = build_publisher(config).await?;
+    match tokio::time::timeout(BROKER_CHECK, publisher.check()).await {
+        Ok(Ok(())) => Ok(format!("{} answers", publisher.name())),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "{} did not answer within {}s",
+                publisher.name(),
+                BROKER_CHECK.as_secs()
+            ),
+        )),
+    }
+}
