@@ -14,19 +14,32 @@ fn git(args: &[&str]) -> Option<String> {
 
 fn main() {
     println!("cargo:rerun-if-env-changed=OUTBOX_COMMIT");
+    // Git's answer only for this workspace's own checkout (sources vendored inside another
+    // repository would report that repository's commit).
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let own_checkout = git(&["rev-parse", "--show-toplevel"])
+        .and_then(|top| std::fs::canonicalize(top).ok())
+        .zip(std::fs::canonicalize(&workspace).ok())
+        .is_some_and(|(top, ws)| top == ws);
     let commit = std::env::var("OUTBOX_COMMIT")
         .ok()
         .filter(|c| !c.trim().is_empty())
-        .or_else(|| git(&["rev-parse", "--short=12", "HEAD"]))
+        .or_else(|| {
+            own_checkout
+                .then(|| git(&["rev-parse", "--short=12", "HEAD"]))
+                .flatten()
+        })
         .unwrap_or_else(|| "unknown".into());
-    // Built again when HEAD moves, in a checkout (the files that exist: a missing one would
-    // rebuild every time).
-    if let Some(dir) = git(&["rev-parse", "--absolute-git-dir"]) {
-        let mut watched = vec![format!("{dir}/HEAD"), format!("{dir}/packed-refs")];
-        if let Ok(head) = std::fs::read_to_string(format!("{dir}/HEAD")) {
-            if let Some(r) = head.strip_prefix("ref: ") {
-                watched.push(format!("{dir}/{}", r.trim()));
-            }
+    // Built again when HEAD moves: HEAD itself (per worktree), and the branches, loose or packed
+    // (shared by the worktrees). A missing path would rebuild every time: only those that exist.
+    if own_checkout {
+        let mut watched = Vec::new();
+        if let Some(dir) = git(&["rev-parse", "--absolute-git-dir"]) {
+            watched.push(format!("{dir}/HEAD"));
+        }
+        if let Some(common) = git(&["rev-parse", "--path-format=absolute", "--git-common-dir"]) {
+            watched.push(format!("{common}/packed-refs"));
+            watched.push(format!("{common}/refs/heads"));
         }
         for path in watched {
             if std::path::Path::new(&path).exists() {

@@ -144,6 +144,22 @@ impl std::fmt::Debug for AmqpConfig {
 }
 
 impl AmqpConfig {
+    /// The publisher's own limit of one call (`Publisher::call_limit`): connecting, then checking
+    /// per-event exchanges, each within `connect_timeout`; sends and confirms within
+    /// `confirm_timeout`; a margin for a reset's bounded close.
+    pub fn call_limit(&self) -> outbox_core::CallLimit {
+        let margin = Duration::from_secs(5);
+        outbox_core::CallLimit {
+            limit: self.connect_timeout * 2 + self.confirm_timeout + margin,
+            settings: format!(
+                "2 x amqp.connect_timeout {} + amqp.confirm_timeout {} + {}",
+                outbox_core::duration::format(self.connect_timeout),
+                outbox_core::duration::format(self.confirm_timeout),
+                outbox_core::duration::format(margin)
+            ),
+        }
+    }
+
     /// The destinations this publisher may send to: the configured exchange and `allowed_destinations`.
     ///
     /// # Errors

@@ -36,6 +36,11 @@ pub fn certificate_problem(err: &(dyn std::error::Error + 'static)) -> Option<Ce
 /// The certificate problem a message reports: the texts of rustls and OpenSSL.
 pub fn problem_in(text: &str) -> Option<CertificateProblem> {
     let t = text.to_ascii_lowercase();
+    // An alert is the server refusing the client's own certificate (mutual TLS): not a CA or a
+    // host name to set here.
+    if t.contains(" alert ") || t.contains("alert certificate") {
+        return None;
+    }
     if t.contains("not valid for name")
         || t.contains("hostname mismatch")
         || t.contains("notvalidforname")
@@ -49,9 +54,9 @@ pub fn problem_in(text: &str) -> Option<CertificateProblem> {
     {
         Some(CertificateProblem::UnknownIssuer)
     } else if t.contains("invalid peer certificate: expired")
-        || t.contains("certificate expired")
+        || t.contains("peer certificate: certificate expired")
         || t.contains("certificate has expired")
-        || t.contains("certificate not valid yet")
+        || t.contains("peer certificate: certificate not valid yet")
         || t.contains("certificate is not yet valid")
         || t.contains("notvalidyet")
     {
@@ -224,6 +229,7 @@ mod tests {
             ),
             // The server refused the client's certificate (mutual TLS): not a CA to configure here.
             ("received fatal alert: tlsv1 alert unknown ca", None),
+            ("ssl/tls alert certificate expired", None),
             (
                 "SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed (install ca-certificates package) (after 3ms in state SSL_HANDSHAKE): unable to get local issuer certificate",
                 Some(CertificateProblem::UnknownIssuer),

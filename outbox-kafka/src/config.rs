@@ -251,7 +251,32 @@ fn property_name(key: &str) -> &str {
     key.trim().strip_prefix("topic.").unwrap_or(key.trim())
 }
 
+/// Time allowed, past the delivery timeout, for the delivery reports of a call to come in.
+pub(crate) const REPORT_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl KafkaConfig {
+    /// How long a metadata request of the publisher's check may take (also run by a call that
+    /// finds the producer stalled): the delivery timeout, at most 10 s.
+    pub fn check_timeout(&self) -> std::time::Duration {
+        self.delivery_timeout
+            .min(std::time::Duration::from_secs(10))
+    }
+
+    /// The publisher's own limit of one call (`Publisher::call_limit`): the enqueue and delivery
+    /// timeouts, the reports' margin, and a stalled producer's metadata check.
+    pub fn call_limit(&self) -> outbox_core::CallLimit {
+        outbox_core::CallLimit {
+            limit: self.enqueue_timeout + self.delivery_timeout + REPORT_MARGIN + self.check_timeout(),
+            settings: format!(
+                "kafka.enqueue_timeout {} + kafka.delivery_timeout {} + {} + a stalled producer's metadata check {}",
+                outbox_core::duration::format(self.enqueue_timeout),
+                outbox_core::duration::format(self.delivery_timeout),
+                outbox_core::duration::format(REPORT_MARGIN),
+                outbox_core::duration::format(self.check_timeout())
+            ),
+        }
+    }
+
     /// The destinations this publisher may send to: the configured topic and `allowed_destinations`.
     ///
     /// # Errors

@@ -43,6 +43,19 @@ pub(crate) const KEEPALIVES: &str =
      SELECT set_config('tcp_user_timeout', '25000', false)
      WHERE EXISTS (SELECT 1 FROM pg_settings WHERE name = 'tcp_user_timeout')";
 
+/// The pause between two connection attempts the start waits through.
+const RETRY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// A connection failure that may pass by itself: the server not listening yet, starting up, or
+/// out of connection slots.
+fn worth_waiting(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(io) => io.kind() == std::io::ErrorKind::ConnectionRefused,
+        sqlx::Error::Database(db) => matches!(db.code().as_deref(), Some("57P03" | "53300")),
+        _ => false,
+    }
+}
+
 /// A pool of `url`, the value of the setting `setting` (named in its errors).
 pub(crate) async fn connect_url(
     url: &str,
@@ -70,9 +83,8 @@ pub(crate) async fn connect_url(
         options.get_port(),
         options.get_database().unwrap_or("")
     );
-    // One connection first, on its own: the pool retries a refused connection until
-    // `acquire_timeout` and then reports only that it timed out, hiding the cause (refused, a name
-    // that does not resolve, a password refused, a certificate refused).
+    // One connection first, on its own: the pool reports only that it timed out, hiding the cause
+    // (refused, a name that does not resolve, a password refused, a certificate refused).
     let failed = |e: sqlx::Error| {
         if let Some(problem) = outbox_core::tls::certificate_problem(&e) {
             return outbox_core::tls::certificate_error(
@@ -93,20 +105,39 @@ pub(crate) async fn connect_url(
         )
         .with_source(base)
     };
-    match tokio::time::timeout(acquire_timeout, PgConnection::connect_with(&options)).await {
-        Err(_) => {
-            return Err(outbox_core::Error::new(
-                outbox_core::ErrorKind::Timeout,
-                format!(
-                    "PostgreSQL at {where_} did not answer within database.acquire_timeout ({}): is the address right, \
-                     and does a firewall let the connection through?",
-                    outbox_core::duration::format(acquire_timeout)
-                ),
-            ))
-        }
-        Ok(Err(e)) => return Err(failed(e)),
-        Ok(Ok(conn)) => {
-            let _ = conn.close().await;
+    // As the pool does, a server refusing connections, still starting (57P03) or full (53300) is
+    // tried again until `acquire_timeout`: a relay started a moment before its database waits.
+    let deadline = tokio::time::Instant::now() + acquire_timeout;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(left, PgConnection::connect_with(&options)).await {
+            Err(_) => {
+                return Err(outbox_core::Error::new(
+                    outbox_core::ErrorKind::Timeout,
+                    format!(
+                        "PostgreSQL at {where_} did not answer within database.acquire_timeout ({}): is the address right, \
+                         and does a firewall let the connection through?",
+                        outbox_core::duration::format(acquire_timeout)
+                    ),
+                ))
+            }
+            Ok(Err(e)) if worth_waiting(&e) && tokio::time::Instant::now() + RETRY < deadline => {
+                tokio::time::sleep(RETRY).await;
+            }
+            Ok(Err(e)) if worth_waiting(&e) => {
+                return Err(failed(e).with_context(
+                    "tried for",
+                    format!(
+                        "database.acquire_timeout {}",
+                        outbox_core::duration::format(acquire_timeout)
+                    ),
+                ))
+            }
+            Ok(Err(e)) => return Err(failed(e)),
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+                break;
+            }
         }
     }
     PgPoolOptions::new()

@@ -86,6 +86,18 @@ impl SqsConfig {
         )
     }
 
+    /// The publisher's own limit of one call (`Publisher::call_limit`): 1.5 x the operation
+    /// timeout.
+    pub fn call_limit(&self) -> outbox_core::CallLimit {
+        outbox_core::CallLimit {
+            limit: self.operation_timeout.mul_f64(1.5),
+            settings: format!(
+                "1.5 x sqs.operation_timeout {}",
+                outbox_core::duration::format(self.operation_timeout)
+            ),
+        }
+    }
+
     /// Checks the values and parses the queue template.
     ///
     /// # Errors

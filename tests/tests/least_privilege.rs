@@ -259,6 +259,7 @@ async fn under_least_privilege(wal: bool, scenario: &str) {
         &["status"][..],
         &["dead-letters", "list"][..],
         &["cleanup", "--older-than", "1h"][..],
+        &["check"][..],
     ] {
         let (code, out) = roles.cli(&roles.relay, args, source);
         assert_eq!(code, Some(0), "outbox {args:?} as the relay: {out}");

@@ -10,7 +10,6 @@ mod message;
 use std::collections::HashSet;
 use std::sync::Mutex as StdMutex;
 use std::task::Poll;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::join_all;
@@ -117,18 +116,7 @@ impl AmqpPublisher {
 #[async_trait]
 impl Publisher for AmqpPublisher {
     fn call_limit(&self) -> Option<outbox_core::CallLimit> {
-        // Connecting, then checking per-event exchanges, each within amqp.connect_timeout; sends and
-        // confirms within amqp.confirm_timeout; the margin covers a reset's bounded close.
-        let margin = Duration::from_secs(5);
-        Some(outbox_core::CallLimit {
-            limit: self.config.connect_timeout * 2 + self.config.confirm_timeout + margin,
-            settings: format!(
-                "2 x amqp.connect_timeout {} + amqp.confirm_timeout {} + {}",
-                outbox_core::duration::format(self.config.connect_timeout),
-                outbox_core::duration::format(self.config.confirm_timeout),
-                outbox_core::duration::format(margin)
-            ),
-        })
+        Some(self.config.call_limit())
     }
 
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {

@@ -37,6 +37,10 @@ impl Named for Amqp {
 impl Adapter for Amqp {
     type Section = AmqpConfig;
 
+    fn call_limit(&self, section: &AmqpConfig) -> Option<outbox_core::CallLimit> {
+        Some(section.call_limit())
+    }
+
     fn validate(&self, section: &AmqpConfig) -> Result<(), Error> {
         section.validate().map(|_| ())
     }

@@ -36,6 +36,10 @@ impl Named for Kafka {
 impl Adapter for Kafka {
     type Section = KafkaConfig;
 
+    fn call_limit(&self, section: &KafkaConfig) -> Option<outbox_core::CallLimit> {
+        Some(section.call_limit())
+    }
+
     fn validate(&self, section: &KafkaConfig) -> Result<(), Error> {
         section.validate().map(|_| ())
     }

@@ -139,6 +139,13 @@ pub trait Adapter: Named {
     /// A config error naming the key, or the missing feature for an adapter not built in.
     fn validate(&self, section: &Self::Section) -> Result<(), Error>;
 
+    /// The publisher's own limit of one call, from its section alone (`Publisher::call_limit`);
+    /// none for a publisher without one.
+    fn call_limit(&self, section: &Self::Section) -> Option<outbox_core::CallLimit> {
+        let _ = section;
+        None
+    }
+
     /// Hides the secrets of its section in `shown`, a copy to be displayed.
     fn redact(&self, shown: &mut Self::Section) {
         let _ = shown;
@@ -176,6 +183,9 @@ pub trait Configured: Named {
     /// # Errors
     /// A config error naming the key, or the missing feature for an adapter not built in.
     fn validate(&self) -> Result<(), Error>;
+
+    /// The publisher's own limit of one call ([`Adapter::call_limit`]).
+    fn call_limit(&self) -> Option<outbox_core::CallLimit>;
 
     /// The publisher the section describes ([`Adapter::publisher`]).
     ///
@@ -222,6 +232,10 @@ impl<A: Adapter> Named for Bound<'_, A> {
 impl<'a, A: Adapter> Configured for Bound<'a, A> {
     fn validate(&self) -> Result<(), Error> {
         self.adapter.validate(self.section)
+    }
+
+    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+        self.adapter.call_limit(self.section)
     }
 
     async fn publisher(&self, format: Formatter) -> Result<Arc<dyn Publisher>, Error> {

@@ -36,6 +36,10 @@ impl Named for Sqs {
 impl Adapter for Sqs {
     type Section = SqsConfig;
 
+    fn call_limit(&self, section: &SqsConfig) -> Option<outbox_core::CallLimit> {
+        Some(section.call_limit())
+    }
+
     fn validate(&self, section: &SqsConfig) -> Result<(), Error> {
         section.validate().map(|_| ())
     }

@@ -271,7 +271,7 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
         Command::Status { .. } | Command::DeadLetters(_) | Command::Cleanup { .. }
     ) && config.database.source == Source::Wal
     {
-        let pool = outbox_postgres::connect(&config.database.url, 1).await?;
+        let pool = connect_config(&config.database).await?;
         held_table_exists(&pool, &kept).await?;
         pool.close().await;
     }
@@ -293,7 +293,7 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
         Command::Wal(c) => cmd_wal(&config, table, c).await,
         Command::Config => {
             print!("{}", config.to_redacted_toml());
-            check::offline(&config).await?;
+            check::offline(&config)?;
             Ok(())
         }
         Command::Check => cmd_check(&config, table).await,

@@ -107,13 +107,13 @@ impl Config {
 /// with a dot in its name: under `OUTBOX_KAFKA__PROPERTIES__`, each further `__` is a dot
 /// (`OUTBOX_KAFKA__PROPERTIES__SASL__PASSWORD` sets `sasl.password`; a name with dots works too).
 /// A single underscore is refused: it would name a property librdkafka does not have
-/// (`sasl_password`), save `log_level`, the one string property spelled so.
+/// (`sasl_password`), save `log_level` and `enabled_events`, the settable properties spelled so.
 fn kafka_property_path(name: &str, path: Vec<String>) -> Result<Vec<String>, Error> {
     if path.len() <= 2 || path[0] != "kafka" || path[1] != "properties" {
         return Ok(path);
     }
     let property = path[2..].join(".");
-    if property.contains('_') && property != "log_level" {
+    if property.contains('_') && !matches!(property.as_str(), "log_level" | "enabled_events") {
         let suggested = format!(
             "OUTBOX_KAFKA__PROPERTIES__{}",
             property.replace(['_', '.'], "__").to_ascii_uppercase()

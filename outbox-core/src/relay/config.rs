@@ -120,15 +120,28 @@ impl RelayConfig {
     /// # Errors
     /// A config error naming `relay.publish_timeout` and the publisher's settings.
     pub fn validate_with(&self, publisher: &dyn Publisher) -> Result<(), Error> {
+        self.validate_against(publisher.name(), publisher.call_limit().as_ref())
+    }
+
+    /// [`RelayConfig::validate_with`] for the publisher named `publisher` whose own limit of one
+    /// call is `limit`, without the publisher itself (a configuration checked offline).
+    ///
+    /// # Errors
+    /// As [`RelayConfig::validate_with`].
+    pub fn validate_against(
+        &self,
+        publisher: &str,
+        limit: Option<&crate::CallLimit>,
+    ) -> Result<(), Error> {
         self.validate()?;
-        if let Some(limit) = publisher.call_limit() {
+        if let Some(limit) = limit {
             if self.publish_timeout <= limit.limit {
                 return Err(Error::config(format!(
                     "relay.publish_timeout = {} does not exceed the {} publisher's own limit of one call, {} ({}): \
                      the relay would cut calls short before the publisher times out and recovers; \
                      raise relay.publish_timeout above {} or lower those settings",
                     crate::duration::format(self.publish_timeout),
-                    publisher.name(),
+                    publisher,
                     crate::duration::format(limit.limit),
                     limit.settings,
                     crate::duration::format(limit.limit),

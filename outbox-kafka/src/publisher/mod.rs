@@ -29,7 +29,7 @@ use producer::{create_producer, CallEnd, Context, Producer};
 pub use record::check_topic;
 
 /// Time a delivery report gets past `message.timeout.ms` to reach the publisher.
-const REPORT_MARGIN: Duration = Duration::from_secs(5);
+use crate::config::REPORT_MARGIN;
 
 /// Publishes events to Kafka.
 ///
@@ -123,19 +123,7 @@ impl KafkaPublisher {
 #[async_trait]
 impl Publisher for KafkaPublisher {
     fn call_limit(&self) -> Option<outbox_core::CallLimit> {
-        Some(outbox_core::CallLimit {
-            limit: self.config.enqueue_timeout
-                + self.config.delivery_timeout
-                + REPORT_MARGIN
-                + self.check_timeout(),
-            settings: format!(
-                "kafka.enqueue_timeout {} + kafka.delivery_timeout {} + {} + a stalled producer's metadata check {}",
-                outbox_core::duration::format(self.config.enqueue_timeout),
-                outbox_core::duration::format(self.config.delivery_timeout),
-                outbox_core::duration::format(REPORT_MARGIN),
-                outbox_core::duration::format(self.check_timeout())
-            ),
-        })
+        Some(self.config.call_limit())
     }
 
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {

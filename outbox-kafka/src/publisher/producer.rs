@@ -233,6 +233,6 @@ impl KafkaPublisher {
     /// How long a metadata request of [`Publisher::check`] may take (also run by a call that finds
     /// the producer stalled).
     pub(super) fn check_timeout(&self) -> Duration {
-        self.config.delivery_timeout.min(Duration::from_secs(10))
+        self.config.check_timeout()
     }
 }

@@ -172,13 +172,7 @@ impl SqsPublisher {
 #[async_trait]
 impl Publisher for SqsPublisher {
     fn call_limit(&self) -> Option<outbox_core::CallLimit> {
-        Some(outbox_core::CallLimit {
-            limit: self.config.operation_timeout.mul_f64(1.5),
-            settings: format!(
-                "1.5 x sqs.operation_timeout {}",
-                outbox_core::duration::format(self.config.operation_timeout)
-            ),
-        })
+        Some(self.config.call_limit())
     }
 
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
