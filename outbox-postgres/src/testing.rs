@@ -276,7 +276,10 @@ impl TestStore for WalTestStore {
 impl Drop for WalTestStore {
     fn drop(&mut self) {
         let reader = self.reader.lock().unwrap().take();
-        let (slot, pool) = (self.store.slot().clone(), self.pool.clone());
+        let slot = self.store.slot().clone();
+        // A pool of this thread's own runtime: a connection the shared pool opened here would
+        // stay in it, tied to this runtime, and fail the test's next statement once it is gone
+        // ("a Tokio context was found, but it is being shut down").
         let _ = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
@@ -289,6 +292,9 @@ impl Drop for WalTestStore {
                 if let Some(r) = reader {
                     r.stop().await;
                 }
+                let Ok(pool) = connect(&database_url(), 1).await else {
+                    return;
+                };
                 // The walsender lets the slot go a moment after the reader stopped.
                 for _ in 0..100 {
                     if slot.drop(&pool).await.is_ok() {
