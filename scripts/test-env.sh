@@ -204,8 +204,14 @@ ensure_build_deps() {
   command -v iptables >/dev/null 2>&1 || missing+=(iptables)
   dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
   dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
+  # PgBouncer's build (ensure_pgbouncer), the test CA (ensure_tls_certs) and its checks.
+  dpkg -s libevent-dev >/dev/null 2>&1 || missing+=(libevent-dev)
+  command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+  command -v make >/dev/null 2>&1 || missing+=(make)
+  command -v curl >/dev/null 2>&1 || missing+=(curl)
+  command -v openssl >/dev/null 2>&1 || missing+=(openssl)
   if [ ${#missing[@]} -gt 0 ]; then
-    log "installing build tools for librdkafka and test tools: ${missing[*]}"
+    log "installing build tools (librdkafka, PgBouncer) and test tools: ${missing[*]}"
     apt_install "${missing[@]}"
   fi
 }
@@ -341,7 +347,6 @@ ensure_pgbouncer() {
   fi
   local bin="$TOOLS/pgbouncer-$PGBOUNCER_VERSION/bin/pgbouncer"
   if [ ! -x "$bin" ]; then
-    dpkg -s libevent-dev >/dev/null 2>&1 || apt_install libevent-dev
     log "building PgBouncer $PGBOUNCER_VERSION (Debian's source tarball) into .tools/"
     local src
     src=$(mktemp -d)

@@ -15,8 +15,8 @@ use outbox_postgres::{OutboxTable, PostgresStore, Source};
 use super::{build_publisher, held_table_exists, store, Failure};
 use crate::config::Config;
 
-/// How long the broker check waits.
-const BROKER_CHECK: Duration = Duration::from_secs(15);
+/// How long the broker check waits: as long as the relay's at start.
+const BROKER_CHECK: Duration = super::relay::BROKER_CHECK_AT_START;
 
 /// The checks' outcomes, printed as they come.
 #[derive(Default)]

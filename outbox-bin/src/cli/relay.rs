@@ -19,7 +19,7 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 
 /// How long the start waits for the broker's first answer.
-const BROKER_CHECK_AT_START: std::time::Duration = std::time::Duration::from_secs(15);
+pub(super) const BROKER_CHECK_AT_START: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Asks the broker once before the relay claims anything. A broker it can never reach as
 /// configured (its certificate refused: a CA not configured, a host name the certificate does not
