@@ -13,6 +13,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
 use outbox_core::testkit::{
@@ -97,6 +98,65 @@ pub struct Delivered {
     pub key: Option<Vec<u8>>,
 }
 
+/// The key of the records [`Fixture::mark_ends`] writes.
+pub const END_MARKER: &[u8] = b"(outbox test: end mark)";
+
+/// A consumer of its own group reading every partition of `topic` from the beginning.
+fn from_the_beginning(
+    brokers: &str,
+    properties: &[(String, String)],
+    topic: &str,
+    partitions: i32,
+) -> BaseConsumer {
+    let group = format!("outbox-test-{}", uuid::Uuid::new_v4().simple());
+    let consumer: BaseConsumer = client_config(brokers, properties)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap_or_else(|e| unreachable(brokers, e));
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&tpl).unwrap();
+    consumer
+}
+
+/// What a test reads of the message `m`.
+fn delivered(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivered {
+    let mut headers = BTreeMap::new();
+    if let Some(h) = m.headers() {
+        for header in h.iter() {
+            let value = header
+                .value
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default();
+            headers.insert(header.key.to_string(), value);
+        }
+    }
+    let key = m.key().map(<[u8]>::to_vec);
+    let received = Received {
+        // The consumer-side helper users call: every check of the suite reads ids with it.
+        event_id: crate::event_id(m),
+        aggregate_id: key
+            .as_ref()
+            .map(|k| String::from_utf8_lossy(k).into_owned()),
+        event_type: headers.get(outbox_core::header::EVENT_TYPE).cloned(),
+        payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+        content_type: headers.get(outbox_core::header::CONTENT_TYPE).cloned(),
+        headers,
+        destination: m.topic().to_string(),
+    };
+    Delivered {
+        received,
+        partition: m.partition(),
+        offset: m.offset(),
+        key,
+    }
+}
+
 /// A topic of its own with `partitions` partitions, consumed from the beginning in the background.
 pub struct Fixture {
     pub brokers: String,
@@ -105,6 +165,8 @@ pub struct Fixture {
     pub got: Arc<Mutex<Vec<Delivered>>>,
     /// What the consumer's polls failed with (a consumer error is not a lost message).
     pub errors: Arc<Mutex<Vec<String>>>,
+    /// The offset of the last end marker ([`Fixture::mark_ends`]) the consumer read, by partition.
+    ends: Arc<Mutex<BTreeMap<i32, i64>>>,
     /// The clients' properties besides the brokers (TLS, ...).
     properties: Vec<(String, String)>,
     stop: Arc<AtomicBool>,
@@ -142,14 +204,7 @@ impl Fixture {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let client = |extra: &[(&str, &str)]| {
-            let mut c = client_config(brokers, &properties);
-            for (k, v) in extra {
-                c.set(*k, *v);
-            }
-            c
-        };
-        let admin: AdminClient<DefaultClientContext> = client(&[])
+        let admin: AdminClient<DefaultClientContext> = client_config(brokers, &properties)
             .create()
             .unwrap_or_else(|e| unreachable(brokers, e));
         let created = admin
@@ -170,63 +225,23 @@ impl Fixture {
                 panic!("cannot create topic {t}: {code:?}");
             }
         }
-        let group = format!("outbox-test-{}", uuid::Uuid::new_v4().simple());
-        let consumer: BaseConsumer = client(&[
-            ("group.id", &group),
-            ("enable.auto.commit", "false"),
-            ("auto.offset.reset", "earliest"),
-        ])
-        .create()
-        .unwrap_or_else(|e| unreachable(brokers, e));
-        let mut tpl = TopicPartitionList::new();
-        for p in 0..partitions {
-            tpl.add_partition_offset(&topic, p, Offset::Beginning)
-                .unwrap();
-        }
-        consumer.assign(&tpl).unwrap();
+        let consumer = from_the_beginning(brokers, &properties, &topic, partitions);
         let got: Arc<Mutex<Vec<Delivered>>> = Arc::default();
         let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+        let ends: Arc<Mutex<BTreeMap<i32, i64>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
-        let (sink, halt, failures) = (got.clone(), stop.clone(), errors.clone());
+        let (sink, halt, failures, markers) =
+            (got.clone(), stop.clone(), errors.clone(), ends.clone());
         let thread = std::thread::spawn(move || {
             while !halt.load(Ordering::SeqCst) {
-                let m = match consumer.poll(Duration::from_millis(100)) {
-                    None => continue,
-                    Some(Err(e)) => {
-                        failures.lock().unwrap().push(e.to_string());
-                        continue;
+                match consumer.poll(Duration::from_millis(100)) {
+                    None => {}
+                    Some(Err(e)) => failures.lock().unwrap().push(e.to_string()),
+                    Some(Ok(m)) if m.key() == Some(END_MARKER) => {
+                        markers.lock().unwrap().insert(m.partition(), m.offset());
                     }
-                    Some(Ok(m)) => m,
-                };
-                let mut headers = BTreeMap::new();
-                if let Some(h) = m.headers() {
-                    for header in h.iter() {
-                        let value = header
-                            .value
-                            .map(|v| String::from_utf8_lossy(v).into_owned())
-                            .unwrap_or_default();
-                        headers.insert(header.key.to_string(), value);
-                    }
+                    Some(Ok(m)) => sink.lock().unwrap().push(delivered(&m)),
                 }
-                let key = m.key().map(<[u8]>::to_vec);
-                let received = Received {
-                    // The consumer-side helper users call: every check of the suite reads ids with it.
-                    event_id: crate::event_id(&m),
-                    aggregate_id: key
-                        .as_ref()
-                        .map(|k| String::from_utf8_lossy(k).into_owned()),
-                    event_type: headers.get(outbox_core::header::EVENT_TYPE).cloned(),
-                    payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
-                    content_type: headers.get(outbox_core::header::CONTENT_TYPE).cloned(),
-                    headers,
-                    destination: m.topic().to_string(),
-                };
-                sink.lock().unwrap().push(Delivered {
-                    received,
-                    partition: m.partition(),
-                    offset: m.offset(),
-                    key,
-                });
             }
         });
         Fixture {
@@ -235,6 +250,7 @@ impl Fixture {
             partitions,
             got,
             errors,
+            ends,
             properties,
             stop,
             thread: Mutex::new(Some(thread)),
@@ -272,70 +288,82 @@ impl Fixture {
         }
     }
 
-    /// Waits (up to `within`) until the consumer has read every message the topic holds (its
-    /// offsets reached each partition's high watermark).
-    pub async fn wait_until_read_all(&self, within: Duration) {
-        let (brokers, topic, partitions, got) = (
-            self.brokers.clone(),
-            self.topic.clone(),
-            self.partitions,
-            self.got.clone(),
-        );
-        let properties = self.properties.clone();
-        tokio::task::spawn_blocking(move || {
-            let probe: BaseConsumer = client_config(&brokers, &properties)
-                .create()
-                .unwrap_or_else(|e| unreachable(&brokers, e));
-            let deadline = std::time::Instant::now() + within;
-            loop {
-                let mut behind = Vec::new();
-                for p in 0..partitions {
-                    let (_, high) = probe
-                        .fetch_watermarks(&topic, p, Duration::from_secs(10))
-                        .unwrap_or_else(|e| unreachable(&brokers, e));
-                    let read = got
-                        .lock()
-                        .unwrap()
-                        .iter()
-                        .filter(|d| d.partition == p)
-                        .map(|d| d.offset + 1)
-                        .max()
-                        .unwrap_or(0);
-                    if read < high {
-                        behind.push((p, read, high));
-                    }
-                }
-                if behind.is_empty() {
-                    return;
-                }
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "the consumer of {topic} is still behind after {within:?} (partition, read, high): {behind:?}"
-                );
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        })
-        .await
-        .unwrap();
+    /// Writes an end marker (a record keyed [`END_MARKER`], which the consumers set aside) to each
+    /// partition and returns their offsets, by partition: every record written before it has a
+    /// lower offset. (A partition's high watermark would say the same on Kafka, but Tansu reports
+    /// the base offset of its last record batch plus one, short of the records after it in the
+    /// batch.)
+    pub async fn mark_ends(&self) -> Vec<i64> {
+        let producer: FutureProducer = client_config(&self.brokers, &self.properties)
+            .create()
+            .unwrap_or_else(|e| unreachable(&self.brokers, e));
+        let mut offsets = Vec::new();
+        for p in 0..self.partitions {
+            let record = FutureRecord::<[u8], [u8]>::to(&self.topic)
+                .partition(p)
+                .key(END_MARKER)
+                .payload(&[]);
+            let delivery = producer
+                .send(record, Duration::from_secs(30))
+                .await
+                .unwrap_or_else(|(e, _)| unreachable(&self.brokers, e));
+            offsets.push(delivery.offset);
+        }
+        offsets
     }
 
-    /// Each partition's high watermark (the offset its next record will get), by partition.
-    pub async fn high_watermarks(&self) -> Vec<i64> {
+    /// Waits (up to `within`) until the consumer has read every message the topic holds: it marks
+    /// each partition's end ([`Fixture::mark_ends`]) and waits until the consumer read the marks.
+    pub async fn wait_until_read_all(&self, within: Duration) {
+        let marks = self.mark_ends().await;
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let behind: Vec<(i32, i64)> = {
+                let ends = self.ends.lock().unwrap();
+                (0..self.partitions)
+                    .zip(&marks)
+                    .filter(|(p, mark)| ends.get(p).is_none_or(|read| read < *mark))
+                    .map(|(p, mark)| (p, *mark))
+                    .collect()
+            };
+            if behind.is_empty() {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the consumer of {} has not read the end marks of these partitions (partition, offset) after {within:?}: {behind:?}",
+                self.topic
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Everything the topic holds, read again from the beginning by a consumer of its own up to
+    /// an end mark written now in each partition (at most `within`): what is in the log, whatever
+    /// the background consumer made of it. End marks are left out.
+    pub async fn read_again(&self, within: Duration) -> Vec<Delivered> {
+        let marks = self.mark_ends().await;
         let (brokers, topic, partitions) =
             (self.brokers.clone(), self.topic.clone(), self.partitions);
         let properties = self.properties.clone();
         tokio::task::spawn_blocking(move || {
-            let probe: BaseConsumer = client_config(&brokers, &properties)
-                .create()
-                .unwrap_or_else(|e| unreachable(&brokers, e));
-            (0..partitions)
-                .map(|p| {
-                    probe
-                        .fetch_watermarks(&topic, p, Duration::from_secs(10))
-                        .unwrap_or_else(|e| unreachable(&brokers, e))
-                        .1
-                })
-                .collect()
+            let consumer = from_the_beginning(&brokers, &properties, &topic, partitions);
+            let mut next = vec![0i64; marks.len()];
+            let mut got = Vec::new();
+            let deadline = std::time::Instant::now() + within;
+            while next.iter().zip(&marks).any(|(n, mark)| n <= mark) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "reading {topic} again: the end marks at {marks:?} not reached after {within:?} (next offsets {next:?})"
+                );
+                if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+                    next[m.partition() as usize] = m.offset() + 1;
+                    if m.key() != Some(END_MARKER) {
+                        got.push(delivered(&m));
+                    }
+                }
+            }
+            got
         })
         .await
         .unwrap()
