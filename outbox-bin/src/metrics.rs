@@ -46,6 +46,13 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// Label set of the WAL source's fallbacks.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Why the reader fell back to the outbox table (one of `outbox_postgres::wal::FALLBACK_REASONS`).
+    pub reason: String,
+}
+
 /// How an automatic cleanup round ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CleanupOutcome {
@@ -401,8 +408,13 @@ impl Metrics {
             .set(wal.retained_warning.min(i64::MAX as u64) as i64);
         g.fallback.set(i64::from(wal.fallback));
         // Counters of the reader's own totals: what was added since the last refresh.
+        for (reason, total) in &wal.fallbacks {
+            let counter = g.fallbacks.get_or_create(&ReasonLabel {
+                reason: (*reason).to_string(),
+            });
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
         for (counter, total) in [
-            (&g.fallbacks, wal.fallbacks),
             (&g.fallback_moved, wal.fallback_moved),
             (&g.tableless_gaps, wal.tableless_gaps),
             (&g.tableless_gap_bytes, wal.tableless_gap_bytes),
@@ -688,8 +700,8 @@ pub struct WalFigures {
     pub retained_warning: u64,
     /// This relay publishes from the outbox table: the slot cannot be streamed.
     pub fallback: bool,
-    /// Times this relay fell back to the outbox table (a total).
-    pub fallbacks: u64,
+    /// Times this relay fell back to the outbox table, by reason (totals).
+    pub fallbacks: Vec<(&'static str, u64)>,
     /// Rows this relay moved from the outbox table to the held table while falling back (a total).
     pub fallback_moved: u64,
     /// Times a slot was made again after one was lost (a total).
@@ -708,7 +720,7 @@ struct WalGauges {
     retained_bytes: Gauge,
     retained_warning: Gauge,
     fallback: Gauge,
-    fallbacks: Counter,
+    fallbacks: Family<ReasonLabel, Counter>,
     fallback_moved: Counter,
     tableless_gaps: Counter,
     tableless_gap_bytes: Counter,
@@ -725,7 +737,7 @@ impl WalGauges {
             retained_bytes: Gauge::default(),
             retained_warning: Gauge::default(),
             fallback: Gauge::default(),
-            fallbacks: Counter::default(),
+            fallbacks: Family::default(),
             fallback_moved: Counter::default(),
             tableless_gaps: Counter::default(),
             tableless_gap_bytes: Counter::default(),
@@ -770,9 +782,16 @@ impl WalGauges {
             "1 while this relay publishes from the outbox table because the slot cannot be streamed (missing, lost WAL, or its publication lacks the table; the log says which)",
             g.fallback.clone(),
         );
+        // Every reason from the start (0 under the polling source), so that a rate or an
+        // increase sees a fallback's first one.
+        for reason in outbox_postgres::wal::FALLBACK_REASONS {
+            g.fallbacks.get_or_create(&ReasonLabel {
+                reason: reason.to_string(),
+            });
+        }
         registry.register(
             "outbox_wal_fallbacks",
-            "Times this relay fell back to publishing from the outbox table",
+            "Times this relay fell back to publishing from the outbox table, by reason: slot_missing, slot_lost (invalidated), no_publication, table_not_published (removed from the publication, or dropped and made again), rows_before_slot (rows written before the slot was made)",
             g.fallbacks.clone(),
         );
         registry.register(
@@ -782,7 +801,7 @@ impl WalGauges {
         );
         registry.register(
             "outbox_wal_tableless_gaps",
-            "Times a replication slot was made again after one was lost: table-less events committed in between were not read by any slot",
+            "Times a replication slot was made again after one this relay read was lost: table-less events committed in between were not read by any slot",
             g.tableless_gaps.clone(),
         );
         registry.register(

@@ -292,7 +292,7 @@ fn alert_rules_pass_promtool_checks_and_unit_tests() {
     c.args(["check", "rules", "outbox-alerts.yml"])
         .current_dir(&dir);
     let out = check(c, "promtool check rules");
-    assert!(out.contains("SUCCESS: 18 rules found"), "{out}");
+    assert!(out.contains("SUCCESS: 19 rules found"), "{out}");
     let mut c = Command::new(promtool());
     c.args(["test", "rules", "outbox-alerts.test.yml"])
         .current_dir(&dir);

@@ -273,3 +273,13 @@ impl WalSource {
 pub fn pairs(env: &[(String, String)]) -> Vec<(&str, &str)> {
     env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
 }
+
+/// The server's current WAL position: a transaction committed before it is confirmed once the
+/// slot's confirmed position passes it.
+#[allow(clippy::unwrap_used)]
+pub async fn wal_position(pool: &sqlx::PgPool) -> u64 {
+    sqlx::query_scalar::<_, i64>("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(pool)
+        .await
+        .unwrap() as u64
+}

@@ -249,8 +249,24 @@ async fn slot_lost(fault: Fault, scenario: &str) {
             Fault::Dropped => drop_slot(&pg, &wal).await,
             Fault::Invalidated => invalidate_slot(&pg, &wal, &table, &relays).await,
             Fault::RestartedWithoutSlot => {
+                // The relays paused, none makes the slot again before the restart: the server
+                // comes back without it, as after a failover to a server that never had it.
+                for r in &relays {
+                    r.pause();
+                }
                 drop_slot(&pg, &wal).await;
                 tokio::task::spawn_blocking(restart_postgres).await.unwrap();
+                let slots: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+                )
+                .bind(wal.slot.slot())
+                .fetch_one(&pg)
+                .await
+                .unwrap();
+                assert_eq!(slots, 0, "the server restarted without the slot");
+                for r in &relays {
+                    r.resume();
+                }
             }
             Fault::Unpublished => {
                 sqlx::query(&format!(

@@ -15,17 +15,8 @@ use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::wal::{WalStore, UNDECODABLE_AGGREGATE_TYPE};
 use outbox_postgres::{OutboxTable, PostgresStore, Writer};
 use outbox_tests::harness::wait_until;
-use outbox_tests::wal::{run_store, WalSource};
+use outbox_tests::wal::{run_store, wal_position, WalSource};
 use uuid::Uuid;
-
-/// The server's current WAL position: a transaction committed before it is confirmed once the
-/// slot's confirmed position passes it.
-async fn wal_position(pool: &sqlx::PgPool) -> u64 {
-    sqlx::query_scalar::<_, i64>("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
-        .fetch_one(pool)
-        .await
-        .unwrap() as u64
-}
 
 /// Whether the server has the slot confirmed at `position` or past it (the reader confirms an idle
 /// slot's position too, whatever else writes WAL meanwhile).

@@ -14,7 +14,7 @@ use outbox_postgres::testing::{fresh_table, pool};
 use outbox_postgres::wal::{mark_new_slot, MessageWriter, WalStore};
 use outbox_postgres::{OutboxTable, Writer};
 use outbox_tests::harness::{assert_clean_verdict, wait_until};
-use outbox_tests::wal::{run_store, WalSource};
+use outbox_tests::wal::{run_store, wal_position, WalSource};
 use outbox_tests::{check, Verdict};
 use uuid::Uuid;
 
@@ -72,10 +72,15 @@ struct Running {
 
 impl Running {
     async fn start(auto_recreate: bool) -> Running {
+        Running::start_with(auto_recreate, true).await
+    }
+
+    async fn start_with(auto_recreate: bool, delete_published: bool) -> Running {
         let pool = pool(4).await;
         let table = fresh_table(&pool).await;
         let mut wal = WalSource::setup(&table).await;
         wal.config.auto_recreate = auto_recreate;
+        wal.config.delete_published = delete_published;
         let publisher = ScriptedPublisher::new();
         let shutdown = CancellationToken::new();
         let store = wal.store(outbox_core::Wake::new()).await;
@@ -90,6 +95,36 @@ impl Running {
             task,
         }
     }
+}
+
+/// Ends the slot's replication session and drops the slot (the reader connects again within a
+/// second: tried until the drop wins).
+async fn drop_the_slot(pool: &sqlx::PgPool, wal: &WalSource) {
+    wait_until(Duration::from_secs(30), "the slot dropped", || async {
+        let _ = sqlx::query(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+        )
+        .bind(wal.slot.slot())
+        .execute(pool)
+        .await;
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(wal.slot.slot())
+            .execute(pool)
+            .await
+            .is_ok()
+    })
+    .await;
+}
+
+/// How many times the store fell back for `reason`.
+fn fallbacks_for(store: &WalStore, reason: &str) -> u64 {
+    store
+        .progress()
+        .fallbacks_by_reason
+        .iter()
+        .find(|(r, _)| *r == reason)
+        .map_or(0, |(_, n)| *n)
 }
 
 /// Rows of the outbox table (the WAL source deletes what it published, once confirmed).
@@ -126,34 +161,22 @@ async fn operator_makes_it_again(fault: Fault) {
     delivered(&publisher, &[rows.clone(), messages.clone()].concat()).await;
     // Everything confirmed on the server (rows deleted, the message's position passed): nothing is
     // published twice after the fault.
-    let position: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let position = wal_position(&pool).await;
     wait_until(Duration::from_secs(30), "everything confirmed", || async {
-        rows_left(&pool, &table).await == 0 && wal.confirmed(&pool).await >= position as u64
+        rows_left(&pool, &table).await == 0 && wal.confirmed(&pool).await >= position
     })
     .await;
     let mut unread = None;
+    let mut unread_span = 0;
     match fault {
         Fault::SlotDropped => {
-            wait_until(Duration::from_secs(30), "the slot dropped", || async {
-                let _ = sqlx::query(
-                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
-                     WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                )
-                .bind(wal.slot.slot())
-                .execute(&pool)
-                .await;
-                sqlx::query("SELECT pg_drop_replication_slot($1)")
-                    .bind(wal.slot.slot())
-                    .execute(&pool)
-                    .await
-                    .is_ok()
-            })
-            .await;
+            drop_the_slot(&pool, &wal).await;
+            let dropped_at = wal_position(&pool).await;
             // No slot holds it: not published, and counted.
             unread = Some(write_message(&pool, &table, 1).await);
+            // The gap reported must cover it: from at most where the old slot stood when it
+            // was dropped to at least past the message.
+            unread_span = wal_position(&pool).await - dropped_at;
         }
         Fault::TableUnpublished => {
             sqlx::query(&format!(
@@ -221,13 +244,69 @@ async fn operator_makes_it_again(fault: Fault) {
     // One fallback (counted again should the reader reconnect in the middle).
     assert!(progress.fallbacks >= 1, "{progress:?}");
     assert!(progress.fallback_moved >= 15, "{progress:?}");
+    let reason = match fault {
+        Fault::SlotDropped => "slot_missing",
+        Fault::TableUnpublished | Fault::TableRecreated => "table_not_published",
+    };
+    assert!(fallbacks_for(&store, reason) >= 1, "{progress:?}");
     match unread {
         Some(_) => {
             assert_eq!(progress.tableless_gaps, 1, "{progress:?}");
-            assert!(progress.tableless_gap_bytes > 0, "{progress:?}");
+            assert!(
+                progress.tableless_gap_bytes >= unread_span,
+                "the gap's range covers the unread message ({unread_span} bytes at least): {progress:?}"
+            );
         }
         None => assert_eq!(progress.tableless_gaps, 0, "{progress:?}"),
     }
+}
+
+/// With `wal.delete_published = false` the outbox table keeps published rows, so a missing slot
+/// cannot be made up for from the table: the reader publishes nothing from it, stays reported as
+/// falling back (not ready, counted once) until `outbox wal setup`, then streams again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deleting_published_rows_a_missing_slot_waits_for_setup() {
+    let Running {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+        store,
+        task,
+    } = Running::start_with(false, false).await;
+    let mut rows = write_rows(&pool, &table, 0).await;
+    delivered(&publisher, &rows).await;
+    drop_the_slot(&pool, &wal).await;
+    // Not published: no slot decodes them, and the table's published rows look the same.
+    let _unpublished = write_rows(&pool, &table, 1).await;
+    wait_until(Duration::from_secs(30), "the reader falls back", || async {
+        store.progress().fallback.is_some()
+    })
+    .await;
+    // Held while the slot is missing (a reader that gave up and tried again every second would
+    // leave it now and then, and count each try).
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    while std::time::Instant::now() < until {
+        let progress = store.progress();
+        assert!(progress.fallback.is_some(), "{progress:?}");
+        let e = store.check().await.expect_err("not ready without the slot");
+        assert!(e.message().contains("outbox wal setup"), "{e}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(fallbacks_for(&store, "slot_missing"), 1);
+    wal.slot.setup(&pool).await.unwrap();
+    wait_until(Duration::from_secs(60), "streaming again", || async {
+        store.progress().fallback.is_none() && store.check().await.is_ok()
+    })
+    .await;
+    let after = write_rows(&pool, &table, 2).await;
+    delivered(&publisher, &after).await;
+    rows.extend(after);
+    shutdown.cancel();
+    task.await.unwrap();
+    // Those written without a slot would count as unexpected.
+    assert_clean_verdict(&verdict(&publisher, &rows));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -370,11 +449,7 @@ async fn an_idle_outbox_on_a_busy_database_keeps_no_wal() {
         .await
         .unwrap();
     // About 128 MB of WAL in another table, none in the outbox.
-    let written_from: i64 =
-        sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let written_from = wal_position(&pool).await;
     for _ in 0..8 {
         sqlx::query(&format!(
             "INSERT INTO {other} SELECT repeat(md5(g::text), 16) FROM generate_series(1, 20000) g"
@@ -387,12 +462,7 @@ async fn an_idle_outbox_on_a_busy_database_keeps_no_wal() {
             .await
             .unwrap();
     }
-    let written: i64 =
-        sqlx::query_scalar::<_, i64>("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-            - written_from;
+    let written = wal_position(&pool).await - written_from;
     assert!(written > 64 << 20, "wrote {written} bytes of WAL");
     // The reader confirms the idle slot's position; the slot's restart position follows at the
     // next snapshots of running transactions (each checkpoint logs one).
@@ -402,7 +472,7 @@ async fn an_idle_outbox_on_a_busy_database_keeps_no_wal() {
         || async {
             let _ = sqlx::query("CHECKPOINT").execute(&pool).await;
             tokio::time::sleep(Duration::from_millis(500)).await;
-            retained(&pool, &wal).await < written / 8
+            retained(&pool, &wal).await < (written / 8) as i64
         },
     )
     .await;

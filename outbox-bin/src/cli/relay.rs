@@ -277,7 +277,7 @@ async fn watch_wal(
             lag_seconds: progress.lag_seconds,
             retained_warning: warning,
             fallback: progress.fallback.is_some(),
-            fallbacks: progress.fallbacks,
+            fallbacks: progress.fallbacks_by_reason.clone(),
             fallback_moved: progress.fallback_moved,
             tableless_gaps: progress.tableless_gaps,
             tableless_gap_bytes: progress.tableless_gap_bytes,

@@ -2,9 +2,9 @@
 //! state (ready, in a lease, failed, moving to the held table, done), and what the store, its
 //! leases and the reader task share ([`Inner`]).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -175,8 +175,8 @@ pub(super) struct Inner {
     pub(super) relay_wake: Mutex<Option<Wake>>,
     /// Why the reader publishes from the outbox table instead of the slot (`None`: it does not).
     pub(super) fallback: Mutex<Option<String>>,
-    /// Times the reader fell back to the outbox table.
-    pub(super) fallbacks: AtomicU64,
+    /// Times the reader fell back to the outbox table, by reason ([`super::FALLBACK_REASONS`]).
+    pub(super) fallbacks: Mutex<BTreeMap<&'static str, u64>>,
     /// Rows moved from the outbox table to the held table while falling back.
     pub(super) fallback_moved: AtomicU64,
     /// The slot's confirmed position as last seen readable (the start of the WAL no slot read,
@@ -195,12 +195,18 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Marks the reader as publishing from the outbox table, for `reason`; true when it was not.
-    pub(super) fn enter_fallback(&self, reason: &str) -> bool {
+    /// Marks the reader as publishing from the outbox table, for `reason` (counted under `kind`,
+    /// one of [`super::FALLBACK_REASONS`]); true when it was not.
+    pub(super) fn enter_fallback(&self, kind: &'static str, reason: &str) -> bool {
         let mut f = self.fallback.lock().unwrap_or_else(|p| p.into_inner());
         let entered = f.is_none();
         if entered {
-            self.fallbacks.fetch_add(1, Ordering::SeqCst);
+            *self
+                .fallbacks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(kind)
+                .or_default() += 1;
         }
         *f = Some(reason.to_string());
         entered

@@ -50,11 +50,33 @@ pub(super) enum SlotProblem {
     TableNotPublished,
 }
 
+/// The reasons a reader falls back to the outbox table, as its metrics label them: the slot
+/// missing, the slot lost (invalidated), the publication missing, the publication without the
+/// outbox table, and rows written before the slot was made (after `outbox wal setup`, or a
+/// fallback another relay did not finish).
+pub const FALLBACK_REASONS: [&str; 5] = [
+    "slot_missing",
+    "slot_lost",
+    "no_publication",
+    "table_not_published",
+    "rows_before_slot",
+];
+
 impl SlotProblem {
     /// Whether the slot's WAL from its last confirmed position on is gone (table-less events of
     /// that range are not read by any slot).
     fn loses_messages(self) -> bool {
         matches!(self, SlotProblem::Missing | SlotProblem::Lost)
+    }
+
+    /// Its label among [`FALLBACK_REASONS`].
+    fn label(self) -> &'static str {
+        match self {
+            SlotProblem::Missing => FALLBACK_REASONS[0],
+            SlotProblem::Lost => FALLBACK_REASONS[1],
+            SlotProblem::NoPublication => FALLBACK_REASONS[2],
+            SlotProblem::TableNotPublished => FALLBACK_REASONS[3],
+        }
     }
 
     fn describe(self, inner: &Inner) -> String {
@@ -161,11 +183,12 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
 /// documentation), or finishes a fallback the [`FallbackMark`] says is unfinished. Returns the
 /// publication's identity as it was when the fence was read once the slot can be streamed and every
 /// row written before its consistent point is in the held table (the stream must find it unchanged);
-/// `None` on `stop`.
+/// `None` on `stop`. With `wal.delete_published = false` the table's published rows cannot be told
+/// from the others: nothing is moved, and the reader only waits for the slot (and says which row
+/// events it could not publish).
 ///
 /// # Errors
-/// A database error (the reader connects again and, the mark still there, goes on); `wal.delete_published =
-/// false` (the table's published rows cannot be told from the others).
+/// A database error (the reader connects again and, the mark still there, goes on).
 pub(super) async fn fall_back(
     inner: &Inner,
     conn: &mut PgConnection,
@@ -197,13 +220,18 @@ pub(super) async fn fall_back(
         );
         return Ok(Some(check_slot(inner, conn).await?.identity));
     }
-    let entered = inner.enter_fallback(&format!("{reason}: {fix}"));
-    if !inner.settings.delete_published {
-        return Err(Error::config(format!(
-            "{reason}: {fix}. Meanwhile nothing is published: with wal.delete_published = false the outbox table keeps published rows, so the relay cannot tell which rows still wait (turn wal.delete_published on to let it publish from the table while the slot is missing)"
-        )));
-    }
-    if entered && problem.is_some() {
+    let kind = problem.map_or(FALLBACK_REASONS[4], SlotProblem::label);
+    let entered = inner.enter_fallback(kind, &format!("{reason}: {fix}"));
+    // With wal.delete_published = false the table keeps published rows: the reader cannot tell
+    // which wait, publishes none of them, and only waits for the slot to be readable again.
+    let from_table = inner.settings.delete_published;
+    if entered && !from_table {
+        error!(
+            slot = inner.reader.slot().slot(),
+            reason = %reason,
+            "the WAL source cannot read its slot, and with wal.delete_published = false it cannot publish from the outbox table either (the table keeps published rows too): row events written until the slot can be read again are not published, and table-less ones are not read; {fix}"
+        );
+    } else if entered && problem.is_some() {
         error!(
             slot = inner.reader.slot().slot(),
             reason = %reason,
@@ -224,7 +252,8 @@ pub(super) async fn fall_back(
     } else {
         mark.and_then(|m| m.fence)
     };
-    if mark.is_none() || (problem.is_some() && mark.and_then(|m| m.fence).is_some()) {
+    if from_table && (mark.is_none() || (problem.is_some() && mark.and_then(|m| m.fence).is_some()))
+    {
         // A fence is valid only for the slot it was read after: one for a slot that is gone now
         // must not survive a relay that dies while making the next.
         FallbackMark { fence: None }
@@ -237,15 +266,17 @@ pub(super) async fn fall_back(
         0 => None,
         c => Some(c),
     };
-    let mut problem = problem;
+    // Whether the slot this relay streamed was lost (missing, invalidated, or dropped to be made
+    // again): the table-less events since its last confirmed position are then unread.
+    let mut slot_lost = problem.is_some_and(SlotProblem::loses_messages);
     let mut identity = None;
     let mut next_repair = Instant::now();
     let mut last_failure: Option<String> = None;
     loop {
         if fence.is_none() && Instant::now() >= next_repair {
-            match restore(inner, conn, problem).await {
+            match restore(inner, conn, slot_lost).await {
                 Ok(Restored::NotYet(p)) => {
-                    problem = Some(p);
+                    slot_lost |= p.loses_messages();
                     next_repair = Instant::now() + FALLBACK_POLL;
                 }
                 Ok(Restored::Ready {
@@ -255,10 +286,12 @@ pub(super) async fn fall_back(
                 }) => {
                     fence = Some(f);
                     identity = Some(i);
-                    FallbackMark { fence }
-                        .save(conn, inner.held.table(), inner.reader.slot().slot())
-                        .await?;
-                    if problem.is_some_and(SlotProblem::loses_messages) {
+                    if from_table {
+                        FallbackMark { fence }
+                            .save(conn, inner.held.table(), inner.reader.slot().slot())
+                            .await?;
+                    }
+                    if let Some(made_at) = made_at {
                         report_gap(inner, lost_from, made_at);
                     }
                 }
@@ -272,7 +305,11 @@ pub(super) async fn fall_back(
                 }
             }
         }
-        let moved = move_rows(inner, conn, fence).await?;
+        let moved = if from_table {
+            move_rows(inner, conn, fence).await?
+        } else {
+            0
+        };
         if moved > 0 {
             held_changed(inner);
             if stop.is_cancelled() {
@@ -286,12 +323,20 @@ pub(super) async fn fall_back(
                 Some(i) => i,
                 None => check_slot(inner, conn).await?.identity,
             };
-            FallbackMark::clear(conn, inner.held.table()).await?;
             inner.leave_fallback();
-            info!(
-                slot = inner.reader.slot().slot(),
-                "the slot can be read again and every row written before it is in the held table: streaming the slot again"
-            );
+            if from_table {
+                FallbackMark::clear(conn, inner.held.table()).await?;
+                info!(
+                    slot = inner.reader.slot().slot(),
+                    "the slot can be read again and every row written before it is in the held table: streaming the slot again"
+                );
+            } else {
+                warn!(
+                    slot = inner.reader.slot().slot(),
+                    table = %inner.source.qualified(),
+                    "the slot can be read again: streaming it. Row events written while it could not be read were not published (wal.delete_published = false): publish those you need yourself"
+                );
+            }
             return Ok(Some(identity));
         }
         tokio::select! {
@@ -308,7 +353,8 @@ enum Restored {
     NotYet(SlotProblem),
     /// Readable: rows up to `fence` (in `seq`) may have committed before its consistent point, and
     /// go to the held table before the slot is streamed. `made_at` is the new slot's consistent
-    /// point, when it is new.
+    /// point, when a slot was lost (the table-less events before it since the old slot's position
+    /// are unread).
     Ready {
         fence: i64,
         made_at: Option<u64>,
@@ -321,10 +367,11 @@ enum Restored {
 async fn restore(
     inner: &Inner,
     conn: &mut PgConnection,
-    known: Option<SlotProblem>,
+    slot_lost: bool,
 ) -> Result<Restored, Error> {
     let slot = inner.reader.slot();
     let mut check = check_slot(inner, conn).await?;
+    let mut slot_lost = slot_lost || check.problem.is_some_and(SlotProblem::loses_messages);
     if inner.settings.auto_recreate {
         if let Some(p) = check.problem {
             if matches!(p, SlotProblem::Lost | SlotProblem::NoPublication)
@@ -340,8 +387,10 @@ async fn restore(
                 .execute(&mut *conn)
                 .await
                 .map_err(|e| map_sqlx("wal drop of the unreadable slot", e))?;
+                slot_lost = true;
             }
             let made = slot.setup(&inner.pool).await?;
+            slot_lost |= made.slot;
             if made.slot || made.publication {
                 info!(
                     slot = slot.slot(),
@@ -371,10 +420,7 @@ async fn restore(
     .fetch_one(&mut *conn)
     .await
     .map_err(|e| map_sqlx("wal fallback", e))?;
-    let made_at = known
-        .is_some_and(SlotProblem::loses_messages)
-        .then_some(check.confirmed)
-        .flatten();
+    let made_at = slot_lost.then_some(check.confirmed).flatten();
     if let Some(c) = made_at {
         // The new slot's position replaces the old one's.
         inner.slot_confirmed.store(c, Ordering::SeqCst);
@@ -418,11 +464,11 @@ async fn wait_for_running_transactions(conn: &mut PgConnection) -> Result<(), Er
 
 /// Says which table-less events no slot read: those committed between the old slot's last
 /// confirmed position (when this relay knew it) and the new slot's consistent point.
-fn report_gap(inner: &Inner, from: Option<u64>, to: Option<u64>) {
+fn report_gap(inner: &Inner, from: Option<u64>, to: u64) {
     let slot = inner.reader.slot().slot();
     let lsn = |l: u64| format!("{:X}/{:X}", l >> 32, l & 0xFFFF_FFFF);
     match (from, to) {
-        (Some(from), Some(to)) if to >= from => {
+        (Some(from), to) if to >= from => {
             inner.tableless_gaps.fetch_add(1, Ordering::SeqCst);
             inner
                 .tableless_gap_bytes
@@ -439,7 +485,7 @@ fn report_gap(inner: &Inner, from: Option<u64>, to: Option<u64>) {
         // a relay started while the slot was missing), so there may have been none.
         (_, to) => warn!(
             slot,
-            to = to.map(lsn),
+            to = lsn(to),
             "table-less events committed before the new slot's position, since the old slot's last confirmed one (not known to this relay: it saw no slot before), were not read by any slot and are not published (row events are: they are rows of the outbox table)"
         ),
     }

@@ -49,6 +49,8 @@ pub struct WalProgress {
     pub fallback: Option<String>,
     /// Times this relay fell back to the outbox table.
     pub fallbacks: u64,
+    /// Those times by reason (each of [`super::FALLBACK_REASONS`], in that order).
+    pub fallbacks_by_reason: Vec<(&'static str, u64)>,
     /// Rows this relay moved from the outbox table to the held table while falling back.
     pub fallback_moved: u64,
     /// Times a slot was made again after one was lost: table-less events committed in between were
@@ -118,7 +120,7 @@ impl WalStore {
                 reader_wake: Arc::new(Notify::new()),
                 relay_wake: Mutex::new(None),
                 fallback: Mutex::new(None),
-                fallbacks: AtomicU64::new(0),
+                fallbacks: Mutex::default(),
                 fallback_moved: AtomicU64::new(0),
                 slot_confirmed: AtomicU64::new(0),
                 tableless_gaps: AtomicU64::new(0),
@@ -166,6 +168,17 @@ impl WalStore {
 
     /// What the reader has in hand.
     pub fn progress(&self) -> WalProgress {
+        let by_reason: Vec<(&'static str, u64)> = {
+            let counts = self
+                .inner
+                .fallbacks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            super::FALLBACK_REASONS
+                .iter()
+                .map(|r| (*r, counts.get(r).copied().unwrap_or(0)))
+                .collect()
+        };
         let st = self.inner.state();
         let oldest = st.txns.iter().find(|t| !t.settled()).map(|t| t.commit_time);
         WalProgress {
@@ -177,7 +190,8 @@ impl WalStore {
             }),
             confirmed_lsn: st.confirmed,
             fallback: self.inner.fallback_reason(),
-            fallbacks: self.inner.fallbacks.load(Ordering::SeqCst),
+            fallbacks: by_reason.iter().map(|(_, n)| n).sum(),
+            fallbacks_by_reason: by_reason,
             fallback_moved: self.inner.fallback_moved.load(Ordering::SeqCst),
             tableless_gaps: self.inner.tableless_gaps.load(Ordering::SeqCst),
             tableless_gap_bytes: self.inner.tableless_gap_bytes.load(Ordering::SeqCst),
