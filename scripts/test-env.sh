@@ -12,7 +12,8 @@
 #   and started through scripts/sqs-endpoint.py (.tools/bin/sqs-endpoint) on 127.0.0.1:4566 (log in
 #   .tools/moto.log);
 # - the operations kit's checkers: promtool (Debian package prometheus, unpacked into .tools/),
-#   kubernetes-validate and the Dockerfile parser dockerfile (PyPI, in .tools/ops-venv); the
+#   kubernetes-validate, the Dockerfile parser dockerfile and jsonschema (for the Compose file) (PyPI,
+#   in .tools/ops-venv); the
 #   CloudEvents SDK for Python (PyPI cloudevents, in .tools/ce-venv) behind .tools/bin/cloudevents-decode;
 # - TLS with a throwaway CA (/var/lib/outbox-test/tls: ca.pem, a server certificate for localhost,
 #   other-ca.pem): PostgreSQL's certificate files (one reload), a RabbitMQ listener on 5671
@@ -311,10 +312,10 @@ ensure_ops_tools() {
   fi
   # kubernetes-validate (PyPI), the schema checker of the Kubernetes manifests, and dockerfile
   # (PyPI), BuildKit's Dockerfile parser, in one virtual environment.
-  if [ ! -x "$TOOLS/bin/kubernetes-validate" ] || ! "$TOOLS/ops-venv/bin/python" -c "import dockerfile" 2>/dev/null; then
-    log "installing kubernetes-validate==1.37.0 and dockerfile==3.4.0 (PyPI) into .tools/"
+  if [ ! -x "$TOOLS/bin/kubernetes-validate" ] || ! "$TOOLS/ops-venv/bin/python" -c "import dockerfile, jsonschema" 2>/dev/null; then
+    log "installing kubernetes-validate==1.37.0, dockerfile==3.4.0 and jsonschema==4.26.0 (PyPI) into .tools/"
     python3 -m venv "$TOOLS/ops-venv"
-    "$TOOLS/ops-venv/bin/pip" install -q --disable-pip-version-check kubernetes-validate==1.37.0 dockerfile==3.4.0
+    "$TOOLS/ops-venv/bin/pip" install -q --disable-pip-version-check kubernetes-validate==1.37.0 dockerfile==3.4.0 jsonschema==4.26.0
     ln -sf "$TOOLS/ops-venv/bin/kubernetes-validate" "$TOOLS/bin/kubernetes-validate"
   fi
   # The CloudEvents SDK for Python (PyPI cloudevents), the third-party decoder of the message-format

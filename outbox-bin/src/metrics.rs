@@ -785,9 +785,9 @@ impl WalGauges {
         // Every reason from the start (0 under the polling source), so that a rate or an
         // increase sees a fallback's first one.
         for reason in outbox_postgres::wal::FALLBACK_REASONS {
-            g.fallbacks.get_or_create(&ReasonLabel {
+            drop(g.fallbacks.get_or_create(&ReasonLabel {
                 reason: reason.to_string(),
-            });
+            }));
         }
         registry.register(
             "outbox_wal_fallbacks",

@@ -17,30 +17,8 @@ use common::*;
 use outbox_amqp::testing::Fixture;
 use outbox_postgres::testing::{fresh_table, pool};
 
-/// A checker installed by `scripts/test-env.sh` into `.tools/bin` (or named by `env_var`).
-fn tool(name: &str, env_var: &str) -> PathBuf {
-    if let Ok(path) = std::env::var(env_var) {
-        return PathBuf::from(path);
-    }
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../.tools/bin")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{name} is not installed: run `bash scripts/test-env.sh` (it installs {name} into .tools/bin), or set {env_var}"
-    );
-    path
-}
-
 fn promtool() -> PathBuf {
     tool("promtool", "PROMTOOL")
-}
-
-fn check(mut c: Command, what: &str) -> String {
-    let out = c.output().unwrap();
-    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{what} failed:\n{all}");
-    all
 }
 
 fn rules_file() -> PathBuf {

@@ -258,3 +258,26 @@ pub fn deploy() -> PathBuf {
 pub fn yaml(path: &std::path::Path) -> serde_yaml::Value {
     serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
+
+/// A checker installed by `scripts/test-env.sh` into `.tools/bin` (or named by `env_var`).
+pub fn tool(name: &str, env_var: &str) -> PathBuf {
+    if let Ok(path) = std::env::var(env_var) {
+        return PathBuf::from(path);
+    }
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../.tools/bin")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{name} is not installed: run `bash scripts/test-env.sh` (it installs {name} into .tools/bin), or set {env_var}"
+    );
+    path
+}
+
+/// Runs `c` and returns its standard output and error, failing the test (with both) when it fails.
+pub fn check(mut c: Command, what: &str) -> String {
+    let out = c.output().unwrap();
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{what} failed:\n{all}");
+    all
+}
