@@ -126,7 +126,12 @@ pub enum Command {
     /// Print the configuration in force (defaults, file and environment merged; secrets redacted),
     /// then check it as the relay does at start without connecting to anything (exit 2 when the
     /// relay would refuse it).
-    Config,
+    Config {
+        /// Print instead the reference of every key (type, default, environment variable) as a
+        /// Markdown table, generated from the configuration's own definitions.
+        #[arg(long)]
+        reference: bool,
+    },
     /// Check what the relay needs, as it does at start and more, one line per check with the fix:
     /// the configuration, the database (connection, TLS, a pooler, the schema, the role's grants,
     /// the WAL source's prerequisites) and the broker. Claims, writes and publishes nothing. Exit
@@ -291,7 +296,11 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
             destination,
         } => cmd_publish_test(&config, event_type, aggregate_type, destination).await,
         Command::Wal(c) => cmd_wal(&config, table, c).await,
-        Command::Config => {
+        Command::Config { reference: true } => {
+            print!("{}", crate::config::reference::markdown());
+            Ok(())
+        }
+        Command::Config { reference: false } => {
             print!("{}", config.to_redacted_toml());
             check::offline(&config)?;
             Ok(())

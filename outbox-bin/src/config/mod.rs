@@ -18,6 +18,7 @@ use outbox_postgres::DatabaseConfig;
 use crate::adapters::{self, Adapter, Bound, Configured};
 
 mod load;
+pub mod reference;
 mod sections;
 #[cfg(test)]
 mod tests;
