@@ -35,6 +35,20 @@ for crate in "${adapters[@]}"; do
 done
 cargo test --workspace --all-features --locked --no-fail-fast "${adapters[@]/#/--exclude=}" \
   -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee -a "$log" || status=$?
+# The README's install command works from this checkout (a debug build in the suite's target
+# directory, so it reuses what the tests built), and the installed binary runs.
+install_root=$(mktemp -d)
+if cargo install --locked --debug --path outbox-bin --root "$install_root" --target-dir target \
+    >"$install_root/log" 2>&1 \
+    && "$install_root/bin/outbox" --version | grep -q 'adapters amqp,kafka,sqs' \
+    && (cd "$install_root" && env -i "$install_root/bin/outbox" config >/dev/null); then
+  echo "cargo install --path outbox-bin: installed and runs"
+else
+  cat "$install_root/log"
+  echo "cargo install --path outbox-bin failed, or the installed binary does not run"
+  status=1
+fi
+rm -rf "$install_root"
 echo "fault scenarios:"
 sort "$FAULT_SCENARIO_REPORT" | sed 's/^/  /'
 passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
