@@ -295,6 +295,7 @@ impl Fixture {
     /// batch.)
     pub async fn mark_ends(&self) -> Vec<i64> {
         let producer: FutureProducer = client_config(&self.brokers, &self.properties)
+            .set("message.timeout.ms", "30000")
             .create()
             .unwrap_or_else(|e| unreachable(&self.brokers, e));
         let mut offsets = Vec::new();

@@ -57,7 +57,7 @@ pub struct DatabaseConfig {
     pub cleanup_batch_size: u32,
     /// Wake the relay with LISTEN/NOTIFY: `outbox migrate` installs a statement trigger that sends one
     /// payload-free notification per inserting transaction. Costs the writers a server-wide lock
-    /// at commit (BENCHMARKS.md, "Writers with NOTIFY"); polling stays on as the fallback. Default false.
+    /// at commit (BENCHMARKS-HISTORY.md, "Writers with NOTIFY"); polling stays on as the fallback. Default false.
     pub notify: bool,
     /// Time allowed to get a connection from the pool. Default 10 s.
     #[serde(with = "duration::serde_str")]

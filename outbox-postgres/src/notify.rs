@@ -7,7 +7,7 @@
 //! notification lost during a reconnection delays events by one poll interval at most.
 //!
 //! Cost: `NOTIFY` takes a server-wide lock held through the commit, so notifying transactions commit
-//! one at a time (BENCHMARKS.md, "Writers with NOTIFY"). Enable it only when the write rate is low
+//! one at a time (BENCHMARKS-HISTORY.md, "Writers with NOTIFY"). Enable it only when the write rate is low
 //! and latency matters.
 
 use std::time::Duration;

@@ -262,10 +262,10 @@ async fn operator_makes_it_again(fault: Fault) {
 }
 
 /// With `wal.delete_published = false` the outbox table keeps published rows, so a missing slot
-/// cannot be made up for from the table: the reader publishes nothing from it, stays reported as
-/// falling back (not ready, counted once) until `outbox wal setup`, then streams again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_deleting_published_rows_a_missing_slot_waits_for_setup() {
+/// (or a publication without the table) cannot be made up for from the table: the reader publishes
+/// nothing from it, stays reported as falling back (not ready, counted once) until `outbox wal
+/// setup`, then streams again, leaving no fallback mark behind.
+async fn without_deleting_published_rows(fault: Fault) {
     let Running {
         pool,
         table,
@@ -277,7 +277,24 @@ async fn without_deleting_published_rows_a_missing_slot_waits_for_setup() {
     } = Running::start_with(false, false).await;
     let mut rows = write_rows(&pool, &table, 0).await;
     delivered(&publisher, &rows).await;
-    drop_the_slot(&pool, &wal).await;
+    let reason = match fault {
+        Fault::SlotDropped => {
+            drop_the_slot(&pool, &wal).await;
+            "slot_missing"
+        }
+        Fault::TableUnpublished => {
+            sqlx::query(&format!(
+                "ALTER PUBLICATION {} DROP TABLE {}",
+                wal.slot.publication(),
+                table.qualified()
+            ))
+            .execute(&pool)
+            .await
+            .unwrap();
+            "table_not_published"
+        }
+        Fault::TableRecreated => unreachable!("not a case of this test"),
+    };
     // Not published: no slot decodes them, and the table's published rows look the same.
     let _unpublished = write_rows(&pool, &table, 1).await;
     wait_until(Duration::from_secs(30), "the reader falls back", || async {
@@ -294,12 +311,23 @@ async fn without_deleting_published_rows_a_missing_slot_waits_for_setup() {
         assert!(e.message().contains("outbox wal setup"), "{e}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(fallbacks_for(&store, "slot_missing"), 1);
+    assert_eq!(fallbacks_for(&store, reason), 1);
     wal.slot.setup(&pool).await.unwrap();
     wait_until(Duration::from_secs(60), "streaming again", || async {
         store.progress().fallback.is_none() && store.check().await.is_ok()
     })
     .await;
+    // No fallback mark is left: one would make a relay that deletes published rows (after a change
+    // of the setting) move, and publish again, every row the table keeps.
+    let marks: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {} WHERE event_type = $1",
+        wal.held.qualified()
+    ))
+    .bind(outbox_postgres::wal::FALLBACK_MARK_TYPE)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(marks, 0, "a fallback mark is left in the held table");
     let after = write_rows(&pool, &table, 2).await;
     delivered(&publisher, &after).await;
     rows.extend(after);
@@ -307,6 +335,16 @@ async fn without_deleting_published_rows_a_missing_slot_waits_for_setup() {
     task.await.unwrap();
     // Those written without a slot would count as unexpected.
     assert_clean_verdict(&verdict(&publisher, &rows));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deleting_published_rows_a_missing_slot_waits_for_setup() {
+    without_deleting_published_rows(Fault::SlotDropped).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_deleting_published_rows_an_unpublished_table_waits_for_setup() {
+    without_deleting_published_rows(Fault::TableUnpublished).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

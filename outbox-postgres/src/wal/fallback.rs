@@ -331,6 +331,10 @@ pub(super) async fn fall_back(
                     "the slot can be read again and every row written before it is in the held table: streaming the slot again"
                 );
             } else {
+                // A mark left by a stream that saw the publication change: the table's rows
+                // cannot be told apart here, and one kept would make a relay that deletes
+                // published rows move every row of the table.
+                FallbackMark::clear(conn, inner.held.table()).await?;
                 warn!(
                     slot = inner.reader.slot().slot(),
                     table = %inner.source.qualified(),
