@@ -269,6 +269,25 @@ impl WalSource {
     }
 }
 
+impl WalSource {
+    /// Takes `table` out of the source's publication (`ALTER PUBLICATION ... DROP TABLE`), as an
+    /// operator might: its inserts are no longer decoded.
+    ///
+    /// # Panics
+    /// When the statement fails (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn unpublish(&self, pg: &sqlx::PgPool, table: &OutboxTable) {
+        sqlx::query(&format!(
+            "ALTER PUBLICATION {} DROP TABLE {}",
+            self.slot.publication(),
+            table.qualified()
+        ))
+        .execute(pg)
+        .await
+        .unwrap();
+    }
+}
+
 /// `(key, value)` pairs borrowed, as `RelayProcess::start` takes them.
 pub fn pairs(env: &[(String, String)]) -> Vec<(&str, &str)> {
     env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()

@@ -269,14 +269,7 @@ async fn slot_lost(fault: Fault, scenario: &str) {
                 }
             }
             Fault::Unpublished => {
-                sqlx::query(&format!(
-                    "ALTER PUBLICATION {} DROP TABLE {}",
-                    wal.slot.publication(),
-                    table.qualified()
-                ))
-                .execute(&pg)
-                .await
-                .unwrap();
+                wal.unpublish(&pg, &table).await;
             }
         }
         interruptions += 1;

@@ -179,14 +179,7 @@ async fn operator_makes_it_again(fault: Fault) {
             unread_span = wal_position(&pool).await - dropped_at;
         }
         Fault::TableUnpublished => {
-            sqlx::query(&format!(
-                "ALTER PUBLICATION {} DROP TABLE {}",
-                wal.slot.publication(),
-                table.qualified()
-            ))
-            .execute(&pool)
-            .await
-            .unwrap();
+            wal.unpublish(&pool, &table).await;
         }
         Fault::TableRecreated => {
             sqlx::query(&format!("DROP TABLE {} CASCADE", table.qualified()))
@@ -283,14 +276,7 @@ async fn without_deleting_published_rows(fault: Fault) {
             "slot_missing"
         }
         Fault::TableUnpublished => {
-            sqlx::query(&format!(
-                "ALTER PUBLICATION {} DROP TABLE {}",
-                wal.slot.publication(),
-                table.qualified()
-            ))
-            .execute(&pool)
-            .await
-            .unwrap();
+            wal.unpublish(&pool, &table).await;
             "table_not_published"
         }
         Fault::TableRecreated => unreachable!("not a case of this test"),
