@@ -14,6 +14,11 @@ use prometheus_client::registry::Registry;
 
 use outbox_core::{BatchReport, Error, Event, FailureDecision, RelayObserver, StoreStats};
 
+mod wal;
+
+use wal::WalGauges;
+pub use wal::{ReasonLabel, WalFigures};
+
 /// Label set of per-event-type metrics.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EventTypeLabel {
@@ -44,13 +49,6 @@ pub struct BuildLabel {
 pub struct OutcomeLabel {
     /// How the round ended: `done`, `busy`, `failed` or `stopped` ([`CleanupOutcome::label`]).
     pub outcome: String,
-}
-
-/// Label set of the WAL source's fallbacks.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabel {
-    /// Why the reader fell back to the outbox table (one of `outbox_postgres::wal::FALLBACK_REASONS`).
-    pub reason: String,
 }
 
 /// How an automatic cleanup round ended.
@@ -397,30 +395,7 @@ impl Metrics {
 
     /// Updates the WAL source's gauges.
     pub fn record_wal(&self, wal: &WalFigures) {
-        let g = &self.wal;
-        g.active.set(i64::from(wal.active));
-        g.unsettled.set(wal.unsettled.min(i64::MAX as u64) as i64);
-        g.lag_seconds.set(wal.lag_seconds);
-        g.slot_present.set(i64::from(wal.slot_present));
-        g.lag_bytes.set(wal.lag_bytes);
-        g.retained_bytes.set(wal.retained_bytes);
-        g.retained_warning
-            .set(wal.retained_warning.min(i64::MAX as u64) as i64);
-        g.fallback.set(i64::from(wal.fallback));
-        // Counters of the reader's own totals: what was added since the last refresh.
-        for (reason, total) in &wal.fallbacks {
-            let counter = g.fallbacks.get_or_create(&ReasonLabel {
-                reason: (*reason).to_string(),
-            });
-            counter.inc_by(total.saturating_sub(counter.get()));
-        }
-        for (counter, total) in [
-            (&g.fallback_moved, wal.fallback_moved),
-            (&g.tableless_gaps, wal.tableless_gaps),
-            (&g.tableless_gap_bytes, wal.tableless_gap_bytes),
-        ] {
-            counter.inc_by(total.saturating_sub(counter.get()));
-        }
+        self.wal.record(wal);
     }
 
     /// `rows` expired rows were removed by the automatic cleanup.
@@ -678,137 +653,5 @@ mod tests {
             ["outbox_events_pending_by_type{event_type=\"pending.5\"} 15"],
             "{text}"
         );
-    }
-}
-
-/// The WAL source's figures for [`Metrics::record_wal`].
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct WalFigures {
-    /// This relay reads the slot (not a standby).
-    pub active: bool,
-    /// Events read from the slot, not yet published nor held.
-    pub unsettled: u64,
-    /// Seconds since the commit of the oldest transaction read and not yet confirmed.
-    pub lag_seconds: f64,
-    /// The slot exists.
-    pub slot_present: bool,
-    /// Bytes of WAL written since the slot's confirmed position.
-    pub lag_bytes: i64,
-    /// Bytes of WAL the slot keeps on disk.
-    pub retained_bytes: i64,
-    /// `wal.retained_wal_warning`.
-    pub retained_warning: u64,
-    /// This relay publishes from the outbox table: the slot cannot be streamed.
-    pub fallback: bool,
-    /// Times this relay fell back to the outbox table, by reason (totals).
-    pub fallbacks: Vec<(&'static str, u64)>,
-    /// Rows this relay moved from the outbox table to the held table while falling back (a total).
-    pub fallback_moved: u64,
-    /// Times a slot was made again after one was lost (a total).
-    pub tableless_gaps: u64,
-    /// The WAL bytes no slot read, where known (a total).
-    pub tableless_gap_bytes: u64,
-}
-
-/// The WAL source's gauges (0 under the polling source).
-struct WalGauges {
-    active: Gauge,
-    unsettled: Gauge,
-    lag_seconds: Gauge<f64, AtomicU64>,
-    slot_present: Gauge,
-    lag_bytes: Gauge,
-    retained_bytes: Gauge,
-    retained_warning: Gauge,
-    fallback: Gauge,
-    fallbacks: Family<ReasonLabel, Counter>,
-    fallback_moved: Counter,
-    tableless_gaps: Counter,
-    tableless_gap_bytes: Counter,
-}
-
-impl WalGauges {
-    fn register(registry: &mut Registry) -> WalGauges {
-        let g = WalGauges {
-            active: Gauge::default(),
-            unsettled: Gauge::default(),
-            lag_seconds: Gauge::default(),
-            slot_present: Gauge::default(),
-            lag_bytes: Gauge::default(),
-            retained_bytes: Gauge::default(),
-            retained_warning: Gauge::default(),
-            fallback: Gauge::default(),
-            fallbacks: Family::default(),
-            fallback_moved: Counter::default(),
-            tableless_gaps: Counter::default(),
-            tableless_gap_bytes: Counter::default(),
-        };
-        registry.register(
-            "outbox_wal_reader_active",
-            "1 while this relay reads the replication slot (the WAL source); 0 for a standby, or under the polling source",
-            g.active.clone(),
-        );
-        registry.register(
-            "outbox_wal_unsettled_events",
-            "Events this relay read from the slot and has not yet published nor moved to the held table",
-            g.unsettled.clone(),
-        );
-        registry.register(
-            "outbox_wal_lag_seconds",
-            "Seconds since the commit of the oldest transaction this relay read from the slot and has not confirmed",
-            g.lag_seconds.clone(),
-        );
-        registry.register(
-            "outbox_wal_slot_present",
-            "1 when the replication slot exists (the WAL source); 0 when it is missing or under the polling source",
-            g.slot_present.clone(),
-        );
-        registry.register(
-            "outbox_wal_slot_lag_bytes",
-            "Bytes of WAL written since the slot's confirmed position",
-            g.lag_bytes.clone(),
-        );
-        registry.register(
-            "outbox_wal_slot_retained_bytes",
-            "Bytes of WAL the slot keeps on the database server's disk (from its restart position)",
-            g.retained_bytes.clone(),
-        );
-        registry.register(
-            "outbox_wal_retained_warning_bytes",
-            "wal.retained_wal_warning: retained WAL above this is an alert (0 under the polling source)",
-            g.retained_warning.clone(),
-        );
-        registry.register(
-            "outbox_wal_fallback",
-            "1 while this relay publishes from the outbox table because the slot cannot be streamed (missing, lost WAL, or its publication lacks the table; the log says which)",
-            g.fallback.clone(),
-        );
-        // Every reason from the start (0 under the polling source), so that a rate or an
-        // increase sees a fallback's first one.
-        for reason in outbox_postgres::wal::FALLBACK_REASONS {
-            drop(g.fallbacks.get_or_create(&ReasonLabel {
-                reason: reason.to_string(),
-            }));
-        }
-        registry.register(
-            "outbox_wal_fallbacks",
-            "Times this relay fell back to publishing from the outbox table, by reason: slot_missing, slot_lost (invalidated), no_publication, table_not_published (removed from the publication, or dropped and made again), rows_before_slot (rows written before the slot was made)",
-            g.fallbacks.clone(),
-        );
-        registry.register(
-            "outbox_wal_fallback_moved_events",
-            "Rows this relay moved from the outbox table to the held table while falling back",
-            g.fallback_moved.clone(),
-        );
-        registry.register(
-            "outbox_wal_tableless_gaps",
-            "Times a replication slot was made again after one this relay read was lost: table-less events committed in between were not read by any slot",
-            g.tableless_gaps.clone(),
-        );
-        registry.register(
-            "outbox_wal_tableless_gap_bytes",
-            "Bytes of WAL in which table-less events were not read by any slot (where the old slot's position was known)",
-            g.tableless_gap_bytes.clone(),
-        );
-        g
     }
 }
