@@ -12,23 +12,24 @@ trap 'rm -f "$log" "$FAULT_SCENARIO_REPORT"' EXIT
 status=0
 # The binary with each adapter alone, and with none: its feature gates stay honest (warnings fail too).
 for features in amqp kafka sqs ""; do
-  if cargo check -p outbox-bin --no-default-features --features "$features" --locked 2>&1 \
+  if cargo check -p txoutbox --no-default-features --features "$features" --locked 2>&1 \
       | grep -E '^(warning|error)'; then
-    echo "outbox-bin does not build cleanly with only the features [$features]"
+    echo "txoutbox does not build cleanly with only the features [$features]"
     status=1
   fi
 done
-# Every library crate packages for crates.io (metadata, license files, README; what the tarball holds).
-if ! cargo package --workspace --exclude outbox-bin --exclude outbox-tests --no-verify --locked \
+# Every published crate, the binary included, packages for crates.io (metadata, license files,
+# README; what the tarball holds).
+if ! cargo package --workspace --exclude txoutbox-tests --no-verify --locked \
     --allow-dirty >/dev/null 2>"$log"; then
   cat "$log"
-  echo "a library crate does not package (cargo package)"
+  echo "a crate does not package (cargo package)"
   status=1
 fi
 # Each broker adapter alone, with only its own features (the publisher contract of the shared suite
 # runs in its tests); then the rest of the workspace, every feature on. Every test binary runs
 # whatever failed before it (--no-fail-fast); the exit status is non-zero if any test failed.
-adapters=(outbox-amqp outbox-kafka outbox-sqs)
+adapters=(txoutbox-amqp txoutbox-kafka txoutbox-sqs)
 : > "$log"
 for crate in "${adapters[@]}"; do
   cargo test -p "$crate" --locked --no-fail-fast -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee -a "$log" || status=$?

@@ -1,5 +1,5 @@
-//! Destination administration for tools (`outbox bench`, set-up scripts), as `outbox_kafka::admin` and
-//! `outbox_sqs::admin` do for their brokers: a durable queue bound to the configured exchange, for
+//! Destination administration for tools (`outbox bench`, set-up scripts), as `txoutbox_kafka::admin` and
+//! `txoutbox_sqs::admin` do for their brokers: a durable queue bound to the configured exchange, for
 //! published messages to land somewhere and be counted or cleared.
 
 use lapin::options::{
@@ -8,7 +8,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 
-use outbox_core::Error;
+use txoutbox_core::Error;
 
 use crate::config::AmqpConfig;
 use crate::error::map_lapin;

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use outbox_core::routing::{AllowList, Template};
-use outbox_core::{duration, Error};
+use txoutbox_core::routing::{AllowList, Template};
+use txoutbox_core::{duration, Error};
 
 /// The default broker URL (a local RabbitMQ with its default account).
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -118,7 +118,7 @@ impl Default for AmqpConfig {
     }
 }
 
-pub use outbox_core::redact_url;
+pub use txoutbox_core::redact_url;
 
 impl std::fmt::Debug for AmqpConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -147,15 +147,15 @@ impl AmqpConfig {
     /// The publisher's own limit of one call (`Publisher::call_limit`): connecting, then checking
     /// per-event exchanges, each within `connect_timeout`; sends and confirms within
     /// `confirm_timeout`; a margin for a reset's bounded close.
-    pub fn call_limit(&self) -> outbox_core::CallLimit {
+    pub fn call_limit(&self) -> txoutbox_core::CallLimit {
         let margin = Duration::from_secs(5);
-        outbox_core::CallLimit {
+        txoutbox_core::CallLimit {
             limit: self.connect_timeout * 2 + self.confirm_timeout + margin,
             settings: format!(
                 "2 x amqp.connect_timeout {} + amqp.confirm_timeout {} + {}",
-                outbox_core::duration::format(self.connect_timeout),
-                outbox_core::duration::format(self.confirm_timeout),
-                outbox_core::duration::format(margin)
+                txoutbox_core::duration::format(self.connect_timeout),
+                txoutbox_core::duration::format(self.confirm_timeout),
+                txoutbox_core::duration::format(margin)
             ),
         }
     }
@@ -195,7 +195,7 @@ impl AmqpConfig {
                     "amqp.tls_ca_file is set but amqp.url is amqp:// (plain): use amqps://host:5671/vhost for TLS, or unset amqp.tls_ca_file",
                 ));
             }
-            outbox_core::tls::read_ca_file(path, "amqp.tls_ca_file")?;
+            txoutbox_core::tls::read_ca_file(path, "amqp.tls_ca_file")?;
         }
         if self.exchange.len() > 255 {
             return Err(Error::config(format!(

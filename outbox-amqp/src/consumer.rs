@@ -2,11 +2,11 @@
 
 use lapin::types::AMQPValue;
 use lapin::BasicProperties;
-use outbox_core::header;
+use txoutbox_core::header;
 
 /// The event id of a received message: its `message_id`, else the `outbox-event-id` header. Use it
-/// as the deduplication key (for instance with `outbox_postgres::Inbox`).
-pub fn event_id(properties: &BasicProperties) -> Option<outbox_core::Uuid> {
+/// as the deduplication key (for instance with `txoutbox_postgres::Inbox`).
+pub fn event_id(properties: &BasicProperties) -> Option<txoutbox_core::Uuid> {
     if let Some(id) = properties
         .message_id()
         .as_ref()
@@ -29,7 +29,7 @@ mod event_id_tests {
 
     #[test]
     fn reads_the_message_id_then_the_header() {
-        let id = outbox_core::Uuid::now_v7();
+        let id = txoutbox_core::Uuid::now_v7();
         let p = BasicProperties::default().with_message_id(id.to_string().into());
         assert_eq!(event_id(&p), Some(id));
         let mut h = FieldTable::default();

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use lapin::message::BasicReturnMessage;
 use lapin::ErrorKind as LapinKind;
-use outbox_core::duration::format as duration;
-use outbox_core::{Error, ErrorKind, Uuid};
+use txoutbox_core::duration::format as duration;
+use txoutbox_core::{Error, ErrorKind, Uuid};
 
 /// How an AMQP reply code is classified: kind, and whether retrying may help.
 ///

@@ -15,11 +15,11 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
-use outbox_core::testkit::{
+use txoutbox_core::testkit::{
     publisher_suite, BrokerFixture, Built, CloudEventsBinding, Outage, PublisherFixture, Received,
     Setup, TcpProxy,
 };
-use outbox_core::{ErrorKind, Event, Publisher};
+use txoutbox_core::{ErrorKind, Event, Publisher};
 
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL")
@@ -226,7 +226,7 @@ impl Fixture {
     }
 
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {
-        outbox_core::testkit::wait_for_items(&self.got, count, timeout).await
+        txoutbox_core::testkit::wait_for_items(&self.got, count, timeout).await
     }
 
     pub async fn cleanup(self) {

@@ -6,12 +6,12 @@
 use std::process::Command;
 use std::time::Duration;
 
-use outbox_amqp::testing::Fixture;
-use outbox_core::testkit::publisher_suite::event;
-use outbox_core::{Event, Publisher};
+use txoutbox_amqp::testing::Fixture;
+use txoutbox_core::testkit::publisher_suite::event;
+use txoutbox_core::{Event, Publisher};
 
 fn eval(expr: &str) -> String {
-    outbox_amqp::testing::rabbitmqctl(&["eval", expr])
+    txoutbox_amqp::testing::rabbitmqctl(&["eval", expr])
         .trim()
         .to_string()
 }
@@ -79,7 +79,7 @@ async fn an_event_over_the_brokers_own_limit_fails_for_good_naming_the_limit() {
         sized("d", 0, 1000),
     ];
     let out = p.publish(&events).await;
-    let describe = |o: &outbox_core::PublishOutcome| match o {
+    let describe = |o: &txoutbox_core::PublishOutcome| match o {
         Ok(()) => "published".to_string(),
         Err(e) => format!("{:?} retryable={}: {e}", e.kind(), e.is_retryable()),
     };
@@ -87,7 +87,11 @@ async fn an_event_over_the_brokers_own_limit_fails_for_good_naming_the_limit() {
     let big = out[1]
         .as_ref()
         .expect_err("the broker refuses the 2 MiB event");
-    assert_eq!(big.kind(), outbox_core::ErrorKind::PayloadTooLarge, "{big}");
+    assert_eq!(
+        big.kind(),
+        txoutbox_core::ErrorKind::PayloadTooLarge,
+        "{big}"
+    );
     assert!(
         !big.is_retryable(),
         "a message the broker refuses as too large fails for good: {big}"

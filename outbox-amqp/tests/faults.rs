@@ -8,14 +8,14 @@ use std::time::Duration;
 
 use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use outbox_amqp::testing::Fixture;
-use outbox_amqp::AmqpPublisher;
-use outbox_core::testkit::publisher_suite::event;
-use outbox_core::Publisher;
+use txoutbox_amqp::testing::Fixture;
+use txoutbox_amqp::AmqpPublisher;
+use txoutbox_core::testkit::publisher_suite::event;
+use txoutbox_core::Publisher;
 
 /// Every message id in `queue`, read with basic.get on a new connection; the queue is deleted after.
 async fn drain_queue(queue: &str) -> HashSet<String> {
-    let conn = outbox_amqp::testing::connect().await;
+    let conn = txoutbox_amqp::testing::connect().await;
     let ch = conn.create_channel().await.unwrap();
     let mut ids = HashSet::new();
     while let Some(m) = ch
@@ -37,7 +37,7 @@ async fn drain_queue(queue: &str) -> HashSet<String> {
 async fn closed_connections_give_retryable_failures_then_recover() {
     let fx = Fixture::new().await;
     let p = std::sync::Arc::new(
-        AmqpPublisher::new(outbox_amqp::AmqpConfig {
+        AmqpPublisher::new(txoutbox_amqp::AmqpConfig {
             reconnect_initial_backoff: Duration::from_millis(100),
             reconnect_max_backoff: Duration::from_millis(500),
             ..fx.config()
@@ -109,7 +109,7 @@ async fn closed_connections_give_retryable_failures_then_recover() {
     let mut closed = 0;
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        closed += tokio::task::spawn_blocking(outbox_amqp::testing::close_publisher_connections)
+        closed += tokio::task::spawn_blocking(txoutbox_amqp::testing::close_publisher_connections)
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(500)).await;

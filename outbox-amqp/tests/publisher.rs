@@ -3,21 +3,21 @@
 
 use std::time::Duration;
 
-use outbox_amqp::testing::Fixture;
-use outbox_amqp::AmqpPublisher;
-use outbox_core::testkit::publisher_suite::event;
-use outbox_core::{ErrorKind, Publisher};
+use txoutbox_amqp::testing::Fixture;
+use txoutbox_amqp::AmqpPublisher;
+use txoutbox_core::testkit::publisher_suite::event;
+use txoutbox_core::{ErrorKind, Publisher};
 
 const WAIT: Duration = Duration::from_secs(30);
 
-// The publisher contract (outbox_core::testkit::publisher_suite), one test per rule.
-outbox_core::publisher_contract!(Fixture::new().await);
+// The publisher contract (txoutbox_core::testkit::publisher_suite), one test per rule.
+txoutbox_core::publisher_contract!(Fixture::new().await);
 
 /// With `amqp.cloudevents_prefix = "ce-"`, binary-mode CloudEvents are read by Knative's RabbitMQ
 /// binding (the CloudEvents SDK's `rabbitmq` binding) instead of the AMQP one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cloudevents_with_the_knative_prefix_are_read_by_its_binding() {
-    use outbox_core::testkit::{publisher_suite, BrokerFixture, CloudEventsBinding};
+    use txoutbox_core::testkit::{publisher_suite, BrokerFixture, CloudEventsBinding};
     let fx = Fixture::new().await.with_cloudevents_prefix("ce-");
     assert_eq!(fx.cloudevents_binding(), CloudEventsBinding::RabbitMq);
     publisher_suite::messages_in_each_format_are_read_by_a_cloudevents_library(&fx).await;
@@ -26,9 +26,9 @@ async fn cloudevents_with_the_knative_prefix_are_read_by_its_binding() {
 
 #[test]
 fn an_unknown_cloudevents_prefix_is_a_config_error() {
-    let config = outbox_amqp::AmqpConfig {
+    let config = txoutbox_amqp::AmqpConfig {
         cloudevents_prefix: "x-ce-".into(),
-        ..outbox_amqp::AmqpConfig::default()
+        ..txoutbox_amqp::AmqpConfig::default()
     };
     let e = AmqpPublisher::new(config).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config);
@@ -43,8 +43,8 @@ fn an_unknown_cloudevents_prefix_is_a_config_error() {
 /// every attribute of binary mode, and the content type in the message's property.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cloudevents_under_the_kafka_bindings_names_carry_every_attribute() {
-    use outbox_core::format::{Formatter, MessageFormat};
-    use outbox_core::testkit::{BrokerFixture, Setup};
+    use txoutbox_core::format::{Formatter, MessageFormat};
+    use txoutbox_core::testkit::{BrokerFixture, Setup};
     let fx = Fixture::new().await.with_cloudevents_prefix("ce_");
     let p = fx
         .build(Setup {
@@ -133,7 +133,7 @@ async fn unroutable_messages_are_failures_not_silent_successes() {
     let fx = Fixture::new().await;
     // An exchange with no queue bound: the publisher declares it, nothing can receive.
     let lonely = format!("{}.lonely", fx.exchange);
-    let p = AmqpPublisher::new(outbox_amqp::AmqpConfig {
+    let p = AmqpPublisher::new(txoutbox_amqp::AmqpConfig {
         exchange: lonely.clone(),
         ..fx.config()
     })
@@ -149,7 +149,7 @@ async fn unroutable_messages_are_failures_not_silent_successes() {
         );
         assert!(err.to_string().contains("312 NO_ROUTE"), "{err}");
     }
-    let p = AmqpPublisher::new(outbox_amqp::AmqpConfig {
+    let p = AmqpPublisher::new(txoutbox_amqp::AmqpConfig {
         exchange: lonely.clone(),
         unroutable_is_retryable: true,
         ..fx.config()
@@ -191,7 +191,7 @@ async fn ten_thousand_confirms_in_one_batch() {
 #[tokio::test]
 async fn a_missing_configured_exchange_is_reported_and_retryable() {
     let fx = Fixture::new().await;
-    let p = AmqpPublisher::new(outbox_amqp::AmqpConfig {
+    let p = AmqpPublisher::new(txoutbox_amqp::AmqpConfig {
         exchange: format!("{}.absent", fx.exchange),
         declare_exchange: false,
         reconnect_initial_backoff: Duration::from_millis(10),

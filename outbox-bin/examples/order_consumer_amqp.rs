@@ -3,7 +3,7 @@
 //! handler's write, so a redelivered message is acknowledged without being handled twice.
 //!
 //! ```sh
-//! cargo run -p outbox-bin --example order_consumer_amqp
+//! cargo run -p txoutbox --example order_consumer_amqp
 //! ```
 //! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `AMQP_URL`,
 //! `EXCHANGE` (default `outbox.events`), `QUEUE` (default `shipping.order-created`), `SCHEMA` (default
@@ -16,14 +16,14 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
-use outbox_postgres::{connect, Inbox, OutboxTable, Processed};
+use txoutbox_postgres::{connect, Inbox, OutboxTable, Processed};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
     let database_url = env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
-    let amqp_url = env("AMQP_URL", outbox_amqp::DEFAULT_URL);
-    let exchange = env("EXCHANGE", outbox_amqp::DEFAULT_EXCHANGE);
+    let amqp_url = env("AMQP_URL", txoutbox_amqp::DEFAULT_URL);
+    let exchange = env("EXCHANGE", txoutbox_amqp::DEFAULT_EXCHANGE);
     let queue = env("QUEUE", "shipping.order-created");
     let schema = env("SCHEMA", "shipping");
     let max: Option<usize> = std::env::var("MAX_MESSAGES")
@@ -86,7 +86,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut seen = 0;
     while let Some(delivery) = consumer.next().await {
         let delivery = delivery?;
-        let Some(event_id) = outbox_amqp::event_id(&delivery.properties) else {
+        let Some(event_id) = txoutbox_amqp::event_id(&delivery.properties) else {
             eprintln!("message without an event id: rejected");
             delivery
                 .nack(BasicNackOptions {

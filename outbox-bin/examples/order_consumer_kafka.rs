@@ -3,22 +3,22 @@
 //! handler's write; the offset is committed after, so a redelivered record is skipped, not re-handled.
 //!
 //! ```sh
-//! cargo run -p outbox-bin --example order_consumer_kafka
+//! cargo run -p txoutbox --example order_consumer_kafka
 //! ```
 //! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `KAFKA_BROKERS`,
 //! `TOPIC` (default `outbox.event.order`), `GROUP` (default `shipping`), `SCHEMA` (default `shipping`),
 //! `MAX_MESSAGES` (stop after that many records; default: run until Ctrl-C).
 
-use outbox_postgres::{connect, Inbox, OutboxTable, Processed};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::Message;
+use txoutbox_postgres::{connect, Inbox, OutboxTable, Processed};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
     let database_url = env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
-    let brokers = env("KAFKA_BROKERS", outbox_kafka::DEFAULT_BROKERS);
+    let brokers = env("KAFKA_BROKERS", txoutbox_kafka::DEFAULT_BROKERS);
     let topic = env("TOPIC", "outbox.event.order");
     let group = env("GROUP", "shipping");
     let schema = env("SCHEMA", "shipping");
@@ -50,7 +50,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut seen = 0;
     loop {
         let message = consumer.recv().await?;
-        let Some(event_id) = outbox_kafka::event_id(&message) else {
+        let Some(event_id) = txoutbox_kafka::event_id(&message) else {
             eprintln!(
                 "record without an event id at offset {}: skipped",
                 message.offset()

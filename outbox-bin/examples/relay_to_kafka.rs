@@ -2,7 +2,7 @@
 //! relays them to the topic `outbox.event.order`, and prints what a consumer reads back.
 //!
 //! ```sh
-//! cargo run -p outbox-bin --example relay_to_kafka
+//! cargo run -p txoutbox --example relay_to_kafka
 //! ```
 //! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `KAFKA_BROKERS`
 //! (default `127.0.0.1:9092`).
@@ -10,20 +10,20 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{NewEvent, Relay, RelayConfig};
-use outbox_kafka::{KafkaConfig, KafkaPublisher};
-use outbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
+use txoutbox_core::{NewEvent, Relay, RelayConfig};
+use txoutbox_kafka::{KafkaConfig, KafkaPublisher};
+use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let brokers =
-        std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| outbox_kafka::DEFAULT_BROKERS.into());
+        std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| txoutbox_kafka::DEFAULT_BROKERS.into());
 
     let pool = connect(&database_url, 4).await?;
     let table = OutboxTable::new("outbox_example", "outbox_events")?;

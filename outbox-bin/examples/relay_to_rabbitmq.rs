@@ -2,7 +2,7 @@
 //! binds a queue to the exchange, relays, and prints what the queue received.
 //!
 //! ```sh
-//! cargo run -p outbox-bin --example relay_to_rabbitmq
+//! cargo run -p txoutbox --example relay_to_rabbitmq
 //! ```
 //! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`).
@@ -11,16 +11,16 @@ use std::sync::Arc;
 
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use outbox_amqp::{AmqpConfig, AmqpPublisher};
-use outbox_core::{NewEvent, Publisher, Relay, RelayConfig};
-use outbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
+use txoutbox_amqp::{AmqpConfig, AmqpPublisher};
+use txoutbox_core::{NewEvent, Publisher, Relay, RelayConfig};
+use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let amqp = AmqpConfig {
-        url: std::env::var("AMQP_URL").unwrap_or_else(|_| outbox_amqp::DEFAULT_URL.into()),
+        url: std::env::var("AMQP_URL").unwrap_or_else(|_| txoutbox_amqp::DEFAULT_URL.into()),
         exchange: "outbox.example".into(),
         ..AmqpConfig::default()
     };

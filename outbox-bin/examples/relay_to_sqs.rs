@@ -2,7 +2,7 @@
 //! events (one transaction each), relays them, and prints what the queue holds.
 //!
 //! ```sh
-//! AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test cargo run -p outbox-bin --example relay_to_sqs
+//! AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test cargo run -p txoutbox --example relay_to_sqs
 //! ```
 //! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `SQS_ENDPOINT_URL`
 //! (default `http://127.0.0.1:4566`, the local emulator).
@@ -10,9 +10,9 @@
 use std::sync::Arc;
 
 use aws_sdk_sqs::types::QueueAttributeName;
-use outbox_core::{NewEvent, Relay, RelayConfig};
-use outbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
-use outbox_sqs::{SqsConfig, SqsPublisher};
+use txoutbox_core::{NewEvent, Relay, RelayConfig};
+use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
+use txoutbox_sqs::{SqsConfig, SqsPublisher};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -12,10 +12,10 @@
 
 use std::time::Duration;
 
-use outbox_core::CancellationToken;
 use tracing::{info, warn};
+use txoutbox_core::CancellationToken;
 
-use outbox_postgres::{CleanupBatch, CleanupLock, PostgresStore};
+use txoutbox_postgres::{CleanupBatch, CleanupLock, PostgresStore};
 
 use crate::metrics::{CleanupOutcome, Metrics};
 
@@ -73,8 +73,8 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     info!(
-        older_than = %outbox_core::duration::format(schedule.older_than),
-        every = %outbox_core::duration::format(schedule.interval),
+        older_than = %txoutbox_core::duration::format(schedule.older_than),
+        every = %txoutbox_core::duration::format(schedule.interval),
         "automatic cleanup of published rows is on"
     );
     metrics.cleanup_started();

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use outbox_core::{Publisher, Store};
+use txoutbox_core::{Publisher, Store};
 
 /// How long a readiness result is reused: probes closer together share one check.
 pub const READY_CACHE: Duration = Duration::from_secs(1);
@@ -108,7 +108,7 @@ impl Liveness {
                      (http.liveness_timeout = {})",
                     still.as_secs(),
                     hung.as_secs(),
-                    outbox_core::duration::format(self.timeout)
+                    txoutbox_core::duration::format(self.timeout)
                 ));
             }
         }
@@ -124,7 +124,7 @@ impl Liveness {
              (http.liveness_timeout = {})",
             still.as_secs(),
             oldest.as_secs(),
-            outbox_core::duration::format(self.timeout)
+            txoutbox_core::duration::format(self.timeout)
         ))
     }
 }
@@ -185,13 +185,13 @@ struct ReadyState {
 /// Runs one component's check on a task of its own, at most [`CHECK_LIMIT`] (then it is aborted): a
 /// check that panics counts as failed, like one that errs.
 async fn contained(
-    check: impl std::future::Future<Output = Result<(), outbox_core::Error>> + Send + 'static,
-) -> Result<Result<(), outbox_core::Error>, tokio::time::error::Elapsed> {
+    check: impl std::future::Future<Output = Result<(), txoutbox_core::Error>> + Send + 'static,
+) -> Result<Result<(), txoutbox_core::Error>, tokio::time::error::Elapsed> {
     let mut task = tokio::spawn(check);
     match tokio::time::timeout(CHECK_LIMIT, &mut task).await {
         Ok(Ok(result)) => Ok(result),
-        Ok(Err(join)) => Ok(Err(outbox_core::Error::new(
-            outbox_core::ErrorKind::Unexpected,
+        Ok(Err(join)) => Ok(Err(txoutbox_core::Error::new(
+            txoutbox_core::ErrorKind::Unexpected,
             format!("the check failed unexpectedly: {join}"),
         ))),
         Err(elapsed) => {
@@ -266,7 +266,7 @@ impl Readiness {
     /// Runs both checks at once, publishing each outcome as it comes, then keeps the result.
     async fn run_checks(&self, tx: watch::Sender<Outcomes>) {
         let errors = Mutex::new(Vec::new());
-        let record = |what: &str, result: Result<Result<(), outbox_core::Error>, _>| {
+        let record = |what: &str, result: Result<Result<(), txoutbox_core::Error>, _>| {
             let error = match result {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e.to_string()),
@@ -329,8 +329,8 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use async_trait::async_trait;
-    use outbox_core::testkit::MemoryStore;
-    use outbox_core::{Batch, ClaimRequest, Error, ErrorKind, Event, PublishOutcome, StoreStats};
+    use txoutbox_core::testkit::MemoryStore;
+    use txoutbox_core::{Batch, ClaimRequest, Error, ErrorKind, Event, PublishOutcome, StoreStats};
 
     #[test]
     fn liveness_fails_only_without_progress_while_work_is_due() {

@@ -11,7 +11,7 @@ use axum::routing::get;
 use axum::Router;
 use tokio::net::TcpListener;
 
-use outbox_core::{CancellationToken, Error, ErrorKind};
+use txoutbox_core::{CancellationToken, Error, ErrorKind};
 
 use crate::health::{ready_text, Liveness, Readiness};
 use crate::metrics::Metrics;

@@ -6,8 +6,8 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     release_large_blocks();
-    let cli = outbox_bin::cli::Cli::parse();
-    outbox_bin::cli::run(cli, std::env::vars().collect())
+    let cli = txoutbox::cli::Cli::parse();
+    txoutbox::cli::run(cli, std::env::vars().collect())
 }
 
 /// Gives payload-sized memory back to the system as soon as it is freed.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use outbox_core::{Error, Event, PublishOutcome, Publisher};
+use txoutbox_core::{Error, Event, PublishOutcome, Publisher};
 
 /// Where the benchmark's progress lines go.
 pub type Progress = dyn for<'a> Fn(&'a str) + Send + Sync;

@@ -7,9 +7,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::OutboxTable;
 use sqlx::Row;
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::OutboxTable;
 
 #[test]
 fn help_teaches_and_usage_errors_exit_2() {
@@ -318,7 +318,7 @@ async fn relays_remove_expired_kept_rows_themselves_one_at_a_time() {
             std::thread::spawn(move || {
                 tokio::runtime::Runtime::new().unwrap().block_on(async {
                     use sqlx::Connection;
-                    let url = outbox_postgres::testing::database_url();
+                    let url = txoutbox_postgres::testing::database_url();
                     let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
                     let n = sqlx::query_scalar::<_, i64>(&sql)
                         .fetch_one(&mut conn)
@@ -920,7 +920,7 @@ async fn a_stdout_nobody_reads_stalls_neither_the_endpoints_nor_the_exit() {
     .execute(&pg)
     .await
     .unwrap();
-    let (tag, url) = outbox_postgres::testing::database_url_named("outbox-ready");
+    let (tag, url) = txoutbox_postgres::testing::database_url_named("outbox-ready");
     let port = free_port();
     let mut c = outbox(&table, &["relay"]);
     c.env("DATABASE_URL", url)
@@ -955,7 +955,7 @@ async fn a_stdout_nobody_reads_stalls_neither_the_endpoints_nor_the_exit() {
         assert_eq!(code, 200);
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    let n = outbox_postgres::testing::sessions_holding_a_claim(&pg, &tag).await;
+    let n = txoutbox_postgres::testing::sessions_holding_a_claim(&pg, &tag).await;
     assert!(
         n >= 1,
         "the write was still blocked while the endpoints answered"

@@ -9,15 +9,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use outbox_amqp::testing::Fixture;
-use outbox_core::testkit::sample_event;
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{OutboxTable, Writer};
+use txoutbox_amqp::testing::Fixture;
+use txoutbox_core::testkit::sample_event;
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{OutboxTable, Writer};
 
 fn with_amqp(table: &OutboxTable, fx: &Fixture, args: &[&str]) -> std::process::Command {
     let mut c = outbox(table, args);
     c.env("OUTBOX_PUBLISHER__TYPE", "amqp")
-        .env("OUTBOX_AMQP__URL", outbox_amqp::testing::amqp_url())
+        .env("OUTBOX_AMQP__URL", txoutbox_amqp::testing::amqp_url())
         .env("OUTBOX_AMQP__EXCHANGE", &fx.exchange);
     c
 }

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{outbox, run, text, unmigrated_table};
-use outbox_postgres::testing::pool;
 use serde_json::Value;
+use txoutbox_postgres::testing::pool;
 
 fn bench_schema() -> String {
     format!(
@@ -21,9 +21,12 @@ fn bench(schema: &str, broker: &str, extra: &[&str]) -> (i32, Value, String) {
     let mut args = vec!["bench", "--broker", broker, "--schema", schema, "--json"];
     args.extend_from_slice(extra);
     let mut c = outbox(&table, &args);
-    c.env("OUTBOX_AMQP__URL", outbox_amqp::testing::amqp_url())
-        .env("OUTBOX_KAFKA__BROKERS", outbox_kafka::testing::brokers())
-        .env("OUTBOX_SQS__ENDPOINT_URL", outbox_sqs::testing::endpoint())
+    c.env("OUTBOX_AMQP__URL", txoutbox_amqp::testing::amqp_url())
+        .env("OUTBOX_KAFKA__BROKERS", txoutbox_kafka::testing::brokers())
+        .env(
+            "OUTBOX_SQS__ENDPOINT_URL",
+            txoutbox_sqs::testing::endpoint(),
+        )
         .env("OUTBOX_SQS__REGION", "us-east-1")
         .env("AWS_ACCESS_KEY_ID", "test")
         .env("AWS_SECRET_ACCESS_KEY", "test");

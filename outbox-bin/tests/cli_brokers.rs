@@ -7,10 +7,10 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::OutboxTable;
-use outbox_tests::harness::{Broker, Sink};
-use outbox_tests::{check, write_rounds};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::OutboxTable;
+use txoutbox_tests::harness::{Broker, Sink};
+use txoutbox_tests::{check, write_rounds};
 
 fn with_sink(table: &OutboxTable, sink: &Sink, args: &[&str]) -> std::process::Command {
     let mut c = outbox(table, args);
@@ -66,13 +66,13 @@ async fn sqs() {
 /// part and the statistics: the listener and the batches do not take every connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_reaches_the_database_with_every_batch_in_flight_and_notify_on() {
-    let (tansu, brokers) = outbox_tests::harness::own_tansu(None);
-    let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "held", 1).await;
+    let (tansu, brokers) = txoutbox_tests::harness::own_tansu(None);
+    let fx = txoutbox_kafka::testing::Fixture::create_at(&brokers, "held", 1).await;
     let table = unmigrated_table();
     let mut c = outbox(&table, &["migrate"]);
     c.env("OUTBOX_DATABASE__NOTIFY", "true");
     assert_eq!(run(c).status.code(), Some(0));
-    let (tag, url) = outbox_postgres::testing::database_url_named("outbox-ready");
+    let (tag, url) = txoutbox_postgres::testing::database_url_named("outbox-ready");
     let port = free_port();
     let mut c = outbox(&table, &["relay"]);
     c.env("DATABASE_URL", url)
@@ -121,7 +121,7 @@ async fn readiness_reaches_the_database_with_every_batch_in_flight_and_notify_on
             .unwrap();
         assert_eq!(code, 200);
     }
-    let n = outbox_postgres::testing::sessions_holding_a_claim(&pg, &tag).await;
+    let n = txoutbox_postgres::testing::sessions_holding_a_claim(&pg, &tag).await;
     assert_eq!(n, 2, "both batches still held while readiness was checked");
     let _ = std::process::Command::new("kill")
         .args(["-CONT", &tansu.id().to_string()])

@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use outbox_postgres::testing::{database_url, fresh_table, pool};
+use txoutbox_postgres::testing::{database_url, fresh_table, pool};
 
 fn kubernetes() -> PathBuf {
     deploy().join("kubernetes")
@@ -202,7 +202,7 @@ async fn every_container_runs_with_the_environment_kubernetes_gives_it() {
         ),
         (
             "OUTBOX_KAFKA__BROKERS".to_string(),
-            outbox_kafka::testing::brokers(),
+            txoutbox_kafka::testing::brokers(),
         ),
         (
             "OUTBOX_HTTP__LISTEN".to_string(),

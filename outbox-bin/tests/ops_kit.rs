@@ -14,8 +14,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use outbox_amqp::testing::Fixture;
-use outbox_postgres::testing::{fresh_table, pool};
+use txoutbox_amqp::testing::Fixture;
+use txoutbox_postgres::testing::{fresh_table, pool};
 
 fn promtool() -> PathBuf {
     tool("promtool", "PROMTOOL")
@@ -368,7 +368,7 @@ async fn scrape_of_a_relay_exporting_everything() -> String {
     let port = free_port();
     let mut c = outbox(&table, &["relay"]);
     c.env("OUTBOX_PUBLISHER__TYPE", "amqp")
-        .env("OUTBOX_AMQP__URL", outbox_amqp::testing::amqp_url())
+        .env("OUTBOX_AMQP__URL", txoutbox_amqp::testing::amqp_url())
         .env("OUTBOX_AMQP__EXCHANGE", &fx.exchange)
         .env("OUTBOX_HTTP__ENABLED", "true")
         .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
@@ -639,7 +639,7 @@ fn the_dockerfile_builds_what_the_tests_build_and_ships_what_the_binary_links() 
     // every adapter the binary's `full` feature has).
     let build_runs = runs(build);
     assert!(
-        build_runs.contains("cargo build --release --locked -p outbox-bin --no-default-features --features \"${FEATURES}\""),
+        build_runs.contains("cargo build --release --locked -p txoutbox --no-default-features --features \"${FEATURES}\""),
         "{build_runs}"
     );
     let manifest =

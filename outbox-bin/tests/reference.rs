@@ -142,7 +142,7 @@ fn plain(text: &str) -> Option<String> {
     if value.contains('<') {
         return None;
     }
-    if let Ok(d) = outbox_core::duration::parse(&value) {
+    if let Ok(d) = txoutbox_core::duration::parse(&value) {
         if value.chars().any(|c| c.is_ascii_alphabetic()) {
             return Some(format!("{}ms", d.as_millis()));
         }

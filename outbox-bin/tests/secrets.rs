@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use outbox_postgres::testing::database_url;
+use txoutbox_postgres::testing::database_url;
 
 const PASSWORD: &str = "Pw-4e1f-never-printed";
 

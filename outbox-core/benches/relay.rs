@@ -1,6 +1,6 @@
 //! The relay engine's own cost per event, without a database or a broker: claims from the in-memory
 //! store, a publisher that acknowledges at once (or fails one aggregate in ten, retryably), and the
-//! settlement of every outcome through the retry and ordering policies. `cargo bench -p outbox-core`
+//! settlement of every outcome through the retry and ordering policies. `cargo bench -p txoutbox-core`
 //! prints the time per drain of 10,000 events; divide by 10,000 for the cost per event.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use outbox_core::testkit::MemoryStore;
-use outbox_core::{
+use txoutbox_core::testkit::MemoryStore;
+use txoutbox_core::{
     Error, ErrorKind, Event, NewEvent, PublishOutcome, Publisher, Relay, RelayConfig, RetryPolicy,
 };
 

@@ -60,7 +60,7 @@ pub fn format(d: Duration) -> String {
     }
 }
 
-/// `#[serde(with = "outbox_core::duration::serde_str")]` for `Duration` fields written as text.
+/// `#[serde(with = "txoutbox_core::duration::serde_str")]` for `Duration` fields written as text.
 pub mod serde_str {
     use super::*;
 
@@ -120,7 +120,7 @@ mod tests {
     }
 }
 
-/// `#[serde(default, with = "outbox_core::duration::serde_opt", skip_serializing_if = "Option::is_none")]`
+/// `#[serde(default, with = "txoutbox_core::duration::serde_opt", skip_serializing_if = "Option::is_none")]`
 /// for optional `Duration` fields written as text (absent: `None`).
 pub mod serde_opt {
     use super::*;

@@ -1,7 +1,7 @@
 //! The ports: [`Store`] (used only by the relay) and [`Publisher`] (talks only to a broker).
 //!
 //! The writer that enqueues events inside the caller's transaction lives with the store that defines
-//! the table (for PostgreSQL: `outbox_postgres::Writer`).
+//! the table (for PostgreSQL: `txoutbox_postgres::Writer`).
 
 use std::time::Duration;
 

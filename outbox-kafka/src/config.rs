@@ -6,8 +6,8 @@ use std::time::Duration;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize};
 
-use outbox_core::routing::{AllowList, Template};
-use outbox_core::{duration, Error};
+use txoutbox_core::routing::{AllowList, Template};
+use txoutbox_core::{duration, Error};
 
 /// The default bootstrap servers: a local broker.
 pub const DEFAULT_BROKERS: &str = "127.0.0.1:9092";
@@ -27,7 +27,7 @@ pub struct KafkaConfig {
     pub acks: String,
     /// Idempotent producer: no duplicates or reordering from producer retries, and no gap in what
     /// is written (`enable.gapless.guarantee`), so that an aggregate's run of events goes to the
-    /// broker in one call ([`outbox_core::Publisher::keeps_order`]). Default true; without it, an
+    /// broker in one call ([`txoutbox_core::Publisher::keeps_order`]). Default true; without it, an
     /// aggregate's next event is sent only once the one before is acknowledged.
     pub idempotence: bool,
     /// `max.in.flight.requests.per.connection`: at most 5 with idempotence (order kept). Default 5.
@@ -187,9 +187,9 @@ impl Default for KafkaConfig {
 }
 
 /// True for property names whose values must not be shown (`sasl.password`,
-/// `sasl.oauthbearer.config`, `ssl.key.pem`...): the toolkit's rule, [`outbox_core::redact::is_secret_name`].
+/// `sasl.oauthbearer.config`, `ssl.key.pem`...): the toolkit's rule, [`txoutbox_core::redact::is_secret_name`].
 pub fn is_secret(key: &str) -> bool {
-    outbox_core::redact::is_secret_name(key)
+    txoutbox_core::redact::is_secret_name(key)
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -264,15 +264,15 @@ impl KafkaConfig {
 
     /// The publisher's own limit of one call (`Publisher::call_limit`): the enqueue and delivery
     /// timeouts, the reports' margin, and a stalled producer's metadata check.
-    pub fn call_limit(&self) -> outbox_core::CallLimit {
-        outbox_core::CallLimit {
+    pub fn call_limit(&self) -> txoutbox_core::CallLimit {
+        txoutbox_core::CallLimit {
             limit: self.enqueue_timeout + self.delivery_timeout + REPORT_MARGIN + self.check_timeout(),
             settings: format!(
                 "kafka.enqueue_timeout {} + kafka.delivery_timeout {} + {} + a stalled producer's metadata check {}",
-                outbox_core::duration::format(self.enqueue_timeout),
-                outbox_core::duration::format(self.delivery_timeout),
-                outbox_core::duration::format(REPORT_MARGIN),
-                outbox_core::duration::format(self.check_timeout())
+                txoutbox_core::duration::format(self.enqueue_timeout),
+                txoutbox_core::duration::format(self.delivery_timeout),
+                txoutbox_core::duration::format(REPORT_MARGIN),
+                txoutbox_core::duration::format(self.check_timeout())
             ),
         }
     }

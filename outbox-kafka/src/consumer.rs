@@ -1,12 +1,12 @@
 //! The consumer side: reading what the publisher wrote into each record.
 
-use outbox_core::header;
 #[cfg(test)]
 use rdkafka::message::{Header, OwnedHeaders};
+use txoutbox_core::header;
 
 /// The event id of a received record: its `outbox-event-id` header. Use it as the deduplication key
-/// (for instance with `outbox_postgres::Inbox`).
-pub fn event_id<M: rdkafka::message::Message>(message: &M) -> Option<outbox_core::Uuid> {
+/// (for instance with `txoutbox_postgres::Inbox`).
+pub fn event_id<M: rdkafka::message::Message>(message: &M) -> Option<txoutbox_core::Uuid> {
     use rdkafka::message::Headers;
     let headers = message.headers()?;
     headers
@@ -24,7 +24,7 @@ mod event_id_tests {
 
     #[test]
     fn reads_the_header() {
-        let id = outbox_core::Uuid::now_v7();
+        let id = txoutbox_core::Uuid::now_v7();
         let headers = OwnedHeaders::new().insert(Header {
             key: header::EVENT_ID,
             value: Some(id.to_string().as_str()),

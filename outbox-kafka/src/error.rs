@@ -3,8 +3,8 @@
 
 use std::fmt::Display;
 
-use outbox_core::{Error, ErrorKind, Uuid};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
+use txoutbox_core::{Error, ErrorKind, Uuid};
 
 /// How a librdkafka / broker error code is classified: kind, and whether retrying may help.
 ///

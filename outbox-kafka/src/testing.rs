@@ -16,10 +16,10 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
-use outbox_core::testkit::{
+use txoutbox_core::testkit::{
     BrokerFixture, Built, CloudEventsBinding, Outage, OwnServer, PublisherFixture, Received, Setup,
 };
-use outbox_core::{ErrorKind, Event, Publisher};
+use txoutbox_core::{ErrorKind, Event, Publisher};
 
 use crate::{KafkaConfig, KafkaPublisher};
 
@@ -86,7 +86,14 @@ fn start_tansu(
         dir.parent()
     });
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    outbox_core::testkit::spawn_tool_in(cwd, "TANSU_BIN", "tansu", "a Tansu broker", &args, stderr)
+    txoutbox_core::testkit::spawn_tool_in(
+        cwd,
+        "TANSU_BIN",
+        "tansu",
+        "a Tansu broker",
+        &args,
+        stderr,
+    )
 }
 
 /// A message as the consumer saw it.
@@ -143,9 +150,9 @@ fn delivered(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivered {
         aggregate_id: key
             .as_ref()
             .map(|k| String::from_utf8_lossy(k).into_owned()),
-        event_type: headers.get(outbox_core::header::EVENT_TYPE).cloned(),
+        event_type: headers.get(txoutbox_core::header::EVENT_TYPE).cloned(),
         payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
-        content_type: headers.get(outbox_core::header::CONTENT_TYPE).cloned(),
+        content_type: headers.get(txoutbox_core::header::CONTENT_TYPE).cloned(),
         headers,
         destination: m.topic().to_string(),
     };
@@ -371,7 +378,7 @@ impl Fixture {
     }
 
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {
-        outbox_core::testkit::wait_for_items(&self.got, count, timeout).await
+        txoutbox_core::testkit::wait_for_items(&self.got, count, timeout).await
     }
 }
 

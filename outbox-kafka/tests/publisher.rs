@@ -4,15 +4,15 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox_core::testkit::publisher_suite::event;
-use outbox_core::Publisher;
-use outbox_kafka::testing::Fixture;
-use outbox_kafka::KafkaPublisher;
+use txoutbox_core::testkit::publisher_suite::event;
+use txoutbox_core::Publisher;
+use txoutbox_kafka::testing::Fixture;
+use txoutbox_kafka::KafkaPublisher;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-// The publisher contract (outbox_core::testkit::publisher_suite), one test per rule.
-outbox_core::publisher_contract!(Fixture::new(3).await);
+// The publisher contract (txoutbox_core::testkit::publisher_suite), one test per rule.
+txoutbox_core::publisher_contract!(Fixture::new(3).await);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_headers_and_order_across_partitions() {
@@ -95,7 +95,7 @@ async fn ten_thousand_events_in_one_batch() {
 async fn per_event_topics_and_templates() {
     let fx = Fixture::new(1).await;
     // The template renders the topic from the event ("outbox.test.<id>" = "outbox." + aggregate type).
-    let p = KafkaPublisher::new(outbox_kafka::KafkaConfig {
+    let p = KafkaPublisher::new(txoutbox_kafka::KafkaConfig {
         topic: "outbox.{aggregate_type}".into(),
         ..fx.config()
     })
@@ -116,25 +116,25 @@ async fn per_event_topics_and_templates() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_creates_a_topic_and_reads_its_partition_count() {
-    let config = outbox_kafka::KafkaConfig {
-        brokers: outbox_kafka::testing::brokers(),
-        ..outbox_kafka::KafkaConfig::default()
+    let config = txoutbox_kafka::KafkaConfig {
+        brokers: txoutbox_kafka::testing::brokers(),
+        ..txoutbox_kafka::KafkaConfig::default()
     };
     let topic = format!("outbox.test.admin.{}", uuid::Uuid::new_v4().simple());
     // Creating it again (with another count) keeps it as it is: the count tells what a caller got.
     for asked in [3, 5] {
-        outbox_kafka::admin::create_topic(&config, &topic, asked, 1)
+        txoutbox_kafka::admin::create_topic(&config, &topic, asked, 1)
             .await
             .unwrap();
         assert_eq!(
-            outbox_kafka::admin::partition_count(&config, &topic)
+            txoutbox_kafka::admin::partition_count(&config, &topic)
                 .await
                 .unwrap(),
             Some(3),
             "after asking for {asked}"
         );
     }
-    outbox_kafka::admin::delete_topic(&config, &topic)
+    txoutbox_kafka::admin::delete_topic(&config, &topic)
         .await
         .unwrap();
 }

@@ -2,7 +2,7 @@
 //! transaction. A relay (`outbox relay`, or the library) publishes the events.
 //!
 //! ```sh
-//! cargo run -p outbox-postgres --example order_service
+//! cargo run -p txoutbox-postgres --example order_service
 //! curl -X POST 127.0.0.1:8080/orders -H 'content-type: application/json' -d '{"customer_id":"c-1","total_cents":1250}'
 //! ```
 //! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `LISTEN` (default
@@ -14,10 +14,10 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use outbox_core::NewEvent;
-use outbox_postgres::{connect, migrate, OutboxTable, Writer};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
+use txoutbox_core::NewEvent;
+use txoutbox_postgres::{connect, migrate, OutboxTable, Writer};
 
 #[derive(Clone)]
 struct App {
@@ -35,7 +35,7 @@ struct NewOrder {
 #[derive(Serialize)]
 struct Created {
     order_id: i64,
-    event_id: outbox_core::Uuid,
+    event_id: txoutbox_core::Uuid,
 }
 
 async fn create_order(

@@ -2,16 +2,16 @@
 //! standard output as JSON lines.
 //!
 //! ```sh
-//! cargo run -p outbox-postgres --example orders_to_stdout            # 5 orders
-//! ORDERS=100 cargo run -p outbox-postgres --example orders_to_stdout
+//! cargo run -p txoutbox-postgres --example orders_to_stdout            # 5 orders
+//! ORDERS=100 cargo run -p txoutbox-postgres --example orders_to_stdout
 //! ```
 //! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
 
 use std::sync::Arc;
 
-use outbox_core::publishers::JsonLinesPublisher;
-use outbox_core::{NewEvent, Relay, RelayConfig};
-use outbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
+use txoutbox_core::publishers::JsonLinesPublisher;
+use txoutbox_core::{NewEvent, Relay, RelayConfig};
+use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -2,7 +2,7 @@
 //! POSTs each event as JSON to a webhook, over the PostgreSQL store.
 //!
 //! ```sh
-//! cargo run -p outbox-postgres --example webhook_relay
+//! cargo run -p txoutbox-postgres --example webhook_relay
 //! ```
 //! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `WEBHOOK_URL`
 //! (default: a receiver this example starts on 127.0.0.1, which prints what it gets), `EVENTS`
@@ -19,11 +19,11 @@ use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use outbox_core::publishers::JsonLinesPublisher;
-use outbox_core::{
+use txoutbox_core::publishers::JsonLinesPublisher;
+use txoutbox_core::{
     Error, ErrorKind, Event, NewEvent, PublishOutcome, Publisher, Relay, RelayConfig,
 };
-use outbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
+use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
 
 /// POSTs each event to `url`; 2xx = published, 408/429/5xx = retryable, other 4xx = permanent.
 struct WebhookPublisher {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use outbox_core::{duration, Error};
+use txoutbox_core::{duration, Error};
 
 use crate::store::Retention;
 use crate::table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
@@ -105,7 +105,7 @@ impl Default for DatabaseConfig {
     }
 }
 
-pub use outbox_core::redact_url;
+pub use txoutbox_core::redact_url;
 
 impl std::fmt::Debug for DatabaseConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -1,6 +1,6 @@
 //! Classification of database errors into the toolkit's error model, by SQLSTATE.
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 /// How a SQLSTATE code is classified: kind, and whether retrying may help.
 pub fn classify_sqlstate(code: &str) -> (ErrorKind, bool) {

@@ -4,7 +4,7 @@
 
 use sqlx::PgConnection;
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;

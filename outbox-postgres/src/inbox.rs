@@ -5,8 +5,8 @@
 //! in the same transaction as the handler's own writes: both commit together, or neither does (a
 //! handler error rolls back the record, so the message is processed again on redelivery).
 //!
-//! The event id travels in each broker's native field; `outbox_amqp::event_id`,
-//! `outbox_kafka::event_id` and `outbox_sqs::event_id` read it back.
+//! The event id travels in each broker's native field; `txoutbox_amqp::event_id`,
+//! `txoutbox_kafka::event_id` and `txoutbox_sqs::event_id` read it back.
 
 use std::time::Duration;
 
@@ -14,7 +14,7 @@ use futures_core::future::BoxFuture;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 use crate::error::map_sqlx;
 use crate::migrate::{apply, render_names, RenderedMigration};
@@ -87,7 +87,7 @@ mod error_tests {
     #[test]
     fn each_cause_is_printed_once_along_the_chain() {
         let e: InboxError<String> = InboxError::Store(Error::new(
-            outbox_core::ErrorKind::Connection,
+            txoutbox_core::ErrorKind::Connection,
             "connection reset by the server",
         ));
         let mut chain = vec![e.to_string()];
@@ -198,8 +198,8 @@ impl Inbox {
     /// handler's writes together with the inbox record.
     ///
     /// ```no_run
-    /// # async fn demo(pool: sqlx::PgPool, inbox: outbox_postgres::Inbox, id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
-    /// use outbox_postgres::Processed;
+    /// # async fn demo(pool: sqlx::PgPool, inbox: txoutbox_postgres::Inbox, id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
+    /// use txoutbox_postgres::Processed;
     /// let outcome = inbox
     ///     .process(&pool, id, |conn| Box::pin(async move {
     ///         sqlx::query("UPDATE stock SET reserved = reserved + 1").execute(&mut *conn).await?;

@@ -9,7 +9,7 @@
 use sqlx::migrate::Migrator;
 use sqlx::{Executor, PgPool};
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;

@@ -17,7 +17,7 @@ use sqlx::{Executor, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use outbox_core::{Error, ErrorKind, Wake};
+use txoutbox_core::{Error, ErrorKind, Wake};
 
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;

@@ -9,7 +9,10 @@ use crate::error::map_sqlx;
 ///
 /// # Errors
 /// A connection error naming the host (the password is never shown) and how to fix it.
-pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, outbox_core::Error> {
+pub async fn connect(
+    url: &str,
+    max_connections: u32,
+) -> Result<sqlx::PgPool, txoutbox_core::Error> {
     connect_url(
         url,
         "database.url",
@@ -23,7 +26,7 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, ou
 ///
 /// # Errors
 /// As [`connect`].
-pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, outbox_core::Error> {
+pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, txoutbox_core::Error> {
     connect_url(
         &config.url,
         "database.url",
@@ -62,12 +65,12 @@ pub(crate) async fn connect_url(
     setting: &str,
     max_connections: u32,
     acquire_timeout: std::time::Duration,
-) -> Result<sqlx::PgPool, outbox_core::Error> {
+) -> Result<sqlx::PgPool, txoutbox_core::Error> {
     use sqlx::postgres::PgPoolOptions;
     use sqlx::{postgres::PgConnection, Connection};
     let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| {
-        outbox_core::Error::new(
-            outbox_core::ErrorKind::Config,
+        txoutbox_core::Error::new(
+            txoutbox_core::ErrorKind::Config,
             format!("{setting} is not a valid PostgreSQL URL: expected postgres://user[:password]@host[:port]/database"),
         )
         .with_source(e)
@@ -86,10 +89,10 @@ pub(crate) async fn connect_url(
     // One connection first, on its own: the pool reports only that it timed out, hiding the cause
     // (refused, a name that does not resolve, a password refused, a certificate refused).
     let failed = |e: sqlx::Error| {
-        if let Some(problem) = outbox_core::tls::certificate_problem(&e) {
-            return outbox_core::tls::certificate_error(
+        if let Some(problem) = txoutbox_core::tls::certificate_problem(&e) {
+            return txoutbox_core::tls::certificate_error(
                 problem,
-                outbox_core::tls::TlsSettings {
+                txoutbox_core::tls::TlsSettings {
                     server: "PostgreSQL",
                     host: &host,
                     address: setting,
@@ -99,7 +102,7 @@ pub(crate) async fn connect_url(
             .with_source(map_sqlx("connect", e));
         }
         let base = map_sqlx("connect", e);
-        outbox_core::Error::new(
+        txoutbox_core::Error::new(
             base.kind(),
             format!("cannot connect to PostgreSQL at {where_}: is the server running and the database created?"),
         )
@@ -112,12 +115,12 @@ pub(crate) async fn connect_url(
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match tokio::time::timeout(left, PgConnection::connect_with(&options)).await {
             Err(_) => {
-                return Err(outbox_core::Error::new(
-                    outbox_core::ErrorKind::Timeout,
+                return Err(txoutbox_core::Error::new(
+                    txoutbox_core::ErrorKind::Timeout,
                     format!(
                         "PostgreSQL at {where_} did not answer within database.acquire_timeout ({}): is the address right, \
                          and does a firewall let the connection through?",
-                        outbox_core::duration::format(acquire_timeout)
+                        txoutbox_core::duration::format(acquire_timeout)
                     ),
                 ))
             }
@@ -129,7 +132,7 @@ pub(crate) async fn connect_url(
                     "tried for",
                     format!(
                         "database.acquire_timeout {}",
-                        outbox_core::duration::format(acquire_timeout)
+                        txoutbox_core::duration::format(acquire_timeout)
                     ),
                 ))
             }

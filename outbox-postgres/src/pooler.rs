@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
 use sqlx::Connection;
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 use crate::config::DatabaseConfig;
 use crate::error::map_sqlx;

@@ -10,7 +10,7 @@ use sqlx::query::Query;
 use sqlx::{Postgres, Row};
 use uuid::Uuid;
 
-use outbox_core::{Error, Event, NewEvent, Payload, JSON_CONTENT_TYPE};
+use txoutbox_core::{Error, Event, NewEvent, Payload, JSON_CONTENT_TYPE};
 
 use crate::error::map_sqlx;
 

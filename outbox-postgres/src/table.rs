@@ -1,6 +1,6 @@
 //! Where the outbox lives: schema and table names, validated as identifiers.
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 /// Default schema.
 pub const DEFAULT_SCHEMA: &str = "public";

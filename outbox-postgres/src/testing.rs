@@ -7,8 +7,8 @@ use async_trait::async_trait;
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-use outbox_core::testkit::{EventState, EventStatus, StoreFixture, TestStore};
-use outbox_core::{Error, NewEvent};
+use txoutbox_core::testkit::{EventState, EventStatus, StoreFixture, TestStore};
+use txoutbox_core::{Error, NewEvent};
 
 use crate::error::map_sqlx;
 use crate::migrate::migrate;
@@ -125,11 +125,11 @@ impl PgTestStore {
 }
 
 #[async_trait]
-impl outbox_core::Store for PgTestStore {
-    async fn claim(&self, r: outbox_core::ClaimRequest) -> Result<outbox_core::Batch, Error> {
+impl txoutbox_core::Store for PgTestStore {
+    async fn claim(&self, r: txoutbox_core::ClaimRequest) -> Result<txoutbox_core::Batch, Error> {
         self.store.claim(r).await
     }
-    async fn stats(&self) -> Result<outbox_core::StoreStats, Error> {
+    async fn stats(&self) -> Result<txoutbox_core::StoreStats, Error> {
         self.store.stats().await
     }
     async fn check(&self) -> Result<(), Error> {
@@ -212,13 +212,13 @@ pub struct WalTestStore {
 }
 
 #[async_trait]
-impl outbox_core::Store for WalTestStore {
-    async fn claim(&self, r: outbox_core::ClaimRequest) -> Result<outbox_core::Batch, Error> {
+impl txoutbox_core::Store for WalTestStore {
+    async fn claim(&self, r: txoutbox_core::ClaimRequest) -> Result<txoutbox_core::Batch, Error> {
         self.store.claim(r).await
     }
     /// Once the reader has moved what was settled as failures to the held table (a moment after
     /// the settlement).
-    async fn stats(&self) -> Result<outbox_core::StoreStats, Error> {
+    async fn stats(&self) -> Result<txoutbox_core::StoreStats, Error> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         while self.store.moving() && std::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;

@@ -7,10 +7,10 @@
 
 use std::collections::BTreeSet;
 
-use outbox_core::{Action, ClaimRequest, OrderingPolicy, Settlement, Store};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{OutboxTable, PostgresStore};
 use sqlx::PgPool;
+use txoutbox_core::{Action, ClaimRequest, OrderingPolicy, Settlement, Store};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{OutboxTable, PostgresStore};
 
 fn strict(limit: usize) -> ClaimRequest {
     ClaimRequest::new(limit, OrderingPolicy::PerAggregate)
@@ -59,7 +59,7 @@ struct NextEvents(std::collections::BTreeMap<String, u32>);
 
 impl NextEvents {
     /// Checks that `events` are, per aggregate, its next ones in order, and moves past them.
-    fn take(&mut self, events: &[outbox_core::Event]) {
+    fn take(&mut self, events: &[txoutbox_core::Event]) {
         for e in events {
             let n: u32 = e.event_type[1..].parse().unwrap();
             let expected = self.0.entry(e.aggregate_id.clone()).or_insert(1);
@@ -73,7 +73,7 @@ impl NextEvents {
     }
 }
 
-fn aggregates(events: &[outbox_core::Event]) -> BTreeSet<String> {
+fn aggregates(events: &[txoutbox_core::Event]) -> BTreeSet<String> {
     events.iter().map(|e| e.aggregate_id.clone()).collect()
 }
 
@@ -272,7 +272,7 @@ async fn heads_beyond_the_window_are_found_again_once_the_skip_scans_rest_is_ove
 }
 
 /// A settlement publishing each of `events`.
-fn published(events: &[outbox_core::Event]) -> Vec<Settlement> {
+fn published(events: &[txoutbox_core::Event]) -> Vec<Settlement> {
     events
         .iter()
         .map(|e| Settlement {
@@ -291,7 +291,7 @@ async fn pool_with(max_connections: u32, setting: &str) -> PgPool {
             let setting = setting.clone();
             Box::pin(async move { sqlx::query(&setting).execute(conn).await.map(|_| ()) })
         })
-        .connect(&outbox_postgres::testing::database_url())
+        .connect(&txoutbox_postgres::testing::database_url())
         .await
         .unwrap()
 }
@@ -757,8 +757,8 @@ fn by_the_rule(request: &ClaimRequest, claimable: &[(uuid::Uuid, usize)]) -> Vec
 /// partition not yet chosen waits for the next claim (in its order all the same).
 #[tokio::test]
 async fn every_batch_is_what_the_byte_budget_rule_takes_in_seq_order() {
-    use outbox_core::NewEvent;
-    use outbox_postgres::Writer;
+    use txoutbox_core::NewEvent;
+    use txoutbox_postgres::Writer;
     const BUDGET: usize = 100;
     let scenarios: [(&str, &[usize]); 4] = [
         ("a first event over the budget", &[150, 10, 20, 101, 5]),

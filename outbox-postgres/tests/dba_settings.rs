@@ -9,10 +9,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::{sample_event, ScriptedPublisher};
-use outbox_core::{CancellationToken, Relay, RelayConfig, Store};
-use outbox_postgres::testing::{database_url, fresh_table, pool};
-use outbox_postgres::{connect, OutboxTable, PostgresStore, Writer};
+use txoutbox_core::testkit::{sample_event, ScriptedPublisher};
+use txoutbox_core::{CancellationToken, Relay, RelayConfig, Store};
+use txoutbox_postgres::testing::{database_url, fresh_table, pool};
+use txoutbox_postgres::{connect, OutboxTable, PostgresStore, Writer};
 use uuid::Uuid;
 
 /// A login role of its own with `setting` set on it, allowed what the test's tables need (a member

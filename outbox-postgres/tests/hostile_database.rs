@@ -15,13 +15,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::testkit::ScriptedPublisher;
-use outbox_core::{
+use txoutbox_core::testkit::ScriptedPublisher;
+use txoutbox_core::{
     CancellationToken, Event, NewEvent, Relay, RelayConfig, Store, JSON_CONTENT_TYPE,
 };
-use outbox_postgres::testing::{database_url, fresh_table, pool};
-use outbox_postgres::wal::{MessageWriter, WalConfig, WalStore};
-use outbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
+use txoutbox_postgres::testing::{database_url, fresh_table, pool};
+use txoutbox_postgres::wal::{MessageWriter, WalConfig, WalStore};
+use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
 use uuid::Uuid;
 
 /// The settings, on the database and on the role.

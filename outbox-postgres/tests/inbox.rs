@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{Inbox, InboxError, OutboxTable, Processed};
 use sqlx::{PgPool, Row};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{Inbox, InboxError, OutboxTable, Processed};
 use uuid::Uuid;
 
 async fn setup(consumer: &str) -> (PgPool, Inbox, String) {

@@ -3,18 +3,18 @@
 
 use std::time::Duration;
 
-use outbox_core::{CancellationToken, Wake};
-use outbox_postgres::notify::{install_notify_trigger, listen, remove_notify_trigger};
-use outbox_postgres::testing::{fresh_table, pool};
+use txoutbox_core::{CancellationToken, Wake};
+use txoutbox_postgres::notify::{install_notify_trigger, listen, remove_notify_trigger};
+use txoutbox_postgres::testing::{fresh_table, pool};
 
 /// A listener on `table`'s notifications, in a task of its own: its wake handle, its shutdown, the task.
 fn listening(
     pool: &sqlx::PgPool,
-    table: &outbox_postgres::OutboxTable,
+    table: &txoutbox_postgres::OutboxTable,
 ) -> (
     Wake,
     CancellationToken,
-    tokio::task::JoinHandle<Result<(), outbox_core::Error>>,
+    tokio::task::JoinHandle<Result<(), txoutbox_core::Error>>,
 ) {
     let wake = Wake::new();
     let shutdown = CancellationToken::new();
@@ -33,7 +33,7 @@ async fn one_notification_per_inserting_transaction_wakes_the_relay() {
     install_notify_trigger(&pool, &table).await.unwrap();
     install_notify_trigger(&pool, &table).await.unwrap(); // idempotent
     let (wake, shutdown, task) = listening(&pool, &table);
-    let channel = outbox_postgres::notify::channel(&table).unwrap();
+    let channel = txoutbox_postgres::notify::channel(&table).unwrap();
     listener_pid(&pool, &channel, None).await;
     let insert = format!(
         "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', '1', 'order.created', '{{}}')",
@@ -94,7 +94,7 @@ async fn a_terminated_listening_session_is_replaced_and_commits_wake_again() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
     install_notify_trigger(&pool, &table).await.unwrap();
-    let channel = outbox_postgres::notify::channel(&table).unwrap();
+    let channel = txoutbox_postgres::notify::channel(&table).unwrap();
     let (wake, shutdown, task) = listening(&pool, &table);
     let first = listener_pid(&pool, &channel, None).await;
     let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")

@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use outbox_core::testkit::{sample_event, store_suite, EventStatus, TestStore};
-use outbox_core::{Action, ClaimRequest, NewEvent, OrderingPolicy, Settlement, Store};
-use outbox_postgres::testing::{fresh_table, pool, PgFixture, PgTestStore};
-use outbox_postgres::{migrate, DeadLetterFilter, OutboxTable, PostgresStore, Retention, Writer};
 use sqlx::Row;
+use txoutbox_core::testkit::{sample_event, store_suite, EventStatus, TestStore};
+use txoutbox_core::{Action, ClaimRequest, NewEvent, OrderingPolicy, Settlement, Store};
+use txoutbox_postgres::testing::{fresh_table, pool, PgFixture, PgTestStore};
+use txoutbox_postgres::{migrate, DeadLetterFilter, OutboxTable, PostgresStore, Retention, Writer};
 
 fn strict(limit: usize) -> ClaimRequest {
     ClaimRequest::new(limit, OrderingPolicy::PerAggregate)
@@ -253,7 +253,7 @@ async fn dead_letters_list_retry_discard() {
         aggregate_type: t.into(),
         aggregate_id: id.map(Into::into),
     };
-    let listed = |v: Vec<outbox_postgres::DeadLetter>| v.iter().map(|d| d.id).collect::<Vec<_>>();
+    let listed = |v: Vec<txoutbox_postgres::DeadLetter>| v.iter().map(|d| d.id).collect::<Vec<_>>();
     assert_eq!(
         listed(
             store
@@ -486,7 +486,7 @@ async fn expired_rows(pool: &sqlx::PgPool, store: &PostgresStore, table: &Outbox
 
 #[tokio::test]
 async fn cleanup_batches_take_turns_under_the_tables_cleanup_lock() {
-    use outbox_postgres::{CleanupBatch, CleanupLock};
+    use txoutbox_postgres::{CleanupBatch, CleanupLock};
     let pool = pool(6).await;
     let table = fresh_table(&pool).await;
     let store = PostgresStore::with_retention(pool.clone(), table.clone(), Retention::Keep);
@@ -607,7 +607,7 @@ async fn stats_and_check_report_missing_schema_clearly() {
         OutboxTable::new("outbox_t_missing", "nothing_here").unwrap(),
     );
     let err = store.check().await.unwrap_err();
-    assert_eq!(err.kind(), outbox_core::ErrorKind::Schema);
+    assert_eq!(err.kind(), txoutbox_core::ErrorKind::Schema);
     assert!(err.to_string().contains("run `outbox migrate`"), "{err}");
 }
 
@@ -618,7 +618,7 @@ async fn the_writer_refuses_payloads_over_its_limit_and_writes_nothing() {
     let writer = Writer::new(table.clone());
     assert_eq!(
         writer.max_payload_bytes(),
-        outbox_postgres::DEFAULT_MAX_PAYLOAD_BYTES
+        txoutbox_postgres::DEFAULT_MAX_PAYLOAD_BYTES
     );
     let big = NewEvent::new(
         "order",
@@ -631,7 +631,7 @@ async fn the_writer_refuses_payloads_over_its_limit_and_writes_nothing() {
         .enqueue_many(&mut tx, vec![sample_event("1", 0), big.clone()])
         .await
         .unwrap_err();
-    assert_eq!(err.kind(), outbox_core::ErrorKind::PayloadTooLarge);
+    assert_eq!(err.kind(), txoutbox_core::ErrorKind::PayloadTooLarge);
     let text = err.to_string();
     assert!(
         text.contains("1048587 bytes")
@@ -663,7 +663,7 @@ async fn the_writer_refuses_payloads_over_its_limit_and_writes_nothing() {
         .enqueue(&mut tx, at(1024 * 1024 + 1))
         .await
         .unwrap_err();
-    assert_eq!(err.kind(), outbox_core::ErrorKind::PayloadTooLarge);
+    assert_eq!(err.kind(), txoutbox_core::ErrorKind::PayloadTooLarge);
     tx.rollback().await.unwrap();
 
     // A raised limit takes the large event.
@@ -956,7 +956,7 @@ async fn a_batch_over_interleaved_aggregates_is_their_oldest_events() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_migrating_at_once_all_succeed() {
     for round in 0..3 {
-        let first = outbox_postgres::testing::unmigrated_table();
+        let first = txoutbox_postgres::testing::unmigrated_table();
         let second = OutboxTable::new(first.schema(), "other_events").unwrap();
         let mut tasks = Vec::new();
         for i in 0..6 {

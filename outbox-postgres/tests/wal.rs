@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
-use outbox_core::testkit::sample_event;
-use outbox_core::testkit::TestStore;
-use outbox_core::ErrorKind;
-use outbox_postgres::testing::{fresh_table, pool, PgTestStore};
-use outbox_postgres::wal::{self, WalSlot};
-use outbox_postgres::PostgresStore;
+use txoutbox_core::testkit::sample_event;
+use txoutbox_core::testkit::TestStore;
+use txoutbox_core::ErrorKind;
+use txoutbox_postgres::testing::{fresh_table, pool, PgTestStore};
+use txoutbox_postgres::wal::{self, WalSlot};
+use txoutbox_postgres::PostgresStore;
 
 /// Drops the slot at the end of the test, failed or not: a forgotten slot keeps WAL for ever.
 struct Dropped(WalSlot, sqlx::PgPool);
@@ -110,7 +110,7 @@ async fn setup_status_and_drop_of_a_tables_slot() {
 async fn setup_of_an_unmigrated_table_says_to_migrate() {
     let pool = pool(2).await;
     logical(&pool).await;
-    let table = outbox_postgres::testing::unmigrated_table();
+    let table = txoutbox_postgres::testing::unmigrated_table();
     let slot = WalSlot::new(table, None, None).unwrap();
     let _guard = Dropped(slot.clone(), pool.clone());
     let e = slot.setup(&pool).await.unwrap_err();
@@ -125,9 +125,9 @@ async fn setup_of_an_unmigrated_table_says_to_migrate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() {
-    use outbox_core::{NewEvent, Payload};
-    use outbox_postgres::wal::{MessageWriter, WalItem, WalReader};
-    use outbox_postgres::Writer;
+    use txoutbox_core::{NewEvent, Payload};
+    use txoutbox_postgres::wal::{MessageWriter, WalItem, WalReader};
+    use txoutbox_postgres::Writer;
     let pool = pool(4).await;
     logical(&pool).await;
     let table = fresh_table(&pool).await;
@@ -142,7 +142,7 @@ async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() 
     let writer = Writer::new(table.clone());
     let messages = MessageWriter::new(prefix.clone());
     // What this outbox holds (transactions of other tests' messages come with no items).
-    let ours = |peek: outbox_postgres::wal::WalPeek| -> Vec<_> {
+    let ours = |peek: txoutbox_postgres::wal::WalPeek| -> Vec<_> {
         assert!(!peek.cut, "a read of everything");
         assert!(
             peek.idle_lsn.is_some(),
@@ -228,7 +228,7 @@ async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() 
     let txs = ours(reader.peek(&pool, 1000).await.unwrap());
     assert_eq!(txs.len(), 3, "three committed transactions: {txs:#?}");
     assert!(txs[0].end_lsn < txs[1].end_lsn && txs[1].end_lsn < txs[2].end_lsn);
-    let events = |i: usize| -> Vec<outbox_core::Event> {
+    let events = |i: usize| -> Vec<txoutbox_core::Event> {
         txs[i]
             .items
             .iter()
@@ -309,9 +309,9 @@ async fn a_slot_of_the_same_name_in_another_database_is_refused() {
     logical(&pool).await;
     let table = fresh_table(&pool).await;
     let slot = WalSlot::new(table.clone(), None, None).unwrap();
-    let url = outbox_postgres::testing::database_url();
+    let url = txoutbox_postgres::testing::database_url();
     let (base, _) = url.rsplit_once('/').unwrap();
-    let other = outbox_postgres::connect(&format!("{base}/postgres"), 1)
+    let other = txoutbox_postgres::connect(&format!("{base}/postgres"), 1)
         .await
         .unwrap();
     sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
@@ -406,11 +406,11 @@ async fn setup_repairs_or_refuses_a_broken_pair_and_runs_twice_at_once() {
 /// bytea_output = escape).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_decode_whatever_the_sessions_output_settings() {
-    use outbox_core::{NewEvent, Payload};
-    use outbox_postgres::wal::{WalItem, WalReader};
-    let url = outbox_postgres::testing::database_url();
+    use txoutbox_core::{NewEvent, Payload};
+    use txoutbox_postgres::wal::{WalItem, WalReader};
+    let url = txoutbox_postgres::testing::database_url();
     let separator = if url.contains('?') { '&' } else { '?' };
-    let odd = outbox_postgres::connect(
+    let odd = txoutbox_postgres::connect(
         &format!("{url}{separator}options=-c%20bytea_output%3Descape%20-c%20DateStyle%3DSQL%2CDMY%20-c%20TimeZone%3DAmerica%2FSt_Johns"),
         2,
     )
@@ -434,7 +434,7 @@ async fn rows_decode_whatever_the_sessions_output_settings() {
         data: vec![0, 0x5c, 0xff, b'A'],
     };
     let mut tx = odd.begin().await.unwrap();
-    outbox_postgres::Writer::new(table.clone())
+    txoutbox_postgres::Writer::new(table.clone())
         .enqueue(&mut tx, event.clone())
         .await
         .unwrap();
@@ -468,6 +468,6 @@ async fn rows_decode_whatever_the_sessions_output_settings() {
 async fn wal_store_passes_the_store_conformance_suite() {
     let pool = pool(16).await;
     logical(&pool).await;
-    outbox_core::testkit::store_suite::run_all(&outbox_postgres::testing::WalFixture { pool })
+    txoutbox_core::testkit::store_suite::run_all(&txoutbox_postgres::testing::WalFixture { pool })
         .await;
 }

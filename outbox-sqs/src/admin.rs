@@ -3,7 +3,7 @@
 
 use aws_sdk_sqs::types::QueueAttributeName;
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 use crate::error::map_sdk;
 use crate::SqsPublisher;

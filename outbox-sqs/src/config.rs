@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use outbox_core::routing::{AllowList, Template};
-use outbox_core::{duration, Error};
+use txoutbox_core::routing::{AllowList, Template};
+use txoutbox_core::{duration, Error};
 
 /// The default queue template.
 pub const DEFAULT_QUEUE: &str = "outbox-events";
@@ -88,12 +88,12 @@ impl SqsConfig {
 
     /// The publisher's own limit of one call (`Publisher::call_limit`): 1.5 x the operation
     /// timeout.
-    pub fn call_limit(&self) -> outbox_core::CallLimit {
-        outbox_core::CallLimit {
+    pub fn call_limit(&self) -> txoutbox_core::CallLimit {
+        txoutbox_core::CallLimit {
             limit: self.operation_timeout.mul_f64(1.5),
             settings: format!(
                 "1.5 x sqs.operation_timeout {}",
-                outbox_core::duration::format(self.operation_timeout)
+                txoutbox_core::duration::format(self.operation_timeout)
             ),
         }
     }
@@ -140,7 +140,7 @@ impl SqsConfig {
             }
         }
         if let Some(path) = &self.ca_file {
-            outbox_core::tls::read_ca_file(path, "sqs.ca_file")?;
+            txoutbox_core::tls::read_ca_file(path, "sqs.ca_file")?;
         }
         if self.region.as_deref().is_some_and(|r| r.trim().is_empty()) {
             return Err(Error::config(

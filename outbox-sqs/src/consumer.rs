@@ -1,11 +1,11 @@
 //! The consumer side: reading what the publisher wrote into each message.
 
-use outbox_core::header;
+use txoutbox_core::header;
 
 /// The event id of a received message: its `outbox-event-id` attribute, or `ce-id` when it was
 /// sent in CloudEvents binary mode. Use it as the deduplication key (for instance with
-/// `outbox_postgres::Inbox`).
-pub fn event_id(message: &aws_sdk_sqs::types::Message) -> Option<outbox_core::Uuid> {
+/// `txoutbox_postgres::Inbox`).
+pub fn event_id(message: &aws_sdk_sqs::types::Message) -> Option<txoutbox_core::Uuid> {
     let attributes = message.message_attributes()?;
     let cloudevents_id = format!("{}id", crate::publisher::attributes::CLOUDEVENTS_PREFIX);
     attributes
@@ -23,7 +23,7 @@ mod event_id_tests {
 
     #[test]
     fn reads_the_attribute() {
-        let id = outbox_core::Uuid::now_v7();
+        let id = txoutbox_core::Uuid::now_v7();
         let m = aws_sdk_sqs::types::Message::builder()
             .message_attributes(header::EVENT_ID, attribute(&id.to_string()).unwrap())
             .build();

@@ -5,7 +5,7 @@ use std::fmt::Display;
 use std::time::Duration;
 
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 /// How an SQS error code is classified: kind, and whether retrying may help.
 ///
@@ -84,10 +84,10 @@ where
     R: std::fmt::Debug + Send + Sync + 'static,
 {
     if matches!(err, SdkError::DispatchFailure(_)) {
-        if let Some(problem) = outbox_core::tls::certificate_problem(&err) {
-            return outbox_core::tls::certificate_error(
+        if let Some(problem) = txoutbox_core::tls::certificate_problem(&err) {
+            return txoutbox_core::tls::certificate_error(
                 problem,
-                outbox_core::tls::TlsSettings {
+                txoutbox_core::tls::TlsSettings {
                     server: "The SQS endpoint",
                     host: "",
                     address: "sqs.endpoint_url (or the region's endpoint)",
@@ -224,7 +224,7 @@ pub fn not_sent_in_time(operation_timeout: Duration) -> Error {
         ErrorKind::Backpressure,
         format!(
             "not sent: half of sqs.operation_timeout = {} passed before this request's turn",
-            outbox_core::duration::format(operation_timeout)
+            txoutbox_core::duration::format(operation_timeout)
         ),
     )
     .with_context("adapter", "sqs")

@@ -17,11 +17,11 @@ use aws_sdk_sqs::types::{
 use aws_sdk_sqs::Client;
 use base64::Engine;
 
-use outbox_core::testkit::{
+use txoutbox_core::testkit::{
     publisher_suite, BrokerFixture, Built, CloudEventsBinding, Outage, OwnServer, PublisherFixture,
     Received, Setup,
 };
-use outbox_core::{ErrorKind, Event, Publisher};
+use txoutbox_core::{ErrorKind, Event, Publisher};
 
 use crate::{SqsConfig, SqsPublisher, DELAY_HEADER, ENCODING, FOLDED_HEADERS};
 
@@ -68,8 +68,8 @@ pub fn spawn_recording_endpoint(
     tool.spawn(&["-H", "127.0.0.1", "-p", &port.to_string()], stderr)
 }
 
-fn endpoint_tool() -> outbox_core::testkit::Tool {
-    outbox_core::testkit::Tool::new("SQS_ENDPOINT_BIN", "sqs-endpoint", "an SQS endpoint")
+fn endpoint_tool() -> txoutbox_core::testkit::Tool {
+    txoutbox_core::testkit::Tool::new("SQS_ENDPOINT_BIN", "sqs-endpoint", "an SQS endpoint")
 }
 
 /// The event ids sent to the queue `queue_name`, one per message the endpoint accepted (a re-sent
@@ -91,18 +91,18 @@ pub fn sends(send_log: &Path, queue_name: &str) -> Vec<uuid::Uuid> {
 pub struct RecordingEndpoint {
     pub url: String,
     pub send_log: PathBuf,
-    _process: outbox_core::testkit::OwnedProcess,
+    _process: txoutbox_core::testkit::OwnedProcess,
 }
 
 impl RecordingEndpoint {
     /// Starts it and waits (up to 60 s) until it serves requests.
     pub async fn start() -> RecordingEndpoint {
-        let port = outbox_core::testkit::free_port();
+        let port = txoutbox_core::testkit::free_port();
         let send_log = std::env::temp_dir().join(format!(
             "outbox-test-sqs-sends-{}.log",
             uuid::Uuid::new_v4().simple()
         ));
-        let process = outbox_core::testkit::OwnedProcess(spawn_recording_endpoint(
+        let process = txoutbox_core::testkit::OwnedProcess(spawn_recording_endpoint(
             port,
             std::process::Stdio::null(),
             &send_log,
@@ -295,10 +295,10 @@ impl Fixture {
                     let received = Received {
                         // The consumer-side helper users call: every check of the suite reads ids with it.
                         event_id: crate::event_id(m),
-                        aggregate_id: headers.get(outbox_core::header::AGGREGATE_ID).cloned(),
-                        event_type: headers.get(outbox_core::header::EVENT_TYPE).cloned(),
+                        aggregate_id: headers.get(txoutbox_core::header::AGGREGATE_ID).cloned(),
+                        event_type: headers.get(txoutbox_core::header::EVENT_TYPE).cloned(),
                         payload,
-                        content_type: headers.get(outbox_core::header::CONTENT_TYPE).cloned(),
+                        content_type: headers.get(txoutbox_core::header::CONTENT_TYPE).cloned(),
                         headers,
                         destination: url.clone(),
                     };
@@ -435,7 +435,7 @@ impl Fixture {
     }
 
     pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<Delivered> {
-        outbox_core::testkit::wait_for_items(&self.got, count, timeout).await
+        txoutbox_core::testkit::wait_for_items(&self.got, count, timeout).await
     }
 }
 

@@ -4,17 +4,17 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox_core::testkit::publisher_suite::{self, event};
-use outbox_core::testkit::BrokerFixture;
-use outbox_core::Publisher;
-use outbox_sqs::testing::Fixture;
-use outbox_sqs::{SqsConfig, SqsPublisher, FOLDED_HEADERS};
+use txoutbox_core::testkit::publisher_suite::{self, event};
+use txoutbox_core::testkit::BrokerFixture;
+use txoutbox_core::Publisher;
+use txoutbox_sqs::testing::Fixture;
+use txoutbox_sqs::{SqsConfig, SqsPublisher, FOLDED_HEADERS};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-// The publisher contract (outbox_core::testkit::publisher_suite), one test per rule, on a FIFO queue
+// The publisher contract (txoutbox_core::testkit::publisher_suite), one test per rule, on a FIFO queue
 // (the one that keeps order).
-outbox_core::publisher_contract!(Fixture::new(true).await);
+txoutbox_core::publisher_contract!(Fixture::new(true).await);
 
 /// On a standard queue, delays SQS refuses fail alone next to entries of the same request that it
 /// takes (the per-entry outcomes of SendMessageBatch).
@@ -30,8 +30,8 @@ async fn bad_events_fail_alone_on_a_standard_queue() {
 /// JSON payload with characters SQS refuses travels as escaped JSON, still one JSON event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cloudevents_bodies_sqs_cannot_carry_are_refused_or_escaped() {
-    use outbox_core::format::{Formatter, MessageFormat};
-    use outbox_core::testkit::{decode_cloudevents, CloudEventsBinding, Setup};
+    use txoutbox_core::format::{Formatter, MessageFormat};
+    use txoutbox_core::testkit::{decode_cloudevents, CloudEventsBinding, Setup};
     let fx = Fixture::new(true).await;
     let built = |format| {
         fx.build(Setup {
@@ -45,7 +45,7 @@ async fn cloudevents_bodies_sqs_cannot_carry_are_refused_or_escaped() {
     bytes.content_type = "application/octet-stream".into();
     let out = binary.publish(std::slice::from_ref(&bytes)).await;
     let e = out[0].as_ref().unwrap_err();
-    assert_eq!(e.kind(), outbox_core::ErrorKind::InvalidInput);
+    assert_eq!(e.kind(), txoutbox_core::ErrorKind::InvalidInput);
     assert!(!e.is_retryable());
     assert!(e.message().contains("cloudevents-structured"), "{e}");
 
@@ -80,7 +80,7 @@ async fn a_missing_configured_queue_fails_the_check() {
     let fx = Fixture::new(false).await;
     assert!(fx.publisher().check().await.is_ok());
     let missing = SqsPublisher::from_client(
-        outbox_sqs::testing::client(),
+        txoutbox_sqs::testing::client(),
         SqsConfig {
             queue: format!("outbox-test-absent-{}", uuid::Uuid::new_v4().simple()),
             ..fx.config()
@@ -191,7 +191,7 @@ async fn standard_queue_attributes_and_folding() {
 async fn large_messages_go_in_requests_within_the_batch_limit() {
     let fx = Fixture::new(true).await;
     let p = fx.publisher();
-    let big = outbox_sqs::SQS_MAX_BYTES - 4096;
+    let big = txoutbox_sqs::SQS_MAX_BYTES - 4096;
     let mut events = Vec::new();
     for n in 0..4 {
         for a in 0..4 {
@@ -205,7 +205,7 @@ async fn large_messages_go_in_requests_within_the_batch_limit() {
     }
     let total: usize = events.iter().map(|e| e.payload.len()).sum();
     assert!(
-        total > 5 * outbox_sqs::SQS_MAX_BYTES,
+        total > 5 * txoutbox_sqs::SQS_MAX_BYTES,
         "the call needs several requests"
     );
     let out = p.publish(&events).await;
@@ -220,7 +220,7 @@ async fn large_messages_go_in_requests_within_the_batch_limit() {
     }
     let got = fx.wait_for(events.len(), WAIT).await;
     assert_eq!(got.len(), events.len());
-    let sent: HashMap<outbox_core::Uuid, usize> =
+    let sent: HashMap<txoutbox_core::Uuid, usize> =
         events.iter().map(|e| (e.id, e.payload.len())).collect();
     let mut last: HashMap<String, i64> = HashMap::new();
     for d in &got {

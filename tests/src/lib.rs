@@ -11,11 +11,11 @@ pub mod wal;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use outbox_core::testkit::sample_event;
-use outbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RelaySummary};
-use outbox_postgres::testing::pool;
-use outbox_postgres::{OutboxTable, PostgresStore, Writer};
 use tokio::task::JoinHandle;
+use txoutbox_core::testkit::sample_event;
+use txoutbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RelaySummary};
+use txoutbox_postgres::testing::pool;
+use txoutbox_postgres::{OutboxTable, PostgresStore, Writer};
 use uuid::Uuid;
 
 /// Commits `rounds` transactions, each with one event for every one of `aggregates` aggregates

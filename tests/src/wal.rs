@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RelaySummary, Wake};
-use outbox_postgres::testing::pool;
-use outbox_postgres::wal::{ReaderHandle, WalConfig, WalSlot, WalStore};
-use outbox_postgres::{migrate, OutboxTable, PostgresStore};
 use tokio::task::JoinHandle;
+use txoutbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RelaySummary, Wake};
+use txoutbox_postgres::testing::pool;
+use txoutbox_postgres::wal::{ReaderHandle, WalConfig, WalSlot, WalStore};
+use txoutbox_postgres::{migrate, OutboxTable, PostgresStore};
 
 use crate::harness::{committed_in_db, wait_until, Load, RelayProcess, Sink};
 use crate::Verdict;
@@ -32,7 +32,7 @@ impl WalSource {
     #[allow(clippy::unwrap_used)]
     pub async fn setup(table: &OutboxTable) -> WalSource {
         let pool = pool(2).await;
-        let level = outbox_postgres::wal::wal_level(&pool).await.unwrap();
+        let level = txoutbox_postgres::wal::wal_level(&pool).await.unwrap();
         assert_eq!(
             level, "logical",
             "the WAL tests need wal_level = logical: run `bash scripts/test-env.sh` (it sets it and restarts the local server once)"
@@ -67,7 +67,7 @@ impl WalSource {
         let pool = pool(6).await;
         WalStore::new(
             pool.clone(),
-            &outbox_postgres::testing::database_url(),
+            &txoutbox_postgres::testing::database_url(),
             self.slot.clone(),
             PostgresStore::new(pool, self.held.clone()),
             &self.config,

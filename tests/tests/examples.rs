@@ -8,10 +8,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::testkit::publisher_suite::event;
-use outbox_core::Publisher;
-use outbox_postgres::testing::{database_url, fresh_table, pool};
 use sqlx::Row;
+use txoutbox_core::testkit::publisher_suite::event;
+use txoutbox_core::Publisher;
+use txoutbox_postgres::testing::{database_url, fresh_table, pool};
 
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -185,10 +185,10 @@ async fn shipments(pg: &sqlx::PgPool, schema: &str) -> i64 {
 async fn rabbitmq_consumer_handles_a_redelivered_event_once() {
     let pg = pool(2).await;
     let schema = fresh_table(&pg).await.schema().to_string();
-    let fx = outbox_amqp::testing::Fixture::new().await;
+    let fx = txoutbox_amqp::testing::Fixture::new().await;
     let mut c = Command::new(example("order_consumer_amqp"));
     c.env("DATABASE_URL", database_url())
-        .env("AMQP_URL", outbox_amqp::testing::amqp_url())
+        .env("AMQP_URL", txoutbox_amqp::testing::amqp_url())
         .env("EXCHANGE", &fx.exchange)
         .env("QUEUE", format!("{}.shipping", fx.exchange))
         .env("SCHEMA", &schema)
@@ -219,7 +219,7 @@ async fn rabbitmq_consumer_handles_a_redelivered_event_once() {
 async fn kafka_consumer_handles_a_redelivered_event_once() {
     let pg = pool(2).await;
     let schema = fresh_table(&pg).await.schema().to_string();
-    let fx = outbox_kafka::testing::Fixture::new(1).await;
+    let fx = txoutbox_kafka::testing::Fixture::new(1).await;
     let mut e = event("88", 0);
     e.event_type = "order.created".into();
     e.payload = br#"{"order_id": 88}"#.to_vec();
@@ -229,7 +229,7 @@ async fn kafka_consumer_handles_a_redelivered_event_once() {
     }
     let mut c = Command::new(example("order_consumer_kafka"));
     c.env("DATABASE_URL", database_url())
-        .env("KAFKA_BROKERS", outbox_kafka::testing::brokers())
+        .env("KAFKA_BROKERS", txoutbox_kafka::testing::brokers())
         .env("TOPIC", &fx.topic)
         .env("GROUP", format!("g-{}", uuid::Uuid::new_v4().simple()))
         .env("SCHEMA", &schema)

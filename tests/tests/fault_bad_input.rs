@@ -8,16 +8,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::sample_event;
-use outbox_core::{
+use tokio::time::Instant;
+use txoutbox_core::testkit::sample_event;
+use txoutbox_core::{
     CancellationToken, NewEvent, Publisher, Relay, RelayConfig, RetryPolicy, Store, Uuid,
 };
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{DeadLetterFilter, PostgresStore, Writer};
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{DeadLetterFilter, PostgresStore, Writer};
+use txoutbox_tests::harness::{
     assert_clean_verdict, committed_by_seq, report, soak_factor, Broker, Sink,
 };
-use tokio::time::Instant;
 
 /// What should become of a bad event: delivered, or dead-lettered with an error of a kind whose
 /// message names the limit or field at fault (the words, per broker).
@@ -131,7 +131,7 @@ struct Written {
 
 async fn write(
     pg: &sqlx::PgPool,
-    table: &outbox_postgres::OutboxTable,
+    table: &txoutbox_postgres::OutboxTable,
     broker: Broker,
     sink: &Sink,
     with_bad: bool,
@@ -186,7 +186,7 @@ async fn run(broker: Broker, with_bad: bool) -> (Written, PostgresStore, Sink, D
     let allowed = vec![nowhere(&sink)];
     let publisher: Arc<dyn Publisher> = match &sink {
         Sink::Amqp(fx) => Arc::new(
-            outbox_amqp::AmqpPublisher::new(outbox_amqp::AmqpConfig {
+            txoutbox_amqp::AmqpPublisher::new(txoutbox_amqp::AmqpConfig {
                 max_message_bytes: 1024 * 1024,
                 allowed_destinations: allowed,
                 ..fx.config()

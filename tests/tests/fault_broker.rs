@@ -13,12 +13,12 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_tests::harness::{
     assert_crash_verdict, committed_in_db, free_port, http_get, http_status, one_at_a_time,
     report_with, sample, soak_factor, unpublished, Broker, BrokerServer, RelayProcess,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 
 async fn wait_ready(addr: &str, within: Duration) -> bool {
     let deadline = Instant::now() + within;
@@ -172,7 +172,7 @@ async fn broker_down(broker: Broker, wal: bool) {
     // those batches: a relay that kept claiming and failing batches claims and logs one per
     // failure, over a hundred here. Empty claims (an idle poll, where the source has nothing
     // claimable) come at most one per poll interval once backed off, after a short ramp.
-    let config = outbox_core::RelayConfig::default();
+    let config = txoutbox_core::RelayConfig::default();
     let batches_bound =
         2 * outage_rounds(elapsed, Duration::from_millis(200), Duration::from_secs(2))
             + 2 * config.max_in_flight
@@ -258,7 +258,7 @@ async fn broker_down(broker: Broker, wal: bool) {
 /// table's too (events that failed before the relay stopped claiming wait there).
 async fn backlog(
     pg: &sqlx::PgPool,
-    table: &outbox_postgres::OutboxTable,
+    table: &txoutbox_postgres::OutboxTable,
     wal: Option<&WalSource>,
 ) -> i64 {
     let held = match wal {
@@ -272,7 +272,7 @@ async fn backlog(
 /// source, in the held table, where its failed events wait).
 async fn attempts_and_dead(
     pg: &sqlx::PgPool,
-    table: &outbox_postgres::OutboxTable,
+    table: &txoutbox_postgres::OutboxTable,
     wal: Option<&WalSource>,
 ) -> (i32, i64) {
     let table = match wal {

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use outbox_tests::harness::{
+use txoutbox_tests::harness::{
     assert_crash_verdict, faults_under_load, one_at_a_time, soak_factor, Broker,
 };
 
@@ -22,7 +22,7 @@ const IN_FLIGHT: usize = 2;
 async fn connections_closed_mid_call_lose_nothing_and_keep_order() {
     let _serial = one_at_a_time().await;
     let (verdict, closed) = faults_under_load(Broker::Amqp, "connections-closed", 8, |_| async {
-        tokio::task::spawn_blocking(outbox_amqp::testing::close_publisher_connections)
+        tokio::task::spawn_blocking(txoutbox_amqp::testing::close_publisher_connections)
             .await
             .unwrap() as u64
     })
@@ -42,7 +42,7 @@ async fn connections_closed_mid_call_lose_nothing_and_keep_order() {
 
 /// The local port of the publisher's connection to RabbitMQ (its only one).
 fn publisher_connection_port() -> u16 {
-    let ports = outbox_amqp::testing::publisher_connections("peer_port");
+    let ports = txoutbox_amqp::testing::publisher_connections("peer_port");
     assert_eq!(ports.len(), 1, "one publisher connection: {ports:?}");
     ports[0].parse().unwrap()
 }
@@ -53,16 +53,16 @@ fn publisher_connection_port() -> u16 {
 /// attempts), and passes again on a new connection once packets flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_check_fails_on_a_connection_rabbitmq_no_longer_answers() {
-    use outbox_core::Publisher;
+    use txoutbox_core::Publisher;
     let _serial = one_at_a_time().await;
-    let fx = outbox_amqp::testing::Fixture::new().await;
+    let fx = txoutbox_amqp::testing::Fixture::new().await;
     let mut config = fx.config();
     config.connect_timeout = Duration::from_secs(2);
-    let p = outbox_amqp::AmqpPublisher::new(config).unwrap();
-    let event = outbox_core::testkit::publisher_suite::event("a", 0);
+    let p = txoutbox_amqp::AmqpPublisher::new(config).unwrap();
+    let event = txoutbox_core::testkit::publisher_suite::event("a", 0);
     assert!(p.publish(std::slice::from_ref(&event)).await[0].is_ok());
     p.check().await.unwrap();
-    let cut = outbox_tests::net::NetFault::blackhole(publisher_connection_port());
+    let cut = txoutbox_tests::net::NetFault::blackhole(publisher_connection_port());
     let started = std::time::Instant::now();
     let checked = p.check().await;
     let took = started.elapsed();

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{database_url, fresh_table, pgbouncer_url, pool};
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{database_url, fresh_table, pgbouncer_url, pool};
+use txoutbox_tests::harness::{
     assert_clean_run, assert_crash_verdict, committed_in_db, one_at_a_time, relay_log_dir, report,
     soak_factor, Broker, Kills, RelayProcess, Sink,
 };

@@ -7,21 +7,21 @@
 
 use std::time::Duration;
 
-use outbox_core::{Uuid, DEFAULT_MAX_BATCH_BYTES};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::OutboxTable;
-use outbox_tests::harness::{
+use txoutbox_core::{Uuid, DEFAULT_MAX_BATCH_BYTES};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::OutboxTable;
+use txoutbox_tests::harness::{
     assert_clean_verdict, one_at_a_time, relay_log_dir, report_with, rng, wait_until, Broker,
     RelayProcess, Sink,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 
 const MIB: usize = 1024 * 1024;
 
 /// The largest message the relay may send in this scenario (`amqp.max_message_bytes`).
 const BROKER_LIMIT: usize = 12 * MIB;
 
-async fn pending(pg: &sqlx::PgPool, table: &outbox_postgres::OutboxTable) -> i64 {
+async fn pending(pg: &sqlx::PgPool, table: &txoutbox_postgres::OutboxTable) -> i64 {
     sqlx::query_scalar(&format!(
         "SELECT count(*) FROM {} WHERE processed_at IS NULL AND dead_lettered_at IS NULL",
         table.qualified()
@@ -376,7 +376,7 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
     };
     relay.resume();
 
-    let store = outbox_postgres::PostgresStore::new(pg.clone(), table.clone());
+    let store = txoutbox_postgres::PostgresStore::new(pg.clone(), table.clone());
     let expect_held = held.len() as i64;
     wait_until(
         Duration::from_secs(300),
@@ -436,7 +436,7 @@ async fn large_records_in_whole_runs_to_kafka_hold_back_only_the_aggregates_of_r
 
     // Discarding the dead letters releases the rest of their aggregates.
     let discarded = store
-        .discard_dead_letters(&outbox_postgres::DeadLetterFilter::All)
+        .discard_dead_letters(&txoutbox_postgres::DeadLetterFilter::All)
         .await
         .unwrap();
     assert_eq!(discarded, 3);

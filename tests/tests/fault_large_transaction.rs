@@ -11,12 +11,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_tests::harness::{
     assert_clean_verdict, assert_crash_verdict, one_at_a_time, relay_log_dir, report_to,
     wait_until, RelayProcess,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 use uuid::Uuid;
 
 /// The bound on each relay's peak resident memory.
@@ -113,7 +113,7 @@ async fn large_transaction(events: usize, bytes: usize, aggregates: usize, kill:
     let drained = drain.elapsed();
     peak = peak.max(relay.peak_rss());
     assert_eq!(relay.terminate(Duration::from_secs(60)), Some(0));
-    let verdict = outbox_tests::check(&committed, &received.lock().unwrap());
+    let verdict = txoutbox_tests::check(&committed, &received.lock().unwrap());
     report_to(
         &scenario,
         "stdout",

@@ -6,14 +6,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{CancellationToken, Publisher, RelayConfig, RetryPolicy, Store};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::PostgresStore;
-use outbox_tests::harness::{
+use txoutbox_core::{CancellationToken, Publisher, RelayConfig, RetryPolicy, Store};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::PostgresStore;
+use txoutbox_tests::harness::{
     assert_clean_verdict, one_at_a_time, report_with, rng, soak_factor, Broker, FaultInjector, Sink,
 };
-use outbox_tests::wal::WalSource;
-use outbox_tests::{spawn_relays, write_rounds};
+use txoutbox_tests::wal::WalSource;
+use txoutbox_tests::{spawn_relays, write_rounds};
 
 /// With `wal`, the four relays read the WAL source (one reads the slot, three stand by, all of
 /// them claim from the held table where the failed events go).

@@ -6,12 +6,12 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_tests::harness::{
     assert_crash_verdict, committed_in_db, crash_postgres, one_at_a_time, relay_log_dir,
     report_with, restart_postgres, soak_factor, Broker, RelayProcess, Sink,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 
 /// PostgreSQL restarted (or, with `crash`, crashed) under load while one relay publishes to
 /// `broker`; with `wal`, the relay reads the WAL source (its reader's session ends with the restart

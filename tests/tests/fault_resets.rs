@@ -9,8 +9,8 @@
 
 use std::time::Duration;
 
-use outbox_tests::harness::{assert_crash_verdict, faults_under_load, one_at_a_time, Broker};
-use outbox_tests::net::NetFault;
+use txoutbox_tests::harness::{assert_crash_verdict, faults_under_load, one_at_a_time, Broker};
+use txoutbox_tests::net::NetFault;
 
 /// The harness's relay settings: batches of 100, two in flight (the default).
 const BATCH: usize = 100;

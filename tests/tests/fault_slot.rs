@@ -10,14 +10,14 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::wal::FALLBACK_MARK_TYPE;
-use outbox_postgres::OutboxTable;
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::wal::FALLBACK_MARK_TYPE;
+use txoutbox_postgres::OutboxTable;
+use txoutbox_tests::harness::{
     assert_crash_verdict, logged, relay_log_dir, report_with, restart_postgres, wait_until, Broker,
     RelayProcess, Sink,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 
 /// The harness's relay settings: batches of 100, two in flight (the default).
 const BATCH: usize = 100;

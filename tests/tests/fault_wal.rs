@@ -7,12 +7,12 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_tests::harness::{
     assert_crash_verdict, one_at_a_time, relay_log_dir, report_with, soak_factor, wait_until,
     Broker, RelayProcess, Sink,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 
 /// The harness's relay settings: batches of 100, two in flight (the default).
 const BATCH: usize = 100;
@@ -29,7 +29,7 @@ async fn reader_killed(broker: Broker, kills: usize, scenario: &str) {
     let mut relays: Vec<RelayProcess> = (0..3)
         .map(|_| RelayProcess::start(&table, &sink, &pairs(&env)))
         .collect();
-    let mut rng = outbox_tests::harness::rng(scenario);
+    let mut rng = txoutbox_tests::harness::rng(scenario);
     let mut takeovers = Vec::new();
     let mut before = sink.received_count().await;
     for _ in 0..kills * soak_factor() {

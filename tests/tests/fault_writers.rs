@@ -7,12 +7,12 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{database_url, fresh_table, pgbouncer_url, pool};
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{database_url, fresh_table, pgbouncer_url, pool};
+use txoutbox_tests::harness::{
     assert_crash_verdict, committed_by_seq, one_at_a_time, relay_log_dir, report, soak_factor,
     unpublished, Broker, Kills, RacingLoad, RelayProcess, Sink,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 
 const KEEP: (&str, &str) = ("OUTBOX_DATABASE__KEEP_PROCESSED_FOR", "1h");
 /// The WAL source leaves the outbox table's rows in place.

@@ -6,11 +6,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::{sample_event, Behavior, ScriptedPublisher};
-use outbox_core::{CancellationToken, OrderingPolicy, Relay, RelayConfig, RetryPolicy};
-use outbox_postgres::testing::{database_url, fresh_table, pool};
-use outbox_postgres::{OutboxTable, PostgresStore, Writer};
 use sqlx::{PgPool, Row};
+use txoutbox_core::testkit::{sample_event, Behavior, ScriptedPublisher};
+use txoutbox_core::{CancellationToken, OrderingPolicy, Relay, RelayConfig, RetryPolicy};
+use txoutbox_postgres::testing::{database_url, fresh_table, pool};
+use txoutbox_postgres::{OutboxTable, PostgresStore, Writer};
 use uuid::Uuid;
 
 async fn write(pg: &PgPool, table: &OutboxTable, aggregates: &[&str]) -> Vec<Uuid> {
@@ -222,7 +222,9 @@ async fn lease_lost_mid_publish(ordering: OrderingPolicy) {
 /// loses its sessions, and the aggregates they lock, in about 25 s rather than hours.
 #[tokio::test]
 async fn the_relays_connections_carry_server_side_keepalives() {
-    let relay_pool = outbox_postgres::connect(&database_url(), 2).await.unwrap();
+    let relay_pool = txoutbox_postgres::connect(&database_url(), 2)
+        .await
+        .unwrap();
     let over_tcp: bool = sqlx::query_scalar("SELECT inet_client_addr() IS NOT NULL")
         .fetch_one(&relay_pool)
         .await
@@ -254,7 +256,7 @@ async fn the_relays_connections_carry_server_side_keepalives() {
 /// exiting cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_roles_idle_session_timeout_ending_pooled_sessions_costs_the_relay_nothing() {
-    use outbox_tests::harness::{
+    use txoutbox_tests::harness::{
         assert_clean_verdict, relay_log_dir, report, wait_until, Broker, RelayProcess, Sink,
     };
     let admin = pool(2).await;
@@ -357,7 +359,7 @@ const DATABASE_STEP_FAILURES: &[&str] = &[
 /// No step of the relays over `table` that goes to the database failed (their logs).
 fn assert_no_failure_logged(table: &OutboxTable) {
     let mut failures = Vec::new();
-    for entry in std::fs::read_dir(outbox_tests::harness::relay_log_dir(table)).unwrap() {
+    for entry in std::fs::read_dir(txoutbox_tests::harness::relay_log_dir(table)).unwrap() {
         let log = std::fs::read_to_string(entry.unwrap().path()).unwrap();
         failures.extend(
             log.lines()
@@ -380,14 +382,16 @@ async fn a_relay_cut_off_without_a_reset_frees_its_aggregates_within_the_keepali
     let admin = pool(2).await;
     let table = fresh_table(&admin).await;
     let ids = write(&admin, &table, &["x", "x"]).await;
-    let relay_a = outbox_postgres::connect(&database_url(), 2).await.unwrap();
+    let relay_a = txoutbox_postgres::connect(&database_url(), 2)
+        .await
+        .unwrap();
     let a = PostgresStore::new(relay_a, table.clone());
     let request = || {
-        let mut r = outbox_core::ClaimRequest::new(10, OrderingPolicy::PerAggregate);
+        let mut r = txoutbox_core::ClaimRequest::new(10, OrderingPolicy::PerAggregate);
         r.hold_for = Duration::from_secs(130);
         r
     };
-    let held = outbox_core::Store::claim(&a, request()).await.unwrap();
+    let held = txoutbox_core::Store::claim(&a, request()).await.unwrap();
     assert_eq!(held.events.len(), 2);
     let (pid, port): (i32, i32) = sqlx::query_as(
         "SELECT pid, client_port FROM pg_stat_activity
@@ -400,12 +404,14 @@ async fn a_relay_cut_off_without_a_reset_frees_its_aggregates_within_the_keepali
     .expect("the claim's session over TCP (DATABASE_URL must reach the server over TCP)");
     let port = u16::try_from(port)
         .expect("the claim's session over TCP (DATABASE_URL must reach the server over TCP)");
-    let cut = outbox_tests::net::NetFault::blackhole(port);
+    let cut = txoutbox_tests::net::NetFault::blackhole(port);
     let started = std::time::Instant::now();
-    let relay_b = outbox_postgres::connect(&database_url(), 2).await.unwrap();
+    let relay_b = txoutbox_postgres::connect(&database_url(), 2)
+        .await
+        .unwrap();
     let b = PostgresStore::new(relay_b, table.clone());
     let taken = loop {
-        let batch = outbox_core::Store::claim(&b, request()).await.unwrap();
+        let batch = txoutbox_core::Store::claim(&b, request()).await.unwrap();
         if !batch.events.is_empty() {
             break batch;
         }

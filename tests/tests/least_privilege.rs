@@ -10,11 +10,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::sample_event;
-use outbox_postgres::testing::{database_url, pool, unmigrated_table};
-use outbox_postgres::wal::{MessageWriter, WalConfig};
-use outbox_postgres::{connect, OutboxTable, Writer};
-use outbox_tests::harness::{
+use txoutbox_core::testkit::sample_event;
+use txoutbox_postgres::testing::{database_url, pool, unmigrated_table};
+use txoutbox_postgres::wal::{MessageWriter, WalConfig};
+use txoutbox_postgres::{connect, OutboxTable, Writer};
+use txoutbox_tests::harness::{
     assert_crash_verdict, free_port, http_status, logged, outbox_cli, relay_log_dir, report_with,
     wait_until, Broker, RelayProcess, Sink,
 };

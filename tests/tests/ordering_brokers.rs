@@ -9,13 +9,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::sample_event;
-use outbox_core::NewEvent;
-use outbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{PostgresStore, Writer};
-use outbox_tests::harness::{own_tansu, Sink};
-use outbox_tests::{check, write_rounds};
+use txoutbox_core::testkit::sample_event;
+use txoutbox_core::NewEvent;
+use txoutbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{PostgresStore, Writer};
+use txoutbox_tests::harness::{own_tansu, Sink};
+use txoutbox_tests::{check, write_rounds};
 use uuid::Uuid;
 
 fn config() -> RelayConfig {
@@ -40,7 +40,7 @@ fn config() -> RelayConfig {
 async fn rabbitmq_reject_publish_overflow_keeps_each_aggregate_in_order() {
     let pg = pool(4).await;
     let table = fresh_table(&pg).await;
-    let fx = outbox_amqp::testing::Fixture::bounded(1, Duration::ZERO).await;
+    let fx = txoutbox_amqp::testing::Fixture::bounded(1, Duration::ZERO).await;
     let committed = write_rounds(&table, 10, 10).await;
     let store = PostgresStore::new(pool(4).await, table.clone());
     let relay = Relay::new(Arc::new(store), fx.publisher(), config()).unwrap();
@@ -110,7 +110,7 @@ async fn held_back_behind_a_refused_event(sink: &Sink, bad: NewEvent, error_name
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let dead = store
-            .dead_letters(&outbox_postgres::DeadLetterFilter::All, None, 10)
+            .dead_letters(&txoutbox_postgres::DeadLetterFilter::All, None, 10)
             .await
             .unwrap();
         let got = sink.received(1, Duration::from_millis(100)).await;
@@ -135,7 +135,7 @@ async fn held_back_behind_a_refused_event(sink: &Sink, bad: NewEvent, error_name
 
     // Discarding the dead letter releases the aggregate.
     store
-        .discard_dead_letters(&outbox_postgres::DeadLetterFilter::Ids(vec![x1]))
+        .discard_dead_letters(&txoutbox_postgres::DeadLetterFilter::Ids(vec![x1]))
         .await
         .unwrap();
     let got = sink.received(2, Duration::from_secs(30)).await;
@@ -160,9 +160,9 @@ async fn held_back_behind_a_refused_event(sink: &Sink, bad: NewEvent, error_name
 /// 1,000 s: moto fails that entry with InvalidParameterValue and accepts the others).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() {
-    let sink = Sink::Sqs(outbox_sqs::testing::Fixture::new(false).await);
+    let sink = Sink::Sqs(txoutbox_sqs::testing::Fixture::new(false).await);
     let mut bad = sample_event("x", 0);
-    bad.headers = BTreeMap::from([(outbox_sqs::DELAY_HEADER.to_string(), "1000".to_string())]);
+    bad.headers = BTreeMap::from([(txoutbox_sqs::DELAY_HEADER.to_string(), "1000".to_string())]);
     held_back_behind_a_refused_event(&sink, bad, "DelaySeconds").await;
 }
 
@@ -170,7 +170,7 @@ async fn an_sqs_entry_refused_in_a_batch_holds_back_the_rest_of_its_aggregate() 
 /// without `n` is refused as `InvalidRecord`), with the directory of its schemas.
 fn strict_tansu() -> (
     std::path::PathBuf,
-    outbox_tests::harness::OwnedProcess,
+    txoutbox_tests::harness::OwnedProcess,
     String,
 ) {
     let dir = std::env::temp_dir().join(format!("outbox-schemas-{}", Uuid::new_v4().simple()));
@@ -200,8 +200,8 @@ fn invalid_for_strict() -> NewEvent {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate() {
     let (dir, _tansu, brokers) = strict_tansu();
-    let _strict = outbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await;
-    let sink = Sink::Kafka(outbox_kafka::testing::Fixture::create_at(&brokers, "plain", 1).await);
+    let _strict = txoutbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await;
+    let sink = Sink::Kafka(txoutbox_kafka::testing::Fixture::create_at(&brokers, "plain", 1).await);
     let bad = invalid_for_strict().with_destination("strict");
     held_back_behind_a_refused_event(&sink, bad, "validate").await;
     let _ = std::fs::remove_dir_all(&dir);
@@ -216,7 +216,8 @@ async fn a_kafka_record_the_broker_refuses_holds_back_the_rest_of_its_aggregate(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_record_batch_the_broker_refuses_for_one_record_holds_back_only_its_aggregate() {
     let (dir, _tansu, brokers) = strict_tansu();
-    let sink = Sink::Kafka(outbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await);
+    let sink =
+        Sink::Kafka(txoutbox_kafka::testing::Fixture::create_at(&brokers, "strict", 1).await);
     let bad = invalid_for_strict();
     held_back_behind_a_refused_event(&sink, bad, "validate").await;
     let _ = std::fs::remove_dir_all(&dir);

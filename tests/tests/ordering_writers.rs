@@ -8,12 +8,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::{sample_event, ScriptedPublisher};
-use outbox_core::{CancellationToken, Relay, RelayConfig};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{OutboxTable, PostgresStore, Retention, Writer};
-use outbox_tests::check;
 use sqlx::{PgPool, Row};
+use txoutbox_core::testkit::{sample_event, ScriptedPublisher};
+use txoutbox_core::{CancellationToken, Relay, RelayConfig};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{OutboxTable, PostgresStore, Retention, Writer};
+use txoutbox_tests::check;
 use uuid::Uuid;
 
 fn config(batch_size: usize) -> RelayConfig {
@@ -32,7 +32,7 @@ fn spawn_relays(
     publisher: Arc<ScriptedPublisher>,
     batch_size: usize,
 ) -> (
-    Vec<tokio::task::JoinHandle<outbox_core::RelaySummary>>,
+    Vec<tokio::task::JoinHandle<txoutbox_core::RelaySummary>>,
     CancellationToken,
 ) {
     let shutdown = CancellationToken::new();
@@ -202,7 +202,7 @@ async fn racing_writers_keep_commit_order_when_the_heads_fill_the_batches() {
 }
 
 async fn racing_writers(batch_size: usize) {
-    let seed = outbox_tests::harness::seed();
+    let seed = txoutbox_tests::harness::seed();
     println!("seed={seed} (OUTBOX_TEST_SEED reproduces the writers' choices)");
     let pg = pool(20).await;
     let table = fresh_table(&pg).await;

@@ -8,14 +8,14 @@
 
 use std::time::Duration;
 
-use outbox_postgres::pooler::{probe, Pooling};
-use outbox_postgres::testing::{
+use txoutbox_postgres::pooler::{probe, Pooling};
+use txoutbox_postgres::testing::{
     database_url, fresh_table, pgbouncer_unprepared_url, pgbouncer_url, pool, url_named,
 };
-use outbox_tests::harness::{
+use txoutbox_tests::harness::{
     logged, relay_log_dir, unpublished, wait_until, write_through, Broker, RelayProcess, Sink,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 
 fn options(url: &str) -> sqlx::postgres::PgConnectOptions {
     url.parse().unwrap()
@@ -72,7 +72,7 @@ async fn a_pooler_without_prepared_statements_is_refused_at_start() {
 async fn listen_needs_direct_url_behind_a_pooler() {
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
-    outbox_postgres::notify::install_notify_trigger(&pg, &table)
+    txoutbox_postgres::notify::install_notify_trigger(&pg, &table)
         .await
         .unwrap();
     let sink = Sink::new(Broker::Amqp).await;

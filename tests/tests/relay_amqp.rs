@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_amqp::testing::Fixture;
-use outbox_core::testkit::{read_until_quiet, sample_event};
-use outbox_core::{Relay, RelayConfig, Store};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{DeadLetterFilter, PostgresStore, Writer};
+use txoutbox_amqp::testing::Fixture;
+use txoutbox_core::testkit::{read_until_quiet, sample_event};
+use txoutbox_core::{Relay, RelayConfig, Store};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{DeadLetterFilter, PostgresStore, Writer};
 
 fn config() -> RelayConfig {
     RelayConfig {
@@ -40,7 +40,7 @@ async fn an_unroutable_event_dead_letters_and_the_rest_flows() {
 
     let store = PostgresStore::new(pg.clone(), table.clone());
     // The exchange is allowed, so that RabbitMQ's own refusal is what the relay classifies.
-    let publisher = outbox_amqp::AmqpPublisher::new(outbox_amqp::AmqpConfig {
+    let publisher = txoutbox_amqp::AmqpPublisher::new(txoutbox_amqp::AmqpConfig {
         allowed_destinations: vec![nowhere],
         ..fx.config()
     })

@@ -4,11 +4,11 @@
 
 use std::time::Duration;
 
-use outbox_core::{RelayConfig, Store};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::PostgresStore;
-use outbox_tests::harness::{assert_clean_verdict, report, Broker, Sink};
-use outbox_tests::{spawn_relays, write_rounds};
+use txoutbox_core::{RelayConfig, Store};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::PostgresStore;
+use txoutbox_tests::harness::{assert_clean_verdict, report, Broker, Sink};
+use txoutbox_tests::{spawn_relays, write_rounds};
 
 async fn two_relays_deliver_everything_in_aggregate_order(broker: Broker) {
     let pg = pool(2).await;

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::{sample_event, Behavior, EventStatus, ScriptedPublisher, TestStore};
-use outbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy, Store};
-use outbox_postgres::testing::{fresh_table, pool, PgTestStore};
-use outbox_postgres::{OutboxTable, PostgresStore, Writer};
-use outbox_tests::{check, write_rounds};
+use txoutbox_core::testkit::{sample_event, Behavior, EventStatus, ScriptedPublisher, TestStore};
+use txoutbox_core::{CancellationToken, Relay, RelayConfig, RetryPolicy, Store};
+use txoutbox_postgres::testing::{fresh_table, pool, PgTestStore};
+use txoutbox_postgres::{OutboxTable, PostgresStore, Writer};
+use txoutbox_tests::{check, write_rounds};
 use uuid::Uuid;
 
 fn fast_retry(max_attempts: u32) -> RetryPolicy {
@@ -72,7 +72,7 @@ async fn concurrent_relays_keep_order(relays: usize) {
     let committed = write_rounds(&table, 200, 20).await;
     let publisher = ScriptedPublisher::new();
     // Random retryable failures on ~8% of the events (each fails once or twice, then succeeds).
-    let mut rng = outbox_tests::harness::rng("relays keep order");
+    let mut rng = txoutbox_tests::harness::rng("relays keep order");
     for (i, (_, id)) in committed.iter().enumerate() {
         if rng.u32(0..100) < 8 {
             publisher.on_event(*id, Behavior::FailRetryableTimes(1 + (i % 2) as u32));
@@ -83,7 +83,7 @@ async fn concurrent_relays_keep_order(relays: usize) {
     let verdict = check(&committed, &received);
     println!("{relays} relays over 200 aggregates x 20 events: {verdict}");
     // A scripted failure sends nothing: nothing arrives twice.
-    outbox_tests::harness::assert_clean_verdict(&verdict);
+    txoutbox_tests::harness::assert_clean_verdict(&verdict);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -145,7 +145,7 @@ async fn a_retryable_failure_delays_only_the_rest_of_its_aggregate() {
     }
     let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
     let verdict = check(&committed, &received);
-    outbox_tests::harness::assert_clean_verdict(&verdict);
+    txoutbox_tests::harness::assert_clean_verdict(&verdict);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -299,8 +299,8 @@ impl EmptyClaims {
 impl Store for EmptyClaims {
     async fn claim(
         &self,
-        request: outbox_core::ClaimRequest,
-    ) -> Result<outbox_core::Batch, outbox_core::Error> {
+        request: txoutbox_core::ClaimRequest,
+    ) -> Result<txoutbox_core::Batch, txoutbox_core::Error> {
         let batch = self.inner.claim(request).await?;
         if batch.events.is_empty() {
             self.empty.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -308,11 +308,11 @@ impl Store for EmptyClaims {
         Ok(batch)
     }
 
-    async fn stats(&self) -> Result<outbox_core::StoreStats, outbox_core::Error> {
+    async fn stats(&self) -> Result<txoutbox_core::StoreStats, txoutbox_core::Error> {
         self.inner.stats().await
     }
 
-    async fn check(&self) -> Result<(), outbox_core::Error> {
+    async fn check(&self) -> Result<(), txoutbox_core::Error> {
         self.inner.check().await
     }
 }

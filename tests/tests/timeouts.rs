@@ -8,18 +8,18 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::testkit::publisher_suite::event;
-use outbox_core::Publisher;
-use outbox_core::{
+use std::collections::HashSet;
+use txoutbox_core::testkit::publisher_suite::event;
+use txoutbox_core::Publisher;
+use txoutbox_core::{
     BatchReport, CancellationToken, Error, Event, FailureDecision, Relay, RelayConfig,
     RelayObserver,
 };
-use outbox_kafka::{KafkaConfig, KafkaPublisher};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{DeadLetterFilter, PostgresStore};
-use outbox_tests::harness::own_tansu;
-use outbox_tests::{check, write_rounds};
-use std::collections::HashSet;
+use txoutbox_kafka::{KafkaConfig, KafkaPublisher};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{DeadLetterFilter, PostgresStore};
+use txoutbox_tests::harness::own_tansu;
+use txoutbox_tests::{check, write_rounds};
 
 /// The failed attempts, each with the time since the relay started.
 struct Failures {
@@ -72,12 +72,12 @@ fn signal(pid: u32, signal: &str) {
 async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_letters() {
     // The relay's log (and librdkafka's, through it) goes to the test's output, shown when it fails.
     tracing_subscriber::fmt()
-        .with_env_filter("info,outbox_core=debug,outbox_kafka=debug,outbox_postgres=debug")
+        .with_env_filter("info,txoutbox_core=debug,txoutbox_kafka=debug,txoutbox_postgres=debug")
         .with_test_writer()
         .try_init()
         .ok();
     let (tansu, brokers) = own_tansu(None);
-    let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "stall", 1).await;
+    let fx = txoutbox_kafka::testing::Fixture::create_at(&brokers, "stall", 1).await;
     let pg = pool(4).await;
     let table = fresh_table(&pg).await;
 
@@ -167,7 +167,7 @@ async fn a_kafka_stall_beyond_the_delivery_timeout_ends_in_recovery_not_dead_let
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_stall_in_the_middle_of_whole_runs_leaves_no_gap_in_any_aggregate() {
     let (tansu, brokers) = own_tansu(None);
-    let fx = outbox_kafka::testing::Fixture::create_at(&brokers, "runs", 3).await;
+    let fx = txoutbox_kafka::testing::Fixture::create_at(&brokers, "runs", 3).await;
     let publisher = KafkaPublisher::new(KafkaConfig {
         delivery_timeout: Duration::from_secs(3),
         ..fx.config()
@@ -257,7 +257,7 @@ async fn a_kafka_stall_in_the_middle_of_whole_runs_leaves_no_gap_in_any_aggregat
         .chain(&all)
         .map(|e| (e.aggregate_id.clone(), e.id))
         .collect();
-    let ids = |read: &[outbox_kafka::testing::Delivered]| -> Vec<uuid::Uuid> {
+    let ids = |read: &[txoutbox_kafka::testing::Delivered]| -> Vec<uuid::Uuid> {
         read.iter().filter_map(|d| d.received.event_id).collect()
     };
     let live_verdict = check(&committed, &ids(&live));

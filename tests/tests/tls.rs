@@ -10,12 +10,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use outbox_postgres::testing::{fresh_table, pool, unmigrated_table};
-use outbox_postgres::OutboxTable;
-use outbox_tests::harness::{
+use txoutbox_postgres::testing::{fresh_table, pool, unmigrated_table};
+use txoutbox_postgres::OutboxTable;
+use txoutbox_tests::harness::{
     logged, outbox_cli, relay_log_dir, write_through, Broker, RelayProcess, Sink,
 };
-use outbox_tests::wal::{pairs, WalSource};
+use txoutbox_tests::wal::{pairs, WalSource};
 use uuid::Uuid;
 
 /// The test CA's directory: `OUTBOX_TEST_TLS_DIR`, or where `scripts/test-env.sh` makes it.
@@ -169,9 +169,9 @@ async fn publisher_over_tls(
     // recording endpoint of its own).
     // The Kafka broker behind TLS is a broker of its own: its topic is made and read over TLS.
     let sink = match broker {
-        Broker::Sqs => Sink::Sqs(outbox_sqs::testing::Fixture::new(true).await),
+        Broker::Sqs => Sink::Sqs(txoutbox_sqs::testing::Fixture::new(true).await),
         Broker::Kafka => Sink::Kafka(
-            outbox_kafka::testing::Fixture::create_with(
+            txoutbox_kafka::testing::Fixture::create_with(
                 &kafka_tls_brokers("localhost"),
                 &format!("outbox.test.{}", Uuid::new_v4().simple()),
                 2,
@@ -184,7 +184,7 @@ async fn publisher_over_tls(
         ),
         Broker::Amqp => Sink::new(broker).await,
     };
-    let direct = outbox_postgres::testing::database_url();
+    let direct = txoutbox_postgres::testing::database_url();
     for (settings, names) in refused {
         let before = logged(&table, names);
         let relay = RelayProcess::start_at(&direct, &table, &sink, settings);

@@ -6,13 +6,13 @@ use std::sync::Arc;
 
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use outbox_core::testkit::{sample_event, ScriptedPublisher};
-use outbox_core::{NewEvent, Relay, RelayConfig};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::{PostgresStore, Writer};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
+use txoutbox_core::testkit::{sample_event, ScriptedPublisher};
+use txoutbox_core::{NewEvent, Relay, RelayConfig};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::{PostgresStore, Writer};
 
 #[tokio::test]
 async fn the_writer_span_reaches_the_broker_headers_and_the_publish_span_links_to_it() {

@@ -9,13 +9,13 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox_core::testkit::{sample_event, ScriptedPublisher};
-use outbox_core::{CancellationToken, ErrorKind, Store};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::wal::{WalStore, UNDECODABLE_AGGREGATE_TYPE};
-use outbox_postgres::{OutboxTable, PostgresStore, Writer};
-use outbox_tests::harness::wait_until;
-use outbox_tests::wal::{run_store, wal_position, WalSource};
+use txoutbox_core::testkit::{sample_event, ScriptedPublisher};
+use txoutbox_core::{CancellationToken, ErrorKind, Store};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::wal::{WalStore, UNDECODABLE_AGGREGATE_TYPE};
+use txoutbox_postgres::{OutboxTable, PostgresStore, Writer};
+use txoutbox_tests::harness::wait_until;
+use txoutbox_tests::wal::{run_store, wal_position, WalSource};
 use uuid::Uuid;
 
 /// Whether the server has the slot confirmed at `position` or past it (the reader confirms an idle
@@ -93,7 +93,7 @@ async fn unstorable_and_50k_undecodable_messages_in_one_transaction_are_dead_let
     // The same JSON as bytes with a JSON content type goes to jsonb too.
     let base64_json = format!(
         r#"{{"aggregate_type":"o","aggregate_id":"b","event_type":"e","content_type":"application/json","payload_base64":"{}"}}"#,
-        outbox_core::format::base64(br#"{"x":"\u0000"}"#)
+        txoutbox_core::format::base64(br#"{"x":"\u0000"}"#)
     );
     for content in [
         r#"{"aggregate_type":"o","aggregate_id":"a\u0000b","event_type":"e","payload":{}}"#,
@@ -113,7 +113,7 @@ async fn unstorable_and_50k_undecodable_messages_in_one_transaction_are_dead_let
 
     let publisher = ScriptedPublisher::new();
     let shutdown = CancellationToken::new();
-    let store = wal.store(outbox_core::Wake::new()).await;
+    let store = wal.store(txoutbox_core::Wake::new()).await;
     let task = run_store(store.clone(), publisher.clone(), &shutdown);
     wait_until(
         Duration::from_secs(180),
@@ -176,7 +176,7 @@ async fn rows_a_foreign_key_or_a_trigger_keeps_stay_and_are_published_once() {
 
     let publisher = ScriptedPublisher::new();
     let shutdown = CancellationToken::new();
-    let store = wal.store(outbox_core::Wake::new()).await;
+    let store = wal.store(txoutbox_core::Wake::new()).await;
     let task = run_store(store.clone(), publisher.clone(), &shutdown);
     wait_until(
         Duration::from_secs(60),
@@ -218,11 +218,11 @@ async fn a_role_without_delete_fails_readiness_and_reads_nothing_until_granted()
     ] {
         sqlx::query(&sql).execute(&admin).await.unwrap();
     }
-    let url = outbox_postgres::testing::database_url();
+    let url = txoutbox_postgres::testing::database_url();
     let (scheme, rest) = url.split_once("://").unwrap();
     let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
     let role_url = format!("{scheme}://{role}@{rest}");
-    let role_pool = outbox_postgres::connect(&role_url, 6).await.unwrap();
+    let role_pool = txoutbox_postgres::connect(&role_url, 6).await.unwrap();
     let store = WalStore::new(
         role_pool.clone(),
         &role_url,

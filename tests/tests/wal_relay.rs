@@ -5,14 +5,14 @@
 
 use std::time::Duration;
 
-use outbox_core::testkit::{sample_event, Behavior, ScriptedPublisher};
-use outbox_core::{CancellationToken, RelayConfig, RetryPolicy, Store};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::wal::{MessageWriter, UNDECODABLE_AGGREGATE_TYPE};
-use outbox_postgres::{DeadLetterFilter, OutboxTable};
-use outbox_tests::harness::{assert_clean_verdict, wait_until};
-use outbox_tests::wal::WalSource;
-use outbox_tests::{check, write_rounds};
+use txoutbox_core::testkit::{sample_event, Behavior, ScriptedPublisher};
+use txoutbox_core::{CancellationToken, RelayConfig, RetryPolicy, Store};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::wal::{MessageWriter, UNDECODABLE_AGGREGATE_TYPE};
+use txoutbox_postgres::{DeadLetterFilter, OutboxTable};
+use txoutbox_tests::harness::{assert_clean_verdict, wait_until};
+use txoutbox_tests::wal::WalSource;
+use txoutbox_tests::{check, write_rounds};
 use uuid::Uuid;
 
 fn relay_config() -> RelayConfig {
@@ -38,8 +38,8 @@ async fn spawn(
     publisher: &std::sync::Arc<ScriptedPublisher>,
     shutdown: &CancellationToken,
 ) -> (
-    outbox_postgres::wal::WalStore,
-    tokio::task::JoinHandle<outbox_core::RelaySummary>,
+    txoutbox_postgres::wal::WalStore,
+    tokio::task::JoinHandle<txoutbox_core::RelaySummary>,
 ) {
     wal.spawn_relay(publisher.clone(), relay_config(), shutdown.clone())
         .await
@@ -246,7 +246,7 @@ async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettere
         shutdown,
     } = fixture().await;
     let messages = MessageWriter::new(table.schema());
-    let writer = outbox_postgres::Writer::new(table.clone());
+    let writer = txoutbox_postgres::Writer::new(table.clone());
     let mut committed = Vec::new();
     for n in 0..20 {
         let mut tx = pool.begin().await.unwrap();
@@ -455,7 +455,7 @@ async fn readiness_fails_while_the_slot_is_missing() {
     let pool = pool(4).await;
     let table = fresh_table(&pool).await;
     let wal = WalSource::setup(&table).await;
-    let store = wal.store(outbox_core::Wake::new()).await;
+    let store = wal.store(txoutbox_core::Wake::new()).await;
     store.check().await.unwrap();
     wal.slot.drop(&pool).await.unwrap();
     let e = store.check().await.unwrap_err();
@@ -592,7 +592,7 @@ async fn large_transaction(end_session: bool) {
     let (_store, task) = spawn(&wal, &publisher, &shutdown).await;
     let mut committed = write_rounds(&table, 10, 3).await;
     // One transaction of 2,050 events over 10 aggregates.
-    let writer = outbox_postgres::Writer::new(table.clone());
+    let writer = txoutbox_postgres::Writer::new(table.clone());
     let mut tx = pool.begin().await.unwrap();
     let events: Vec<_> = (0..2_050)
         .map(|n| sample_event(&format!("agg-{}", n % 10), 100 + n))
@@ -645,7 +645,7 @@ async fn large_transaction(end_session: bool) {
     );
     if end_session {
         // What the buffer had in flight at the end (2 batches of 50, and one settling).
-        outbox_tests::harness::assert_crash_verdict(&verdict, 1, 50, 3);
+        txoutbox_tests::harness::assert_crash_verdict(&verdict, 1, 50, 3);
     } else {
         assert_clean_verdict(&verdict);
     }

@@ -8,14 +8,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::{sample_event, ScriptedPublisher};
-use outbox_core::{CancellationToken, Store};
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::wal::{mark_new_slot, MessageWriter, WalStore};
-use outbox_postgres::{OutboxTable, Writer};
-use outbox_tests::harness::{assert_clean_verdict, wait_until};
-use outbox_tests::wal::{run_store, wal_position, WalSource};
-use outbox_tests::{check, Verdict};
+use txoutbox_core::testkit::{sample_event, ScriptedPublisher};
+use txoutbox_core::{CancellationToken, Store};
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::wal::{mark_new_slot, MessageWriter, WalStore};
+use txoutbox_postgres::{OutboxTable, Writer};
+use txoutbox_tests::harness::{assert_clean_verdict, wait_until};
+use txoutbox_tests::wal::{run_store, wal_position, WalSource};
+use txoutbox_tests::{check, Verdict};
 use uuid::Uuid;
 
 /// One event for each of 5 aggregates, in one transaction; each event's aggregate and id.
@@ -83,7 +83,7 @@ impl Running {
         wal.config.delete_published = delete_published;
         let publisher = ScriptedPublisher::new();
         let shutdown = CancellationToken::new();
-        let store = wal.store(outbox_core::Wake::new()).await;
+        let store = wal.store(txoutbox_core::Wake::new()).await;
         let task = run_store(store.clone(), publisher.clone(), &shutdown);
         Running {
             pool,
@@ -195,7 +195,7 @@ async fn operator_makes_it_again(fault: Fault) {
             .execute(&pool)
             .await
             .unwrap();
-            outbox_postgres::migrate(&pool, &table).await.unwrap();
+            txoutbox_postgres::migrate(&pool, &table).await.unwrap();
         }
     }
     // Written while the slot cannot be streamed: published from the table.
@@ -309,7 +309,7 @@ async fn without_deleting_published_rows(fault: Fault) {
         "SELECT count(*) FROM {} WHERE event_type = $1",
         wal.held.qualified()
     ))
-    .bind(outbox_postgres::wal::FALLBACK_MARK_TYPE)
+    .bind(txoutbox_postgres::wal::FALLBACK_MARK_TYPE)
     .fetch_one(&pool)
     .await
     .unwrap();
@@ -419,7 +419,7 @@ async fn rows_written_before_the_slot_was_made_are_published() {
     }
     let publisher = ScriptedPublisher::new();
     let shutdown = CancellationToken::new();
-    let store = wal.store(outbox_core::Wake::new()).await;
+    let store = wal.store(txoutbox_core::Wake::new()).await;
     let task = run_store(store.clone(), publisher.clone(), &shutdown);
     delivered(&publisher, &rows).await;
     for round in 6..9 {

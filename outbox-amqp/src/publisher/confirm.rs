@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use lapin::Confirmation;
 
-use outbox_core::{Error, Event, PublishOutcome};
+use txoutbox_core::{Error, Event, PublishOutcome};
 
 use super::AmqpPublisher;
 use crate::error::{self, map_lapin, parse_size_limit};
@@ -86,13 +86,13 @@ pub(super) fn refused_as_too_large(
 mod tests {
     use std::borrow::Cow;
 
-    use outbox_core::{Error, ErrorKind, Event, PublishOutcome};
+    use txoutbox_core::{Error, ErrorKind, Event, PublishOutcome};
 
     use super::refused_as_too_large;
 
     fn ev(n: usize) -> Event {
         Event {
-            id: outbox_core::Uuid::now_v7(),
+            id: txoutbox_core::Uuid::now_v7(),
             aggregate_type: "order".into(),
             aggregate_id: n.to_string(),
             event_type: "order.created".into(),

@@ -12,7 +12,7 @@ use lapin::{Channel, Connection, ConnectionProperties, DefaultConnectionBuilder,
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use outbox_core::Error;
+use txoutbox_core::Error;
 
 use super::message::short;
 use super::AmqpPublisher;
@@ -46,9 +46,12 @@ pub(crate) async fn connect_channel(
         // at start, so a file gone since is a connection failure, retried, not the events' fault.
         cert_chain: match &config.tls_ca_file {
             Some(path) => Some(
-                outbox_core::tls::read_ca_file(path, "amqp.tls_ca_file").map_err(|e| {
-                    Error::new(outbox_core::ErrorKind::Connection, e.message().to_string())
-                        .with_retryable(true)
+                txoutbox_core::tls::read_ca_file(path, "amqp.tls_ca_file").map_err(|e| {
+                    Error::new(
+                        txoutbox_core::ErrorKind::Connection,
+                        e.message().to_string(),
+                    )
+                    .with_retryable(true)
                 })?,
             ),
             None => None,
@@ -66,15 +69,15 @@ pub(crate) async fn connect_channel(
         Err(e) => Err(e),
     };
     let connection = connected.map_err(|e| {
-        if let Some(problem) = outbox_core::tls::certificate_problem(&e) {
+        if let Some(problem) = txoutbox_core::tls::certificate_problem(&e) {
             let host = config
                 .url
                 .parse::<lapin::uri::AMQPUri>()
                 .map(|u| u.authority.host)
                 .unwrap_or_default();
-            return outbox_core::tls::certificate_error(
+            return txoutbox_core::tls::certificate_error(
                 problem,
-                outbox_core::tls::TlsSettings {
+                txoutbox_core::tls::TlsSettings {
                     server: "RabbitMQ",
                     host: &host,
                     address: "amqp.url",
@@ -83,7 +86,7 @@ pub(crate) async fn connect_channel(
             )
             .with_source(map_lapin("connect", e));
         }
-        map_lapin("connect", e).with_context("broker", outbox_core::redact_url(&config.url))
+        map_lapin("connect", e).with_context("broker", txoutbox_core::redact_url(&config.url))
     })?;
     let channel = connection
         .create_channel()

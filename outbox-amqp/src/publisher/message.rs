@@ -8,7 +8,7 @@ use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, ExchangeKind};
 
-use outbox_core::{header, Error, ErrorKind, Event};
+use txoutbox_core::{header, Error, ErrorKind, Event};
 
 use super::AmqpPublisher;
 use crate::error::{self, map_lapin};

@@ -16,11 +16,11 @@ use futures::future::join_all;
 use lapin::options::BasicPublishOptions;
 use tokio::sync::Mutex;
 
-use outbox_core::cache::{BoundedCache, DEFAULT_DESTINATION_CACHE};
-use outbox_core::format::Formatter;
-use outbox_core::publishers::{finish, Fence};
-use outbox_core::routing::{AllowList, Template};
-use outbox_core::{Error, Event, PublishOutcome, Publisher};
+use txoutbox_core::cache::{BoundedCache, DEFAULT_DESTINATION_CACHE};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::publishers::{finish, Fence};
+use txoutbox_core::routing::{AllowList, Template};
+use txoutbox_core::{Error, Event, PublishOutcome, Publisher};
 
 use crate::config::AmqpConfig;
 use crate::error::{self, map_lapin};
@@ -87,7 +87,7 @@ impl AmqpPublisher {
     }
 
     /// Remembers at most `capacity` exchanges found to exist (default
-    /// [`outbox_core::cache::DEFAULT_DESTINATION_CACHE`]); the least recently used is checked again
+    /// [`txoutbox_core::cache::DEFAULT_DESTINATION_CACHE`]); the least recently used is checked again
     /// when next named.
     pub fn with_exchange_cache(self, capacity: usize) -> Self {
         AmqpPublisher {
@@ -115,7 +115,7 @@ impl AmqpPublisher {
 
 #[async_trait]
 impl Publisher for AmqpPublisher {
-    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self) -> Option<txoutbox_core::CallLimit> {
         Some(self.config.call_limit())
     }
 

@@ -1,13 +1,13 @@
-//! RabbitMQ (feature `amqp`): section `[amqp]`, [`outbox_amqp::AmqpPublisher`].
+//! RabbitMQ (feature `amqp`): section `[amqp]`, [`txoutbox_amqp::AmqpPublisher`].
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use outbox_amqp::admin::BoundQueue;
-use outbox_amqp::{AmqpConfig, AmqpPublisher};
-use outbox_core::format::Formatter;
-use outbox_core::{Error, Publisher};
+use txoutbox_amqp::admin::BoundQueue;
+use txoutbox_amqp::{AmqpConfig, AmqpPublisher};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::{Error, Publisher};
 
 use super::{Adapter, Named};
 use crate::target::{BenchTarget, Progress, TargetOptions};
@@ -37,7 +37,7 @@ impl Named for Amqp {
 impl Adapter for Amqp {
     type Section = AmqpConfig;
 
-    fn call_limit(&self, section: &AmqpConfig) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self, section: &AmqpConfig) -> Option<txoutbox_core::CallLimit> {
         Some(section.call_limit())
     }
 
@@ -46,7 +46,7 @@ impl Adapter for Amqp {
     }
 
     fn redact(&self, shown: &mut AmqpConfig) {
-        shown.url = outbox_amqp::redact_url(&shown.url);
+        shown.url = txoutbox_amqp::redact_url(&shown.url);
     }
 
     async fn publisher(
@@ -72,7 +72,7 @@ impl Adapter for Amqp {
         progress(&format!(
             "amqp: exchange {BENCH} -> durable queue {} at {}",
             queue.name(),
-            outbox_amqp::redact_url(&c.url)
+            txoutbox_amqp::redact_url(&c.url)
         ));
         Ok(Box::new(AmqpTarget {
             config: c,

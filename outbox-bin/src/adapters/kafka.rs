@@ -1,12 +1,12 @@
-//! Kafka (feature `kafka`): section `[kafka]`, [`outbox_kafka::KafkaPublisher`].
+//! Kafka (feature `kafka`): section `[kafka]`, [`txoutbox_kafka::KafkaPublisher`].
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use outbox_core::format::Formatter;
-use outbox_core::{Error, Publisher};
-use outbox_kafka::{admin, KafkaConfig, KafkaPublisher};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::{Error, Publisher};
+use txoutbox_kafka::{admin, KafkaConfig, KafkaPublisher};
 
 use super::{Adapter, Named};
 use crate::target::{BenchTarget, Progress, TargetOptions};
@@ -36,7 +36,7 @@ impl Named for Kafka {
 impl Adapter for Kafka {
     type Section = KafkaConfig;
 
-    fn call_limit(&self, section: &KafkaConfig) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self, section: &KafkaConfig) -> Option<txoutbox_core::CallLimit> {
         Some(section.call_limit())
     }
 
@@ -46,7 +46,7 @@ impl Adapter for Kafka {
 
     fn redact(&self, shown: &mut KafkaConfig) {
         for (k, v) in shown.properties.iter_mut() {
-            if outbox_kafka::is_secret(k) {
+            if txoutbox_kafka::is_secret(k) {
                 *v = "***".into();
             }
         }

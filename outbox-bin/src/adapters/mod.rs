@@ -19,8 +19,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use outbox_core::format::Formatter;
-use outbox_core::{Error, Publisher};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::{Error, Publisher};
 
 use crate::target::{BenchTarget, Progress, TargetOptions};
 
@@ -141,7 +141,7 @@ pub trait Adapter: Named {
 
     /// The publisher's own limit of one call, from its section alone (`Publisher::call_limit`);
     /// none for a publisher without one.
-    fn call_limit(&self, section: &Self::Section) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self, section: &Self::Section) -> Option<txoutbox_core::CallLimit> {
         let _ = section;
         None
     }
@@ -185,7 +185,7 @@ pub trait Configured: Named {
     fn validate(&self) -> Result<(), Error>;
 
     /// The publisher's own limit of one call ([`Adapter::call_limit`]).
-    fn call_limit(&self) -> Option<outbox_core::CallLimit>;
+    fn call_limit(&self) -> Option<txoutbox_core::CallLimit>;
 
     /// The publisher the section describes ([`Adapter::publisher`]).
     ///
@@ -234,7 +234,7 @@ impl<'a, A: Adapter> Configured for Bound<'a, A> {
         self.adapter.validate(self.section)
     }
 
-    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self) -> Option<txoutbox_core::CallLimit> {
         self.adapter.call_limit(self.section)
     }
 
@@ -301,7 +301,7 @@ fn redact_value(value: &mut Value) {
     match value {
         Value::Object(map) => {
             for (key, v) in map.iter_mut() {
-                if outbox_core::redact::is_secret_name(key) {
+                if txoutbox_core::redact::is_secret_name(key) {
                     *v = Value::String("***".into());
                 } else {
                     redact_value(v);
@@ -309,7 +309,7 @@ fn redact_value(value: &mut Value) {
             }
         }
         Value::Array(items) => items.iter_mut().for_each(redact_value),
-        Value::String(text) => *text = outbox_core::redact::redact_url(text),
+        Value::String(text) => *text = txoutbox_core::redact::redact_url(text),
         _ => {}
     }
 }

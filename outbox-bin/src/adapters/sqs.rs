@@ -1,12 +1,12 @@
-//! Amazon SQS (feature `sqs`): section `[sqs]`, [`outbox_sqs::SqsPublisher`].
+//! Amazon SQS (feature `sqs`): section `[sqs]`, [`txoutbox_sqs::SqsPublisher`].
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use outbox_core::format::Formatter;
-use outbox_core::{Error, Publisher};
-use outbox_sqs::{admin, SqsConfig, SqsPublisher};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::{Error, Publisher};
+use txoutbox_sqs::{admin, SqsConfig, SqsPublisher};
 
 use super::{Adapter, Named};
 use crate::target::{BenchTarget, Progress, TargetOptions};
@@ -36,7 +36,7 @@ impl Named for Sqs {
 impl Adapter for Sqs {
     type Section = SqsConfig;
 
-    fn call_limit(&self, section: &SqsConfig) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self, section: &SqsConfig) -> Option<txoutbox_core::CallLimit> {
         Some(section.call_limit())
     }
 

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use outbox_core::format::Formatter;
-use outbox_core::publishers::JsonLinesPublisher;
-use outbox_core::{Error, Publisher};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::publishers::JsonLinesPublisher;
+use txoutbox_core::{Error, Publisher};
 
 use super::{Adapter, Named};
 use crate::target::{BenchTarget, Progress, TargetOptions};

@@ -4,8 +4,8 @@
 use sqlx::PgPool;
 use tokio::time::Instant;
 
-use outbox_core::{Error, ErrorKind, OrderingPolicy, Store};
-use outbox_postgres::{map_sqlx, migrate, OutboxTable, PostgresStore, Retention};
+use txoutbox_core::{Error, ErrorKind, OrderingPolicy, Store};
+use txoutbox_postgres::{map_sqlx, migrate, OutboxTable, PostgresStore, Retention};
 
 use super::fill::{prefill, truncate};
 use super::options::BenchOptions;

@@ -8,8 +8,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use outbox_core::{Error, ErrorKind, Event, Relay};
-use outbox_postgres::{connect, map_sqlx, OutboxTable, PostgresStore, Retention};
+use txoutbox_core::{Error, ErrorKind, Event, Relay};
+use txoutbox_postgres::{connect, map_sqlx, OutboxTable, PostgresStore, Retention};
 
 use super::fill::payload;
 use super::instruments::{delayed, join, wait_for_settled, Counter};

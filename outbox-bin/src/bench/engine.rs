@@ -9,8 +9,8 @@
 //! service's outbox table.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), outbox_core::Error> {
-//! use outbox_bin::bench::engine::{self as bench, BenchOptions, DiscardTarget};
+//! # async fn demo() -> Result<(), txoutbox_core::Error> {
+//! use txoutbox::bench::engine::{self as bench, BenchOptions, DiscardTarget};
 //! let options = BenchOptions { backlog: 20_000, ..BenchOptions::default() };
 //! let report = bench::run("postgres://postgres@127.0.0.1:5432/test", &DiscardTarget, &options, &|line: &str| eprintln!("{line}")).await?;
 //! println!("{}", report.table());
@@ -19,8 +19,8 @@
 
 use sqlx::PgPool;
 
-use outbox_core::Error;
-use outbox_postgres::{connect, migrate, OutboxTable};
+use txoutbox_core::Error;
+use txoutbox_postgres::{connect, migrate, OutboxTable};
 
 use super::claim::claim_phase;
 use super::drain::{drain_run, publisher_run, yardstick_run};

@@ -3,8 +3,8 @@
 
 use sqlx::PgPool;
 
-use outbox_core::Error;
-use outbox_postgres::{map_sqlx, OutboxTable};
+use txoutbox_core::Error;
+use txoutbox_postgres::{map_sqlx, OutboxTable};
 
 use super::options::BenchOptions;
 

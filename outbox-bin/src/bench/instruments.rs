@@ -10,7 +10,9 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use outbox_core::{BatchReport, Error, ErrorKind, Event, PublishOutcome, Publisher, RelayObserver};
+use txoutbox_core::{
+    BatchReport, Error, ErrorKind, Event, PublishOutcome, Publisher, RelayObserver,
+};
 
 use super::report::{percentile, ratio, StageFigures};
 
@@ -45,7 +47,7 @@ impl RelayObserver for Counter {
         }
     }
 
-    fn event_failed(&self, _event: &Event, error: &Error, _d: outbox_core::FailureDecision) {
+    fn event_failed(&self, _event: &Event, error: &Error, _d: txoutbox_core::FailureDecision) {
         if let Ok(mut e) = self.last_error.lock() {
             *e = Some(error.to_string());
         }
@@ -197,7 +199,7 @@ impl Publisher for Wrapped {
         self.inner.same_call(earlier, later)
     }
 
-    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self) -> Option<txoutbox_core::CallLimit> {
         self.inner.call_limit()
     }
 }

@@ -10,8 +10,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use outbox_core::{Error, NewEvent, Publisher, Relay, Store};
-use outbox_postgres::{connect, map_sqlx, notify, OutboxTable, PostgresStore, Writer};
+use txoutbox_core::{Error, NewEvent, Publisher, Relay, Store};
+use txoutbox_postgres::{connect, map_sqlx, notify, OutboxTable, PostgresStore, Writer};
 
 use super::fill::payload;
 use super::instruments::{join, wait_for_settled, Counter, Wrapped};
@@ -97,7 +97,7 @@ async fn latency_inner(
     });
     clock.check().await?;
     let counter = Arc::new(Counter::default());
-    let wake = outbox_core::Wake::new();
+    let wake = txoutbox_core::Wake::new();
     let (store, reader): (Arc<dyn Store>, _) = match wal {
         Some(w) => {
             let store = w.store(relay_pool.clone(), wake.clone(), o);
@@ -140,7 +140,7 @@ async fn latency_inner(
             (None, false) => "poll",
         },
         o.rate,
-        outbox_core::duration::format(o.latency_duration)
+        txoutbox_core::duration::format(o.latency_duration)
     ));
     let started = Instant::now();
     let deadline = started + o.latency_duration;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 pub mod engine;
 
@@ -53,7 +53,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub writers: usize,
     /// Length of each writer run.
-    #[arg(long, default_value = "5s", value_parser = outbox_core::duration::parse)]
+    #[arg(long, default_value = "5s", value_parser = txoutbox_core::duration::parse)]
     pub writer_duration: Duration,
     /// Events pre-filled for each drain run.
     #[arg(long, default_value_t = 200_000)]
@@ -74,7 +74,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 2_000)]
     pub rate: u32,
     /// Length of each latency run (the first second is warm-up).
-    #[arg(long, default_value = "10s", value_parser = outbox_core::duration::parse)]
+    #[arg(long, default_value = "10s", value_parser = txoutbox_core::duration::parse)]
     pub latency_duration: Duration,
     /// Processed rows kept in the table for the claim-cost phase.
     #[arg(long, default_value_t = 10_000_000)]
@@ -87,7 +87,7 @@ pub struct BenchArgs {
     pub claim_samples: usize,
     /// Time each publisher call of the drain runs takes on top of the broker's own (a slow broker,
     /// against which relays must scale out), such as 20ms. Default: none.
-    #[arg(long, default_value = "0s", value_parser = outbox_core::duration::parse)]
+    #[arg(long, default_value = "0s", value_parser = txoutbox_core::duration::parse)]
     pub publish_delay: Duration,
     /// Partitions of the Kafka benchmark topic (librdkafka sends one produce request per partition,
     /// so a batch spread over more partitions takes more requests).

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use outbox_core::{Error, RelayConfig};
-use outbox_postgres::OutboxTable;
+use txoutbox_core::{Error, RelayConfig};
+use txoutbox_postgres::OutboxTable;
 
 /// The parts of the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -125,7 +125,7 @@ pub struct BenchOptions {
     pub writers: usize,
     /// Length of each writer run (two without the outbox insert, two with it, two with `SELECT 1`
     /// instead, alternating). Default 5 s.
-    #[serde(with = "outbox_core::duration::serde_str")]
+    #[serde(with = "txoutbox_core::duration::serde_str")]
     pub writer_duration: Duration,
     /// Events in the pre-filled backlog of each drain run. Default 200,000.
     pub backlog: usize,
@@ -140,7 +140,7 @@ pub struct BenchOptions {
     /// Offered rate of the latency runs, events per second. Default 2,000.
     pub rate: u32,
     /// Length of each latency run. Default 10 s.
-    #[serde(with = "outbox_core::duration::serde_str")]
+    #[serde(with = "txoutbox_core::duration::serde_str")]
     pub latency_duration: Duration,
     /// Processed rows kept in the table for the claim-cost phase. Default 10,000,000.
     pub claim_processed_rows: u64,
@@ -150,7 +150,7 @@ pub struct BenchOptions {
     pub claim_samples: usize,
     /// Time each publisher call of the drain runs (and of the publisher alone) takes on top of the
     /// target's own: a slow broker, against which relays must scale out. Default 0.
-    #[serde(with = "outbox_core::duration::serde_str")]
+    #[serde(with = "txoutbox_core::duration::serde_str")]
     pub publish_delay: Duration,
     /// The transactions of the transaction phase. Default: [`DEFAULT_LARGE_TRANSACTIONS`].
     pub transactions: Vec<LargeTransaction>,

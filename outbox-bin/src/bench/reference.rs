@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use outbox_core::{Error, ErrorKind};
-use outbox_postgres::{connect, decode_event, map_sqlx, OutboxTable, EVENT_COLUMNS};
+use txoutbox_core::{Error, ErrorKind};
+use txoutbox_postgres::{connect, decode_event, map_sqlx, OutboxTable, EVENT_COLUMNS};
 
 use super::options::BenchOptions;
 use super::report::DrainFigures;

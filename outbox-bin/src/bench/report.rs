@@ -30,7 +30,7 @@ pub struct WriterFigures {
     /// own; writers of one aggregate also wait for each other, by design).
     pub ordering_rule_overhead: f64,
     /// The same transactions with a table-less event instead of the outbox insert (the WAL source's
-    /// `pg_logical_emit_message`, `outbox_postgres::wal::MessageWriter`).
+    /// `pg_logical_emit_message`, `txoutbox_postgres::wal::MessageWriter`).
     pub with_message_tps: f64,
     /// `1 - with_message / without`: the share of throughput the table-less event costs.
     pub message_overhead: f64,
@@ -136,7 +136,7 @@ pub struct ClaimFigures {
     pub p95_ms: f64,
     /// `median / median of the first state`.
     pub vs_first: f64,
-    /// Median time of one statistics refresh ([`Store::stats`](outbox_core::Store::stats), what each
+    /// Median time of one statistics refresh ([`Store::stats`](txoutbox_core::Store::stats), what each
     /// relay runs every 5 s for `/metrics`), in milliseconds: bounded by `database.stats_max_rows`,
     /// estimated above it.
     pub stats_ms: f64,

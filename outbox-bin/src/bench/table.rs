@@ -43,7 +43,7 @@ impl BenchReport {
             let _ = writeln!(
                 s,
                 "  every publisher call of the drains takes {} more (--publish-delay)",
-                outbox_core::duration::format(o.publish_delay)
+                txoutbox_core::duration::format(o.publish_delay)
             );
         }
         if let Some(w) = &self.writer {

@@ -4,8 +4,8 @@
 
 use sqlx::PgPool;
 
-use outbox_core::Error;
-use outbox_postgres::OutboxTable;
+use txoutbox_core::Error;
+use txoutbox_postgres::OutboxTable;
 
 use super::drain::drain_run;
 use super::fill::{prefill, truncate};

@@ -7,9 +7,9 @@ use sqlx::PgPool;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use outbox_core::{Error, Relay};
-use outbox_postgres::wal::{check_wal_level, wal_level, WalConfig, WalSlot, WalStore};
-use outbox_postgres::{connect, migrate, OutboxTable, PostgresStore};
+use txoutbox_core::{Error, Relay};
+use txoutbox_postgres::wal::{check_wal_level, wal_level, WalConfig, WalSlot, WalStore};
+use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore};
 
 use super::fill::truncate;
 use super::instruments::{delayed, join, wait_for_settled, Counter};
@@ -84,7 +84,7 @@ impl WalBench {
     pub(super) fn store(
         &self,
         pool: PgPool,
-        wake: outbox_core::Wake,
+        wake: txoutbox_core::Wake,
         o: &BenchOptions,
     ) -> WalStore {
         WalStore::new(
@@ -111,7 +111,7 @@ pub(super) async fn wal_drain_run(
     let counter = Arc::new(Counter::default());
     let shutdown = CancellationToken::new();
     let pool = connect(url, o.relay.max_in_flight as u32 + 1).await?;
-    let wake = outbox_core::Wake::new();
+    let wake = txoutbox_core::Wake::new();
     let store = wal.store(pool, wake.clone(), o);
     let publisher = delayed(target.publisher().await?, o.publish_delay);
     publisher.check().await?;

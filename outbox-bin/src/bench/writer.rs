@@ -7,8 +7,8 @@ use std::sync::Arc;
 use sqlx::PgPool;
 use tokio::time::Instant;
 
-use outbox_core::{Error, ErrorKind, NewEvent};
-use outbox_postgres::{connect, map_sqlx, OutboxTable, Writer};
+use txoutbox_core::{Error, ErrorKind, NewEvent};
+use txoutbox_postgres::{connect, map_sqlx, OutboxTable, Writer};
 
 use super::fill::{exec, payload};
 use super::instruments::join;
@@ -141,7 +141,7 @@ async fn writer_run(
     });
     let writer = Writer::new(table.clone());
     // A prefix of the benchmark's own: no outbox's reader takes these messages.
-    let messages = outbox_postgres::wal::MessageWriter::new(prefix);
+    let messages = txoutbox_postgres::wal::MessageWriter::new(prefix);
     let started = Instant::now();
     let deadline = started + o.writer_duration;
     let mut tasks = Vec::new();

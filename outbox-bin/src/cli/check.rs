@@ -7,10 +7,10 @@
 
 use std::time::Duration;
 
-use outbox_core::{Error, ErrorKind, Store};
-use outbox_postgres::pooler::{probe, Pooling, SessionUse};
-use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
-use outbox_postgres::{OutboxTable, PostgresStore, Source};
+use txoutbox_core::{Error, ErrorKind, Store};
+use txoutbox_postgres::pooler::{probe, Pooling, SessionUse};
+use txoutbox_postgres::wal::{check_wal_level, wal_level, WalStore};
+use txoutbox_postgres::{OutboxTable, PostgresStore, Source};
 
 use super::{build_publisher, held_table_exists, store, Failure};
 use crate::config::Config;
@@ -31,7 +31,7 @@ impl Report {
             Err(e) => {
                 println!("FAIL  {name:<13} {e}");
                 self.failed
-                    .push(if outbox_core::tls::is_certificate_error(&e) {
+                    .push(if txoutbox_core::tls::is_certificate_error(&e) {
                         ErrorKind::Config
                     } else {
                         e.kind()
@@ -137,7 +137,7 @@ async fn database(pg: &PostgresStore) -> Result<String, Error> {
     )
     .fetch_one(pg.pool())
     .await
-    .map_err(|e| outbox_postgres::map_sqlx("check", e))?;
+    .map_err(|e| txoutbox_postgres::map_sqlx("check", e))?;
     Ok(format!(
         "PostgreSQL {version}, database {database}, {}",
         if tls == Some(true) {
@@ -159,7 +159,7 @@ async fn pooler(config: &Config, pg: &PostgresStore) -> Result<String, Error> {
     let main = probe(&pg.pool().connect_options(), "database.url").await?;
     // The pool itself when nothing needs a session of its own: dropped, not closed.
     let _session =
-        outbox_postgres::pooler::session_pool(&config.database, pg.pool(), &uses).await?;
+        txoutbox_postgres::pooler::session_pool(&config.database, pg.pool(), &uses).await?;
     let direct = config.database.direct_url.is_some() && !uses.is_empty();
     Ok(match (main, direct) {
         (Pooling::Session, false) => {
@@ -179,7 +179,7 @@ async fn pooler(config: &Config, pg: &PostgresStore) -> Result<String, Error> {
 
 /// Every migration applied to the outbox table.
 async fn schema(pg: &PostgresStore, table: &OutboxTable) -> Result<String, Error> {
-    let pending = match outbox_postgres::migrate::pending(pg.pool(), table).await {
+    let pending = match txoutbox_postgres::migrate::pending(pg.pool(), table).await {
         // A relay role need not read the migrations' bookkeeping (the README's roles do not).
         Err(e) if e.kind() == ErrorKind::PermissionDenied => {
             return Ok(format!(

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tracing::info;
 
-use outbox_postgres::OutboxTable;
+use txoutbox_postgres::OutboxTable;
 
 use super::{store, usage, Failure};
 use crate::config::Config;
@@ -33,10 +33,10 @@ pub(super) async fn cmd_cleanup(
             eprintln!("cleanup: removed {n} rows so far")
         })
         .await?;
-    info!(removed = total, older_than = %outbox_core::duration::format(older_than), "cleanup done");
+    info!(removed = total, older_than = %txoutbox_core::duration::format(older_than), "cleanup done");
     println!(
         "removed {total} published rows older than {} from {}",
-        outbox_core::duration::format(older_than),
+        txoutbox_core::duration::format(older_than),
         table.qualified()
     );
     Ok(())

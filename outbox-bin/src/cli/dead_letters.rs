@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use tracing::info;
 
-use outbox_postgres::{DeadLetterFilter, OutboxTable};
+use txoutbox_postgres::{DeadLetterFilter, OutboxTable};
 
 use super::{store, usage, Failure};
 use crate::config::Config;
@@ -42,7 +42,7 @@ pub enum DeadLetterCommand {
         #[command(flatten)]
         selection: Selection,
         /// Only those dead-lettered longer ago than this (e.g. 1h, 2d).
-        #[arg(long, value_name = "DURATION", value_parser = outbox_core::duration::parse)]
+        #[arg(long, value_name = "DURATION", value_parser = txoutbox_core::duration::parse)]
         older_than: Option<Duration>,
         /// At most this many.
         #[arg(long, default_value_t = 100)]

@@ -1,7 +1,7 @@
 //! `outbox migrate`: creates or upgrades the outbox table (and the WAL source's held table), and
 //! installs or removes the NOTIFY trigger as `database.notify` says; `--print` shows the SQL.
 
-use outbox_postgres::{connect_config, migrate, notify, schema_sql, OutboxTable, Source};
+use txoutbox_postgres::{connect_config, migrate, notify, schema_sql, OutboxTable, Source};
 
 use super::Failure;
 use crate::config::Config;

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-use outbox_core::{Error, ErrorKind, Publisher};
-use outbox_postgres::{connect_config, OutboxTable, PostgresStore, Source};
+use txoutbox_core::{Error, ErrorKind, Publisher};
+use txoutbox_postgres::{connect_config, OutboxTable, PostgresStore, Source};
 
 use crate::config::{Config, LogFormat};
 
@@ -85,7 +85,7 @@ pub enum Command {
         #[arg(long, value_name = "HOST:PORT")]
         addr: Option<String>,
         /// How long to wait for the answer.
-        #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = outbox_core::duration::parse)]
+        #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = txoutbox_core::duration::parse)]
         timeout: Duration,
     },
     /// Show pending events, the oldest pending age and dead letters, by event type.
@@ -104,7 +104,7 @@ pub enum Command {
     /// database.keep_processed_for).
     Cleanup {
         /// Remove rows published longer ago than this (e.g. 7d, 12h). Default: database.keep_processed_for.
-        #[arg(long, value_name = "DURATION", value_parser = outbox_core::duration::parse)]
+        #[arg(long, value_name = "DURATION", value_parser = txoutbox_core::duration::parse)]
         older_than: Option<Duration>,
         /// Rows per delete statement. Default: database.cleanup_batch_size.
         #[arg(long)]
@@ -159,7 +159,8 @@ impl From<Error> for Failure {
         // missing table included (`ErrorKind::Schema`), is a runtime failure.
         // A certificate refused is a setting to fix too (the CA, the host name), though at run
         // time it is a connection error, retried (a certificate can change under a relay).
-        let code = if e.kind() == ErrorKind::Config || outbox_core::tls::is_certificate_error(&e) {
+        let code = if e.kind() == ErrorKind::Config || txoutbox_core::tls::is_certificate_error(&e)
+        {
             2
         } else {
             1
@@ -317,7 +318,7 @@ async fn held_table_exists(pool: &sqlx::PgPool, held: &OutboxTable) -> Result<()
         .bind(held.qualified())
         .fetch_one(pool)
         .await
-        .map_err(|e| outbox_postgres::map_sqlx("held table check", e))?;
+        .map_err(|e| txoutbox_postgres::map_sqlx("held table check", e))?;
     if exists {
         return Ok(());
     }

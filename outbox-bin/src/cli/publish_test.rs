@@ -1,7 +1,7 @@
 //! `outbox publish-test`: sends one synthetic event through the configured publisher, to check
 //! connectivity, routing and permissions; nothing is written to the outbox.
 
-use outbox_core::{Error, ErrorKind, NewEvent};
+use txoutbox_core::{Error, ErrorKind, NewEvent};
 
 use super::{build_publisher, Failure};
 use crate::config::Config;
@@ -24,14 +24,14 @@ pub(super) async fn cmd_publish_test(
         new = new.with_destination(d);
     }
     new.validate()?;
-    let event = outbox_core::Event {
+    let event = txoutbox_core::Event {
         id: new.id,
         aggregate_type: new.aggregate_type,
         aggregate_id: new.aggregate_id,
         event_type: new.event_type,
         payload: match &new.payload {
-            outbox_core::Payload::Json(v) => v.to_string().into_bytes(),
-            outbox_core::Payload::Binary { data, .. } => data.clone(),
+            txoutbox_core::Payload::Json(v) => v.to_string().into_bytes(),
+            txoutbox_core::Payload::Binary { data, .. } => data.clone(),
         },
         content_type: new.payload.content_type().to_string(),
         headers: new.headers,

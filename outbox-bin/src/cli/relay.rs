@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use tracing::{error, info, warn};
 
-use outbox_core::{CancellationToken, Relay, Store};
-use outbox_postgres::pooler::{session_pool, SessionUse};
-use outbox_postgres::wal::{check_wal_level, wal_level, WalStore};
-use outbox_postgres::{notify, OutboxTable, PostgresStore, Source};
+use txoutbox_core::{CancellationToken, Relay, Store};
+use txoutbox_postgres::pooler::{session_pool, SessionUse};
+use txoutbox_postgres::wal::{check_wal_level, wal_level, WalStore};
+use txoutbox_postgres::{notify, OutboxTable, PostgresStore, Source};
 
 use super::signals::{watch_signals, Signals};
 use super::status::held_back_under;
@@ -26,12 +26,12 @@ pub(super) const BROKER_CHECK_AT_START: std::time::Duration = std::time::Duratio
 /// hold) stops the start with the setting to fix; one that is down or slow does not: the relay
 /// starts, keeps trying, and readiness says so.
 async fn refuse_unreachable_as_configured(
-    publisher: &dyn outbox_core::Publisher,
-) -> Result<(), outbox_core::Error> {
+    publisher: &dyn txoutbox_core::Publisher,
+) -> Result<(), txoutbox_core::Error> {
     match tokio::time::timeout(BROKER_CHECK_AT_START, publisher.check()).await {
         Ok(Err(e))
-            if e.kind() == outbox_core::ErrorKind::Config
-                || outbox_core::tls::is_certificate_error(&e) =>
+            if e.kind() == txoutbox_core::ErrorKind::Config
+                || txoutbox_core::tls::is_certificate_error(&e) =>
         {
             Err(e)
         }
@@ -70,7 +70,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         }
         // A missing privilege is waited for below, with readiness saying which.
         match pg.check().await {
-            Err(e) if !outbox_postgres::is_missing_grant(&e) => return Err(e.into()),
+            Err(e) if !txoutbox_postgres::is_missing_grant(&e) => return Err(e.into()),
             _ => {}
         }
         let publisher = build_publisher(&config).await?;
@@ -84,7 +84,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
             return Ok(());
         }
     };
-    let wake = outbox_core::Wake::new();
+    let wake = txoutbox_core::Wake::new();
     let wal = if wal_source {
         let slot = config.wal.slot(&table)?;
         Some(
@@ -230,7 +230,7 @@ async fn wait_for_grants(
             _ = shutdown.cancelled() => return false,
         };
         match checked {
-            Err(e) if outbox_postgres::is_missing_grant(&e) => {
+            Err(e) if txoutbox_postgres::is_missing_grant(&e) => {
                 liveness.progressed();
                 let text = e.to_string();
                 if logged.as_deref() != Some(text.as_str()) {

@@ -3,7 +3,7 @@
 
 use tracing::{error, info};
 
-use outbox_core::CancellationToken;
+use txoutbox_core::CancellationToken;
 
 /// SIGTERM and SIGINT, caught from the moment [`Signals::install`] returns.
 pub(super) struct Signals {

@@ -1,8 +1,8 @@
 //! `outbox status`: pending events, the oldest pending age, dead letters and what they hold back,
 //! by event type, as text or JSON.
 
-use outbox_core::StoreStats;
-use outbox_postgres::OutboxTable;
+use txoutbox_core::StoreStats;
+use txoutbox_postgres::OutboxTable;
 
 use super::{store, Failure};
 use crate::config::Config;
@@ -10,10 +10,10 @@ use crate::config::Config;
 /// `stats` as the relay's ordering sees them: without per-aggregate order a dead letter holds
 /// nothing back.
 pub(super) fn held_back_under(
-    ordering: outbox_core::OrderingPolicy,
+    ordering: txoutbox_core::OrderingPolicy,
     mut stats: StoreStats,
 ) -> StoreStats {
-    if ordering == outbox_core::OrderingPolicy::Unordered {
+    if ordering == txoutbox_core::OrderingPolicy::Unordered {
         stats.held_back = 0;
         stats.held_back_aggregates = 0;
     }
@@ -77,9 +77,9 @@ mod tests {
             dead_letters: 2,
             ..StoreStats::default()
         };
-        let ordered = held_back_under(outbox_core::OrderingPolicy::PerAggregate, stats.clone());
+        let ordered = held_back_under(txoutbox_core::OrderingPolicy::PerAggregate, stats.clone());
         assert_eq!((ordered.held_back, ordered.held_back_aggregates), (5, 2));
-        let unordered = held_back_under(outbox_core::OrderingPolicy::Unordered, stats);
+        let unordered = held_back_under(txoutbox_core::OrderingPolicy::Unordered, stats);
         assert_eq!(
             (
                 unordered.held_back,

@@ -4,7 +4,7 @@
 use clap::Subcommand;
 use tracing::{info, warn};
 
-use outbox_postgres::{connect_config, migrate, OutboxTable};
+use txoutbox_postgres::{connect_config, migrate, OutboxTable};
 
 use super::{usage, Failure};
 use crate::config::Config;
@@ -47,7 +47,7 @@ pub(super) async fn cmd_wal(
             if created.slot && config.wal.delete_published {
                 // Unpublished rows committed before the slot's consistent point are not in it: the
                 // relay moves them to the held table before it streams.
-                outbox_postgres::wal::mark_new_slot(&pool, &table, &held, slot.slot()).await?;
+                txoutbox_postgres::wal::mark_new_slot(&pool, &table, &held, slot.slot()).await?;
             }
             let said = |made: bool| if made { "created" } else { "exists" };
             println!(
@@ -141,7 +141,7 @@ fn bytes_text(bytes: u64) -> String {
 }
 
 /// `outbox wal status` for a person.
-fn wal_status_text(s: &outbox_postgres::wal::WalStatus) -> String {
+fn wal_status_text(s: &txoutbox_postgres::wal::WalStatus) -> String {
     let yes_no = |b: bool| if b { "yes" } else { "no" };
     let mut out = format!(
         "wal_level:    {}\npublication:  {} ({})\nslot:         {} ({})\n",

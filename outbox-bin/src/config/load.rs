@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use outbox_core::Error;
+use txoutbox_core::Error;
 
 use super::{Config, DEFAULT_CONFIG_FILE, ENV_PREFIX};
 

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use outbox_core::{Error, RelayConfig};
-use outbox_postgres::DatabaseConfig;
+use txoutbox_core::{Error, RelayConfig};
+use txoutbox_postgres::DatabaseConfig;
 
 use crate::adapters::{self, Adapter, Bound, Configured};
 
@@ -60,7 +60,7 @@ pub struct Config {
     /// `[log]`.
     pub log: LogConfig,
     /// `[wal]`: the WAL source's slot and publication (`outbox wal`).
-    pub wal: outbox_postgres::wal::WalConfig,
+    pub wal: txoutbox_postgres::wal::WalConfig,
 }
 
 impl Config {
@@ -96,8 +96,8 @@ impl Config {
                     "http.liveness_timeout = {} does not exceed the relay's hold time, {} (2 x relay.publish_timeout + 10s): \
                      a healthy relay may take that long over a batch; raise http.liveness_timeout above it, \
                      or leave it unset (then it is the larger of 5m and the hold time + 1m)",
-                    outbox_core::duration::format(timeout),
-                    outbox_core::duration::format(self.relay.hold_for()),
+                    txoutbox_core::duration::format(timeout),
+                    txoutbox_core::duration::format(self.relay.hold_for()),
                 )));
             }
         }
@@ -148,12 +148,12 @@ impl Config {
     /// (Derived values, such as the liveness timeout when unset, are shown as they are in force.)
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
-        shown.database.url = outbox_postgres::redact_url(&shown.database.url);
+        shown.database.url = txoutbox_postgres::redact_url(&shown.database.url);
         shown.database.direct_url = shown
             .database
             .direct_url
             .as_deref()
-            .map(outbox_postgres::redact_url);
+            .map(txoutbox_postgres::redact_url);
         // The value in force, also when it is derived from the relay's settings.
         shown.http.liveness_timeout = Some(self.liveness_timeout());
         adapters::amqp::ADAPTER.redact(&mut shown.amqp);

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use outbox_core::format::{Formatter, MessageFormat, DEFAULT_CLOUDEVENTS_SOURCE};
-use outbox_core::{duration, Error};
+use txoutbox_core::format::{Formatter, MessageFormat, DEFAULT_CLOUDEVENTS_SOURCE};
+use txoutbox_core::{duration, Error};
 
 use crate::adapters::PublisherType;
 
@@ -20,7 +20,7 @@ pub struct PublisherSection {
     /// ([`crate::adapters`] maps each to its adapter).
     #[serde(rename = "type")]
     pub kind: PublisherType,
-    /// The shape of the messages (brokers only; [`outbox_core::format`]): `outbox` (default),
+    /// The shape of the messages (brokers only; [`txoutbox_core::format`]): `outbox` (default),
     /// `cloudevents-binary`, `cloudevents-structured` or `debezium`.
     pub format: MessageFormat,
     /// The CloudEvents `source` attribute, a template with `{aggregate_type}`, `{event_type}`,
@@ -122,13 +122,13 @@ pub enum LogFormat {
 pub struct LogConfig {
     /// `text` (default) or `json`.
     pub format: LogFormat,
-    /// A tracing filter: `info` (default), `debug`, `outbox_core=debug,info`... `RUST_LOG` wins.
+    /// A tracing filter: `info` (default), `debug`, `txoutbox_core=debug,info`... `RUST_LOG` wins.
     pub level: String,
 }
 
 impl LogConfig {
     /// Checks `level`: each comma-separated directive is a level (`trace`, `debug`, `info`, `warn`,
-    /// `error`, `off`) alone or for a target (`outbox_core=debug`). Anything else would be read as
+    /// `error`, `off`) alone or for a target (`txoutbox_core=debug`). Anything else would be read as
     /// the name of a target to trace, leaving every other target silent.
     ///
     /// # Errors
@@ -150,7 +150,7 @@ impl LogConfig {
             if !known {
                 return Err(Error::config(format!(
                     "log.level = {:?}: {directive:?} is not a level: expected trace, debug, info, \
-                     warn, error or off, alone or for a target (such as \"outbox_core=debug,info\")",
+                     warn, error or off, alone or for a target (such as \"txoutbox_core=debug,info\")",
                     self.level
                 )));
             }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use outbox_core::format::MessageFormat;
+use txoutbox_core::format::MessageFormat;
 
 use super::*;
 
@@ -362,14 +362,14 @@ fn durations_need_a_unit_and_log_levels_must_be_levels() {
         e.contains("log.level") && e.contains("\"verbose\" is not a level"),
         "{e}"
     );
-    let e = load_str("", &[("OUTBOX_LOG__LEVEL", "outbox_core=loud,info")])
+    let e = load_str("", &[("OUTBOX_LOG__LEVEL", "txoutbox_core=loud,info")])
         .unwrap_err()
         .to_string();
-    assert!(e.contains("\"outbox_core=loud\""), "{e}");
+    assert!(e.contains("\"txoutbox_core=loud\""), "{e}");
     for ok in [
         "info",
         "DEBUG",
-        "outbox_core=debug,info",
+        "txoutbox_core=debug,info",
         "warn,sqlx::query=error",
         "off",
     ] {

@@ -12,7 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use outbox_core::{BatchReport, Error, Event, FailureDecision, RelayObserver, StoreStats};
+use txoutbox_core::{BatchReport, Error, Event, FailureDecision, RelayObserver, StoreStats};
 
 mod wal;
 
@@ -506,7 +506,7 @@ impl RelayObserver for Metrics {
     fn store_error(&self, operation: &'static str, error: &Error) {
         // A store call that could not reach the database: the relay is waiting for it, not stuck.
         // Other failures (time-outs, lock time-outs, errors of the statements) are no progress.
-        if error.kind() == outbox_core::ErrorKind::Connection {
+        if error.kind() == txoutbox_core::ErrorKind::Connection {
             self.progressed();
         }
         self.store_errors
@@ -569,8 +569,8 @@ mod tests {
     #[test]
     fn backpressure_is_counted_apart_from_failures() {
         let m = Metrics::default();
-        let event = outbox_core::testkit::publisher_suite::event("a", 1);
-        let full = Error::new(outbox_core::ErrorKind::Backpressure, "queue full");
+        let event = txoutbox_core::testkit::publisher_suite::event("a", 1);
+        let full = Error::new(txoutbox_core::ErrorKind::Backpressure, "queue full");
         m.event_failed(&event, &full, FailureDecision::Backpressure);
         m.event_failed(&event, &full, FailureDecision::Backpressure);
         let text = m.render();
@@ -585,18 +585,18 @@ mod tests {
     #[test]
     fn event_type_labels_are_capped() {
         let m = Metrics::new(3);
-        let error = Error::new(outbox_core::ErrorKind::Connection, "down");
+        let error = Error::new(txoutbox_core::ErrorKind::Connection, "down");
         for i in 0..1000 {
             let event = Event {
                 event_type: format!("type.{}", i % 10),
-                ..outbox_core::testkit::publisher_suite::event("a", i)
+                ..txoutbox_core::testkit::publisher_suite::event("a", i)
             };
             m.event_failed(&event, &error, FailureDecision::Retry);
         }
         let stats = StoreStats {
             pending: 60,
             by_event_type: (0..6)
-                .map(|i| outbox_core::EventTypeStats {
+                .map(|i| txoutbox_core::EventTypeStats {
                     event_type: format!("pending.{i}"),
                     pending: 10 + i,
                     ..Default::default()
@@ -635,7 +635,7 @@ mod tests {
         // A type no longer pending loses its series at the next refresh; the others keep theirs.
         let stats = StoreStats {
             pending: 15,
-            by_event_type: vec![outbox_core::EventTypeStats {
+            by_event_type: vec![txoutbox_core::EventTypeStats {
                 event_type: "pending.5".into(),
                 pending: 15,
                 ..Default::default()

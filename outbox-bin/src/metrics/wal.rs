@@ -12,7 +12,7 @@ use prometheus_client::registry::Registry;
 /// Label set of the WAL source's fallbacks.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
-    /// Why the reader fell back to the outbox table (one of `outbox_postgres::wal::FALLBACK_REASONS`).
+    /// Why the reader fell back to the outbox table (one of `txoutbox_postgres::wal::FALLBACK_REASONS`).
     pub reason: String,
 }
 
@@ -147,7 +147,7 @@ impl WalGauges {
         );
         // Every reason from the start (0 under the polling source), so that a rate or an
         // increase sees a fallback's first one.
-        for reason in outbox_postgres::wal::FALLBACK_REASONS {
+        for reason in txoutbox_postgres::wal::FALLBACK_REASONS {
             drop(g.fallbacks.get_or_create(&ReasonLabel {
                 reason: reason.to_string(),
             }));

@@ -8,8 +8,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_postgres::testing::{database_url, pool};
-use outbox_postgres::OutboxTable;
+use txoutbox_postgres::testing::{database_url, pool};
+use txoutbox_postgres::OutboxTable;
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_outbox")
@@ -28,10 +28,10 @@ pub fn example(name: &str) -> PathBuf {
 }
 
 #[allow(unused_imports)]
-pub use outbox_postgres::testing::unmigrated_table;
+pub use txoutbox_postgres::testing::unmigrated_table;
 
 #[allow(unused_imports)]
-pub use outbox_core::testkit::free_port;
+pub use txoutbox_core::testkit::free_port;
 
 /// A command with a clean environment: the test database, this table, no stray OUTBOX_* variables.
 pub fn outbox(table: &OutboxTable, args: &[&str]) -> Command {
@@ -205,7 +205,7 @@ impl Drop for Running {
 }
 
 /// Waits (at most `within`) until at least `count` sessions named `name` hold a claim while their
-/// batch is published (`outbox_postgres::testing::sessions_holding_a_claim`); panics with `what`.
+/// batch is published (`txoutbox_postgres::testing::sessions_holding_a_claim`); panics with `what`.
 pub async fn wait_for_held_claims(
     pg: &sqlx::PgPool,
     name: &str,
@@ -215,7 +215,7 @@ pub async fn wait_for_held_claims(
 ) {
     let deadline = Instant::now() + within;
     loop {
-        let n = outbox_postgres::testing::sessions_holding_a_claim(pg, name).await;
+        let n = txoutbox_postgres::testing::sessions_holding_a_claim(pg, name).await;
         if n >= count {
             return;
         }

@@ -70,8 +70,8 @@ struct Shared {
 /// The relay: moves events from a [`Store`] to a [`Publisher`].
 ///
 /// ```no_run
-/// # async fn demo(store: std::sync::Arc<dyn outbox_core::Store>, publisher: std::sync::Arc<dyn outbox_core::Publisher>) -> Result<(), outbox_core::Error> {
-/// use outbox_core::{Relay, RelayConfig};
+/// # async fn demo(store: std::sync::Arc<dyn txoutbox_core::Store>, publisher: std::sync::Arc<dyn txoutbox_core::Publisher>) -> Result<(), txoutbox_core::Error> {
+/// use txoutbox_core::{Relay, RelayConfig};
 /// let relay = Relay::new(store, publisher, RelayConfig::default())?;
 /// let shutdown = tokio_util::sync::CancellationToken::new();
 /// let summary = relay.run(shutdown).await;

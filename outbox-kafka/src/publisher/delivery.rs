@@ -10,8 +10,8 @@ use rdkafka::producer::Producer;
 use tokio::time::error::Elapsed;
 use tokio::time::Instant;
 
-use outbox_core::publishers::Fence;
-use outbox_core::{Error, ErrorKind, Event, PublishOutcome};
+use txoutbox_core::publishers::Fence;
+use txoutbox_core::{Error, ErrorKind, Event, PublishOutcome};
 
 use super::{KafkaPublisher, REPORT_MARGIN};
 use crate::error::{self, ends_session, map_kafka};

@@ -17,10 +17,10 @@ use futures::future::join_all;
 use rdkafka::producer::Producer as _;
 use tokio::time::Instant;
 
-use outbox_core::format::Formatter;
-use outbox_core::publishers::{finish, Fence};
-use outbox_core::routing::{AllowList, Template};
-use outbox_core::{Error, ErrorKind, Event, PublishOutcome, Publisher};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::publishers::{finish, Fence};
+use txoutbox_core::routing::{AllowList, Template};
+use txoutbox_core::{Error, ErrorKind, Event, PublishOutcome, Publisher};
 
 use crate::config::KafkaConfig;
 use crate::error::{self, map_kafka};
@@ -122,7 +122,7 @@ impl KafkaPublisher {
 
 #[async_trait]
 impl Publisher for KafkaPublisher {
-    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self) -> Option<txoutbox_core::CallLimit> {
         Some(self.config.call_limit())
     }
 
@@ -224,9 +224,9 @@ impl Publisher for KafkaPublisher {
         .map_err(|e| {
             let cause = map_kafka("metadata request", e);
             match self.context.recent_refusal() {
-                Some(problem) => outbox_core::tls::certificate_error(
+                Some(problem) => txoutbox_core::tls::certificate_error(
                     problem,
-                    outbox_core::tls::TlsSettings {
+                    txoutbox_core::tls::TlsSettings {
                         server: "Kafka",
                         host: &self.config.brokers,
                         address: "kafka.brokers",

@@ -10,7 +10,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer as _};
 use tracing::{debug, error, info, warn};
 
-use outbox_core::{Error, Publisher};
+use txoutbox_core::{Error, Publisher};
 
 use super::KafkaPublisher;
 use crate::config::KafkaConfig;
@@ -43,7 +43,7 @@ pub(super) struct CallEnd {
 #[derive(Clone, Default)]
 pub(super) struct Context {
     refused: std::sync::Arc<
-        std::sync::Mutex<Option<(outbox_core::tls::CertificateProblem, std::time::Instant)>>,
+        std::sync::Mutex<Option<(txoutbox_core::tls::CertificateProblem, std::time::Instant)>>,
     >,
 }
 
@@ -53,15 +53,17 @@ const REFUSAL_FRESH: Duration = Duration::from_secs(60);
 impl Context {
     fn refused(
         &self,
-    ) -> std::sync::MutexGuard<'_, Option<(outbox_core::tls::CertificateProblem, std::time::Instant)>>
-    {
+    ) -> std::sync::MutexGuard<
+        '_,
+        Option<(txoutbox_core::tls::CertificateProblem, std::time::Instant)>,
+    > {
         self.refused
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The certificate problem librdkafka reported lately, if any.
-    pub(super) fn recent_refusal(&self) -> Option<outbox_core::tls::CertificateProblem> {
+    pub(super) fn recent_refusal(&self) -> Option<txoutbox_core::tls::CertificateProblem> {
         self.refused()
             .filter(|(_, at)| at.elapsed() < REFUSAL_FRESH)
             .map(|(problem, _)| problem)
@@ -104,7 +106,7 @@ impl ClientContext for Context {
 
     fn error(&self, error: KafkaError, reason: &str) {
         error!("librdkafka: {error}: {reason}");
-        if let Some(problem) = outbox_core::tls::problem_in(reason) {
+        if let Some(problem) = txoutbox_core::tls::problem_in(reason) {
             *self.refused() = Some((problem, std::time::Instant::now()));
         }
     }

@@ -8,8 +8,8 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureRecord};
 use tokio::time::Instant;
 
-use outbox_core::format::Formatter;
-use outbox_core::{header, Error, ErrorKind, Event};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::{header, Error, ErrorKind, Event};
 
 use super::KafkaPublisher;
 use crate::error::{self, map_kafka};

@@ -23,7 +23,7 @@ fn silent_publisher(config: KafkaConfig) -> (std::net::TcpListener, KafkaPublish
 /// One event of each of `n` aggregates.
 fn one_each(n: usize) -> Vec<Event> {
     (0..n)
-        .map(|n| outbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
+        .map(|n| txoutbox_core::testkit::publisher_suite::event(&format!("o-{n}"), n))
         .collect()
 }
 
@@ -36,9 +36,9 @@ fn one_each(n: usize) -> Vec<Event> {
 async fn an_event_without_an_aggregate_id_fails_for_good_before_it_is_produced() {
     let (_silent, publisher) = silent_publisher(KafkaConfig::default());
     let events = vec![
-        outbox_core::testkit::publisher_suite::event("", 0),
-        outbox_core::testkit::publisher_suite::event("", 1),
-        outbox_core::testkit::publisher_suite::event("o-2", 2),
+        txoutbox_core::testkit::publisher_suite::event("", 0),
+        txoutbox_core::testkit::publisher_suite::event("", 1),
+        txoutbox_core::testkit::publisher_suite::event("o-2", 2),
     ];
     assert_eq!(events[0].aggregate_id, "");
     let outcomes = publisher.publish(&events).await;
@@ -80,7 +80,7 @@ async fn an_event_without_an_aggregate_id_fails_for_good_before_it_is_produced()
 async fn a_producer_whose_calls_time_out_twice_is_replaced_even_when_the_brokers_do_not_answer() {
     let (silent, publisher) = silent_publisher(KafkaConfig::default());
     let first = publisher.producer();
-    let event = outbox_core::testkit::publisher_suite::event("o-1", 1);
+    let event = txoutbox_core::testkit::publisher_suite::event("o-1", 1);
     let timed_out = |outcomes: Vec<PublishOutcome>| matches!(outcomes.as_slice(), [Err(e)] if e.kind() == ErrorKind::Timeout);
     assert!(timed_out(
         publisher.publish(std::slice::from_ref(&event)).await
@@ -103,7 +103,7 @@ async fn a_producer_whose_calls_time_out_twice_is_replaced_even_when_the_brokers
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_records_go_again_alone_in_order_and_within_the_budget() {
     let (silent, publisher) = silent_publisher(KafkaConfig::default());
-    let event = outbox_core::testkit::publisher_suite::event;
+    let event = txoutbox_core::testkit::publisher_suite::event;
     let events = [event("a", 0), event("a", 1), event("b", 0), event("c", 0)];
     let refusal = || {
         Some(Err(Error::new(
@@ -148,7 +148,7 @@ async fn records_a_failing_producer_drops_with_no_record_refused_are_connection_
     });
     let producer = publisher.producer();
     let events: Vec<Event> = (0..3)
-        .map(|n| outbox_core::testkit::publisher_suite::event("o-1", n))
+        .map(|n| txoutbox_core::testkit::publisher_suite::event("o-1", n))
         .collect();
     let purge = async {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -207,11 +207,11 @@ async fn a_producer_left_holding_many_unsent_messages_is_replaced() {
     assert!(publisher.is_current(&first), "replaced after one call");
     // The next call times out too, but not entirely (one event is refused at once): the copies
     // the producer still holds replace it, not two calls in a row timed out.
-    let mut refused = outbox_core::testkit::publisher_suite::event("o-x", 0);
+    let mut refused = txoutbox_core::testkit::publisher_suite::event("o-x", 0);
     refused.destination = Some("not-allowed".into());
     let next = [
         refused,
-        outbox_core::testkit::publisher_suite::event("o-y", 0),
+        txoutbox_core::testkit::publisher_suite::event("o-y", 0),
     ];
     let outcomes = publisher.publish(&next).await;
     assert!(matches!(&outcomes[0], Err(e) if e.kind() != ErrorKind::Timeout));
@@ -234,9 +234,9 @@ fn runs_go_in_one_call_per_topic_with_the_idempotent_producer() {
     })
     .unwrap();
     assert!(publisher.keeps_order());
-    let first = outbox_core::testkit::publisher_suite::event("o-1", 1);
-    let second = outbox_core::testkit::publisher_suite::event("o-1", 2);
-    let mut elsewhere = outbox_core::testkit::publisher_suite::event("o-1", 3);
+    let first = txoutbox_core::testkit::publisher_suite::event("o-1", 1);
+    let second = txoutbox_core::testkit::publisher_suite::event("o-1", 2);
+    let mut elsewhere = txoutbox_core::testkit::publisher_suite::event("o-1", 3);
     elsewhere.destination = Some("audit".into());
     assert!(publisher.same_call(&first, &second));
     assert!(!publisher.same_call(&second, &elsewhere));

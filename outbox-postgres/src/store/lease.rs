@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
-use outbox_core::{Action, Error, ErrorKind, Lease, OrderingPolicy, Settlement};
+use txoutbox_core::{Action, Error, ErrorKind, Lease, OrderingPolicy, Settlement};
 
 use crate::error::map_sqlx;
 

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use sqlx::PgPool;
 
-use outbox_core::{Batch, ClaimRequest, Error, Store, StoreStats};
+use txoutbox_core::{Batch, ClaimRequest, Error, Store, StoreStats};
 
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;

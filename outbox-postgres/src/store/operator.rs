@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{FromRow, Postgres, Row};
 use uuid::Uuid;
 
-use outbox_core::{Error, ErrorKind, Event};
+use txoutbox_core::{Error, ErrorKind, Event};
 
 use crate::error::map_sqlx;
 use crate::row::{decode_event, EVENT_COLUMNS, MARK_TYPES};

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use sqlx::{Postgres, Row, Transaction};
 
-use outbox_core::{Error, EventTypeStats, StoreStats};
+use txoutbox_core::{Error, EventTypeStats, StoreStats};
 
 use crate::error::map_sqlx;
 
@@ -13,7 +13,7 @@ use super::sql::{DEAD, PENDING};
 use super::PostgresStore;
 
 impl PostgresStore {
-    /// The statistics of [`Store::stats`](outbox_core::Store::stats): the next chunk of each kind,
+    /// The statistics of [`Store::stats`](txoutbox_core::Store::stats): the next chunk of each kind,
     /// the figures of the last complete counts.
     pub(super) async fn chunked_stats(&self) -> Result<StoreStats, Error> {
         // One call at a time per store, so that chunks follow each other.
@@ -31,13 +31,13 @@ impl PostgresStore {
         .await
     }
 
-    /// The counts of [`Store::stats`](outbox_core::Store::stats), each kind counted to its end now:
+    /// The counts of [`Store::stats`](txoutbox_core::Store::stats), each kind counted to its end now:
     /// for a command that wants the whole count (`outbox status`), at the cost of reading every
     /// pending row and dead letter once, `stats_max_rows` at a time, and the held-back figures in
     /// one statement that reads every dead letter and every row held behind one.
     ///
     /// # Errors
-    /// As [`Store::stats`](outbox_core::Store::stats).
+    /// As [`Store::stats`](txoutbox_core::Store::stats).
     pub async fn stats_complete(&self) -> Result<StoreStats, Error> {
         let mut tx = self.stats_transaction().await?;
         let mut kinds = [CountPass::default(), CountPass::default()];

@@ -13,7 +13,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
-use outbox_core::{Action, Event, Wake};
+use txoutbox_core::{Action, Event, Wake};
 
 use super::decode::WalReader;
 use crate::store::PostgresStore;

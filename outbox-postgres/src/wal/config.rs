@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use outbox_core::Error;
+use txoutbox_core::Error;
 
 use super::slot::WalSlot;
 use crate::table::OutboxTable;

@@ -10,7 +10,7 @@ use sqlx::PgConnection;
 use tracing::error;
 use uuid::Uuid;
 
-use outbox_core::Error;
+use txoutbox_core::Error;
 
 use super::buffer::Inner;
 use super::stream::{Stream, CONFIRM_EVERY};

@@ -31,8 +31,8 @@ use serde_json::Value;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use outbox_core::format::base64_decode;
-use outbox_core::{Error, ErrorKind, Event, JSON_CONTENT_TYPE};
+use txoutbox_core::format::base64_decode;
+use txoutbox_core::{Error, ErrorKind, Event, JSON_CONTENT_TYPE};
 
 use super::slot::WalSlot;
 use crate::error::map_sqlx;
@@ -750,8 +750,8 @@ mod tests {
     use super::*;
     use crate::row::{decode_bytea, parse_timestamptz};
     use crate::writer::message::MessageWriter;
-    use outbox_core::format::base64;
-    use outbox_core::NewEvent;
+    use txoutbox_core::format::base64;
+    use txoutbox_core::NewEvent;
 
     #[test]
     fn what_postgres_cannot_store_is_refused_by_the_decoder() {

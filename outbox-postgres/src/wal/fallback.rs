@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use uuid::Uuid;
 
-use outbox_core::{Error, ErrorKind};
+use txoutbox_core::{Error, ErrorKind};
 
 use super::buffer::Inner;
 use super::confirm::{delete_published, refusal};

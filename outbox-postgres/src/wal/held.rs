@@ -9,7 +9,7 @@ use sqlx::PgConnection;
 use tracing::{debug, warn};
 use uuid::Uuid;
 
-use outbox_core::{Action, Error, Event};
+use txoutbox_core::{Action, Error, Event};
 
 use super::buffer::{aggregate_key, Entry, EntryState, Inner, Txn};
 use super::confirm::delete_published;

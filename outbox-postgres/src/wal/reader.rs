@@ -9,7 +9,7 @@ use sqlx::{Connection, PgConnection};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use outbox_core::Error;
+use txoutbox_core::Error;
 
 use super::buffer::{Inner, State};
 use super::confirm::{check_reader_privileges, confirm_settled};
@@ -285,7 +285,7 @@ async fn verify_publication(
     if check.identity != identity {
         mark_unfinished(inner, conn).await?;
         let e = Error::new(
-            outbox_core::ErrorKind::Connection,
+            txoutbox_core::ErrorKind::Connection,
             format!(
                 "the publication {} or its outbox table was changed (made again, or the table removed and added again): rows written meanwhile may not be decoded; they are moved from the table first",
                 inner.reader.slot().publication()
@@ -461,7 +461,7 @@ async fn read_stream(
                             held_may_have_rows = true;
                         }
                     }
-                    None => return Err(Error::new(outbox_core::ErrorKind::Connection, "the WAL stream ended")),
+                    None => return Err(Error::new(txoutbox_core::ErrorKind::Connection, "the WAL stream ended")),
                 },
                 _ = inner.reader_wake.notified() => {}
                 _ = tokio::time::sleep(wait) => {}

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgPool, Row};
 
-use outbox_core::Error;
+use txoutbox_core::Error;
 
 use super::decode::WalReader;
 use super::slot::{wal_level, WalSlot};

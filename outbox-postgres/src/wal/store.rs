@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use outbox_core::{
+use txoutbox_core::{
     Action, Batch, ClaimRequest, Error, EventTypeStats, Lease, OrderingPolicy, Settlement, Store,
     StoreStats, Wake,
 };
@@ -434,7 +434,7 @@ impl Store for WalStore {
         }
         if let Some(reason) = self.inner.fallback_reason() {
             return Err(Error::new(
-                outbox_core::ErrorKind::Connection,
+                txoutbox_core::ErrorKind::Connection,
                 format!("the relay publishes from the outbox table until every row written before the slot's position is in the held table: {reason}"),
             ));
         }

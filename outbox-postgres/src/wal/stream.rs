@@ -10,7 +10,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use outbox_core::Error;
+use txoutbox_core::Error;
 
 use super::buffer::Inner;
 use super::decode::{item_bytes, Decoder, Origin, Piece, WalTransaction};
@@ -82,7 +82,7 @@ const STREAM_FEEDBACK: Duration = Duration::from_secs(1);
 fn stream_error(what: &str, e: pg_walstream::ReplicationError) -> Error {
     // Retryable: the reader connects again (a walsender still holding the slot for a reader
     // that just died answers 55006 for a moment).
-    Error::new(outbox_core::ErrorKind::Connection, format!("{what}: {e}"))
+    Error::new(txoutbox_core::ErrorKind::Connection, format!("{what}: {e}"))
 }
 
 /// Opens the slot's replication stream from its confirmed position, with a task of its own that

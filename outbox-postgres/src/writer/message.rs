@@ -6,8 +6,8 @@ use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
-use outbox_core::format::base64;
-use outbox_core::{Error, NewEvent, Payload};
+use txoutbox_core::format::base64;
+use txoutbox_core::{Error, NewEvent, Payload};
 
 use crate::error::map_sqlx;
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
-use outbox_core::{Error, ErrorKind, NewEvent, Wake};
+use txoutbox_core::{Error, ErrorKind, NewEvent, Wake};
 
 use crate::error::map_sqlx;
 use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED, INSERT_VALUES};
@@ -20,8 +20,8 @@ pub(crate) mod message;
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// use outbox_postgres::{OutboxTable, Writer};
-/// use outbox_core::NewEvent;
+/// use txoutbox_postgres::{OutboxTable, Writer};
+/// use txoutbox_core::NewEvent;
 ///
 /// let writer = Writer::new(OutboxTable::default());
 /// let mut tx = pool.begin().await?;
@@ -109,8 +109,8 @@ impl Writer {
     /// Enqueues one event in `tx` and returns its id.
     ///
     /// # Errors
-    /// [`outbox_core::ErrorKind::InvalidInput`] when the event does not validate,
-    /// [`outbox_core::ErrorKind::PayloadTooLarge`] when its payload exceeds
+    /// [`txoutbox_core::ErrorKind::InvalidInput`] when the event does not validate,
+    /// [`txoutbox_core::ErrorKind::PayloadTooLarge`] when its payload exceeds
     /// [`Writer::max_payload_bytes`]; a database error otherwise. Either way the caller's transaction decides: roll it back and nothing was written.
     pub async fn enqueue(
         &self,
@@ -145,7 +145,7 @@ impl Writer {
             #[cfg(feature = "opentelemetry")]
             let e = {
                 let mut e = e;
-                outbox_core::trace::inject_current(&mut e.headers);
+                txoutbox_core::trace::inject_current(&mut e.headers);
                 e
             };
             e.validate()?;

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use aws_sdk_sqs::types::MessageAttributeValue;
 
-use outbox_core::format::{Formatter, MessageFormat};
-use outbox_core::{header, Error, Event};
+use txoutbox_core::format::{Formatter, MessageFormat};
+use txoutbox_core::{header, Error, Event};
 
 use crate::error;
 
@@ -160,7 +160,7 @@ mod tests {
 
     fn ev(headers: &[(&str, &str)]) -> Event {
         Event {
-            id: outbox_core::Uuid::now_v7(),
+            id: txoutbox_core::Uuid::now_v7(),
             aggregate_type: "order".into(),
             aggregate_id: "42".into(),
             event_type: "order.created".into(),
@@ -234,7 +234,7 @@ mod tests {
         assert_eq!(names(&attrs)[5..7], ["id", "eventType"]);
         assert_eq!(attrs.len(), MAX_ATTRIBUTES);
         let (attrs, _) = attributes(&e, None, &format(MessageFormat::CloudeventsStructured));
-        assert_eq!(attrs[4].1, outbox_core::format::CLOUDEVENTS_JSON);
+        assert_eq!(attrs[4].1, txoutbox_core::format::CLOUDEVENTS_JSON);
     }
 
     #[test]

@@ -5,8 +5,8 @@
 use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
 use base64::Engine;
 
-use outbox_core::format::MessageFormat;
-use outbox_core::{Error, Event};
+use txoutbox_core::format::MessageFormat;
+use txoutbox_core::{Error, Event};
 
 use super::attributes::{attribute, attributes, base_attributes, sqs_safe_json, valid_sqs_char};
 use super::SqsPublisher;

@@ -20,11 +20,11 @@ use aws_sdk_sqs::Client;
 use aws_smithy_http_client::tls::{rustls_provider::CryptoMode, Provider, TlsContext, TrustStore};
 use futures::future::join_all;
 
-use outbox_core::cache::{BoundedCache, DEFAULT_DESTINATION_CACHE};
-use outbox_core::format::Formatter;
-use outbox_core::publishers::{finish, Fence};
-use outbox_core::routing::{AllowList, Template};
-use outbox_core::{Error, Event, PublishOutcome, Publisher};
+use txoutbox_core::cache::{BoundedCache, DEFAULT_DESTINATION_CACHE};
+use txoutbox_core::format::Formatter;
+use txoutbox_core::publishers::{finish, Fence};
+use txoutbox_core::routing::{AllowList, Template};
+use txoutbox_core::{Error, Event, PublishOutcome, Publisher};
 
 use crate::config::SqsConfig;
 use crate::error::{self, map_sdk};
@@ -98,7 +98,7 @@ impl SqsPublisher {
     pub async fn new(config: SqsConfig) -> Result<Self, Error> {
         config.validate()?;
         let ca = match &config.ca_file {
-            Some(path) => Some(outbox_core::tls::read_ca_file(path, "sqs.ca_file")?),
+            Some(path) => Some(txoutbox_core::tls::read_ca_file(path, "sqs.ca_file")?),
             None => None,
         };
         let mut loader = aws_config::defaults(BehaviorVersion::latest())
@@ -171,7 +171,7 @@ impl SqsPublisher {
 
 #[async_trait]
 impl Publisher for SqsPublisher {
-    fn call_limit(&self) -> Option<outbox_core::CallLimit> {
+    fn call_limit(&self) -> Option<txoutbox_core::CallLimit> {
         Some(self.config.call_limit())
     }
 

@@ -3,15 +3,15 @@
 
 use std::sync::Mutex;
 
-use outbox_core::cache::BoundedCache;
-use outbox_core::Error;
+use txoutbox_core::cache::BoundedCache;
+use txoutbox_core::Error;
 
 use super::SqsPublisher;
 use crate::error::{self, map_sdk};
 
 impl SqsPublisher {
     /// Remembers at most `capacity` resolved queue URLs (default
-    /// [`outbox_core::cache::DEFAULT_DESTINATION_CACHE`]); the least recently used is resolved again
+    /// [`txoutbox_core::cache::DEFAULT_DESTINATION_CACHE`]); the least recently used is resolved again
     /// when next needed.
     pub fn with_queue_url_cache(self, capacity: usize) -> Self {
         SqsPublisher {

@@ -7,8 +7,8 @@ use std::collections::{HashMap, HashSet};
 use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
 use tracing::debug;
 
-use outbox_core::publishers::Fence;
-use outbox_core::{Error, ErrorKind, Event, PublishOutcome};
+use txoutbox_core::publishers::Fence;
+use txoutbox_core::{Error, ErrorKind, Event, PublishOutcome};
 
 use super::entry::Prepared;
 use super::SqsPublisher;

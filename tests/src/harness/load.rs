@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::testkit::sample_event;
-use outbox_postgres::testing::{database_url, pool, pool_at};
-use outbox_postgres::{OutboxTable, Writer};
 use tokio::task::JoinHandle;
+use txoutbox_core::testkit::sample_event;
+use txoutbox_postgres::testing::{database_url, pool, pool_at};
+use txoutbox_postgres::{OutboxTable, Writer};
 use uuid::Uuid;
 
 use super::scenario::seed;

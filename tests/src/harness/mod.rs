@@ -12,7 +12,7 @@ mod server;
 mod sink;
 mod verdict;
 
-pub use outbox_core::testkit::{free_port, FaultInjector, OwnedProcess};
+pub use txoutbox_core::testkit::{free_port, FaultInjector, OwnedProcess};
 
 pub use http::*;
 pub use load::*;

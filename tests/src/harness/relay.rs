@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use outbox_postgres::testing::{database_url, sessions_holding_a_claim, url_named};
-use outbox_postgres::OutboxTable;
+use txoutbox_postgres::testing::{database_url, sessions_holding_a_claim, url_named};
+use txoutbox_postgres::OutboxTable;
 use uuid::Uuid;
 
 use super::sink::Sink;

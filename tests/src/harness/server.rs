@@ -8,7 +8,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::sink::{Broker, Sink};
-use outbox_core::testkit::{free_port, OwnedProcess};
+use txoutbox_core::testkit::{free_port, OwnedProcess};
 
 /// A broker the scenario may stop and start again: for Kafka and SQS, a Tansu or moto process of the
 /// scenario's own on a spare loopback port (both keep everything in memory: a restart loses every
@@ -25,7 +25,7 @@ impl BrokerServer {
     /// Starts the broker (Kafka, SQS) or checks the local one answers (RabbitMQ).
     pub async fn start(broker: Broker) -> BrokerServer {
         if broker == Broker::Amqp {
-            let url = outbox_amqp::testing::amqp_url();
+            let url = txoutbox_amqp::testing::amqp_url();
             assert!(
                 url.contains("@127.0.0.1:5672") || url.contains("@localhost:5672"),
                 "this scenario stops and starts the local RabbitMQ node with rabbitmqctl, but AMQP_URL \
@@ -50,7 +50,7 @@ impl BrokerServer {
         match self.broker {
             Broker::Amqp => Sink::new(Broker::Amqp).await,
             Broker::Kafka => Sink::Kafka(
-                outbox_kafka::testing::Fixture::create_at(
+                txoutbox_kafka::testing::Fixture::create_at(
                     &self.address(),
                     &format!("outbox.test.{}", Uuid::new_v4().simple()),
                     4,
@@ -58,7 +58,7 @@ impl BrokerServer {
                 .await,
             ),
             Broker::Sqs => {
-                let mut fx = outbox_sqs::testing::Fixture::create_at(
+                let mut fx = txoutbox_sqs::testing::Fixture::create_at(
                     &self.address(),
                     &format!("outbox-test-{}.fifo", Uuid::new_v4().simple()),
                 )
@@ -71,7 +71,7 @@ impl BrokerServer {
 
     fn address(&self) -> String {
         match self.broker {
-            Broker::Amqp => outbox_amqp::testing::amqp_url(),
+            Broker::Amqp => txoutbox_amqp::testing::amqp_url(),
             Broker::Kafka => format!("127.0.0.1:{}", self.port),
             Broker::Sqs => format!("http://127.0.0.1:{}", self.port),
         }
@@ -151,10 +151,10 @@ impl BrokerServer {
                 }
             }
             Broker::Kafka => {
-                self.child = Some(outbox_kafka::testing::spawn_tansu(self.port, self.log()));
+                self.child = Some(txoutbox_kafka::testing::spawn_tansu(self.port, self.log()));
             }
             Broker::Sqs => {
-                self.child = Some(outbox_sqs::testing::spawn_recording_endpoint(
+                self.child = Some(txoutbox_sqs::testing::spawn_recording_endpoint(
                     self.port,
                     self.log(),
                     &self.send_log(),
@@ -181,15 +181,15 @@ impl BrokerServer {
     async fn serving(&self) {
         match self.broker {
             Broker::Amqp => {}
-            Broker::Sqs => outbox_sqs::testing::wait_until_serving(&self.address()).await,
+            Broker::Sqs => txoutbox_sqs::testing::wait_until_serving(&self.address()).await,
             Broker::Kafka => {
-                let config = outbox_kafka::KafkaConfig {
+                let config = txoutbox_kafka::KafkaConfig {
                     brokers: self.address(),
                     ..Default::default()
                 };
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
                 while let Err(e) =
-                    outbox_kafka::admin::partition_count(&config, "outbox.serving").await
+                    txoutbox_kafka::admin::partition_count(&config, "outbox.serving").await
                 {
                     assert!(
                         tokio::time::Instant::now() < deadline,
@@ -238,10 +238,10 @@ impl Drop for BrokerServer {
 pub fn own_tansu(schemas: Option<&std::path::Path>) -> (OwnedProcess, String) {
     let port = free_port();
     let child = match schemas {
-        Some(dir) => outbox_kafka::testing::spawn_tansu_with_schemas(port, dir, Stdio::null()),
-        None => outbox_kafka::testing::spawn_tansu(port, Stdio::null()),
+        Some(dir) => txoutbox_kafka::testing::spawn_tansu_with_schemas(port, dir, Stdio::null()),
+        None => txoutbox_kafka::testing::spawn_tansu(port, Stdio::null()),
     };
     let tansu = OwnedProcess(child);
-    outbox_core::testkit::wait_for_port(port, Duration::from_secs(30), "Tansu");
+    txoutbox_core::testkit::wait_for_port(port, Duration::from_secs(30), "Tansu");
     (tansu, format!("127.0.0.1:{port}"))
 }

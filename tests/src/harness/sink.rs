@@ -5,9 +5,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::Publisher;
-use outbox_postgres::testing::database_url;
-use outbox_postgres::OutboxTable;
+use txoutbox_core::Publisher;
+use txoutbox_postgres::testing::database_url;
+use txoutbox_postgres::OutboxTable;
 use uuid::Uuid;
 
 use crate::{check, Verdict};
@@ -51,18 +51,18 @@ impl Broker {
 
 /// A destination of its own on one broker, with a consumer reading it.
 pub enum Sink {
-    Amqp(outbox_amqp::testing::Fixture),
-    Kafka(outbox_kafka::testing::Fixture),
-    Sqs(outbox_sqs::testing::Fixture),
+    Amqp(txoutbox_amqp::testing::Fixture),
+    Kafka(txoutbox_kafka::testing::Fixture),
+    Sqs(txoutbox_sqs::testing::Fixture),
 }
 
 impl Sink {
     pub async fn new(broker: Broker) -> Sink {
         match broker {
-            Broker::Amqp => Sink::Amqp(outbox_amqp::testing::Fixture::new().await),
-            Broker::Kafka => Sink::Kafka(outbox_kafka::testing::Fixture::new(4).await),
+            Broker::Amqp => Sink::Amqp(txoutbox_amqp::testing::Fixture::new().await),
+            Broker::Kafka => Sink::Kafka(txoutbox_kafka::testing::Fixture::new(4).await),
             // An endpoint of its own that records every send: the FIFO queue hides re-sent events.
-            Broker::Sqs => Sink::Sqs(outbox_sqs::testing::Fixture::recording().await),
+            Broker::Sqs => Sink::Sqs(txoutbox_sqs::testing::Fixture::recording().await),
         }
     }
 
@@ -72,10 +72,10 @@ impl Sink {
     pub async fn recreate(&self) -> Sink {
         match self {
             Sink::Amqp(fx) => {
-                Sink::Amqp(outbox_amqp::testing::Fixture::on_exchange(&fx.exchange).await)
+                Sink::Amqp(txoutbox_amqp::testing::Fixture::on_exchange(&fx.exchange).await)
             }
             Sink::Kafka(fx) => Sink::Kafka(
-                outbox_kafka::testing::Fixture::create_at(&fx.brokers, &fx.topic, fx.partitions)
+                txoutbox_kafka::testing::Fixture::create_at(&fx.brokers, &fx.topic, fx.partitions)
                     .await,
             ),
             Sink::Sqs(fx) => Sink::Sqs(fx.recreate().await),
@@ -118,7 +118,7 @@ impl Sink {
     /// for a second (late re-deliveries included).
     pub async fn received_settled(&self) -> Vec<Uuid> {
         self.drained(Duration::from_secs(120)).await;
-        outbox_core::testkit::read_until_quiet(|| self.received(usize::MAX, Duration::ZERO)).await
+        txoutbox_core::testkit::read_until_quiet(|| self.received(usize::MAX, Duration::ZERO)).await
     }
 
     /// What the consumer's own reads failed with: surfaced next to a verdict, so that a consumer
@@ -144,7 +144,7 @@ impl Sink {
     /// The loopback port the relay reaches this sink's broker on (its first broker, for Kafka).
     pub fn broker_port(&self) -> u16 {
         let addr = match self {
-            Sink::Amqp(_) => outbox_amqp::testing::amqp_url(),
+            Sink::Amqp(_) => txoutbox_amqp::testing::amqp_url(),
             Sink::Kafka(fx) => fx.brokers.clone(),
             Sink::Sqs(fx) => fx.endpoint.clone(),
         };
@@ -168,7 +168,7 @@ impl Sink {
         match self {
             Sink::Amqp(fx) => {
                 c.env("OUTBOX_PUBLISHER__TYPE", "amqp")
-                    .env("OUTBOX_AMQP__URL", outbox_amqp::testing::amqp_url())
+                    .env("OUTBOX_AMQP__URL", txoutbox_amqp::testing::amqp_url())
                     .env("OUTBOX_AMQP__EXCHANGE", &fx.exchange)
                     .env("OUTBOX_AMQP__RECONNECT_INITIAL_BACKOFF", "100ms")
                     .env("OUTBOX_AMQP__RECONNECT_MAX_BACKOFF", "1s");
@@ -205,23 +205,23 @@ impl Sink {
     pub fn publisher_allowing(&self, allowed: Vec<String>) -> Arc<dyn Publisher> {
         match self {
             Sink::Amqp(fx) => Arc::new(
-                outbox_amqp::AmqpPublisher::new(outbox_amqp::AmqpConfig {
+                txoutbox_amqp::AmqpPublisher::new(txoutbox_amqp::AmqpConfig {
                     allowed_destinations: allowed,
                     ..fx.config()
                 })
                 .unwrap(),
             ),
             Sink::Kafka(fx) => Arc::new(
-                outbox_kafka::KafkaPublisher::new(outbox_kafka::KafkaConfig {
+                txoutbox_kafka::KafkaPublisher::new(txoutbox_kafka::KafkaConfig {
                     allowed_destinations: allowed,
                     ..fx.config()
                 })
                 .unwrap(),
             ),
             Sink::Sqs(fx) => Arc::new(
-                outbox_sqs::SqsPublisher::from_client(
-                    outbox_sqs::testing::client_at(&fx.endpoint),
-                    outbox_sqs::SqsConfig {
+                txoutbox_sqs::SqsPublisher::from_client(
+                    txoutbox_sqs::testing::client_at(&fx.endpoint),
+                    txoutbox_sqs::SqsConfig {
                         allowed_destinations: allowed,
                         ..fx.config()
                     },

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::{fresh_table, pool};
-use outbox_postgres::OutboxTable;
+use txoutbox_postgres::testing::{fresh_table, pool};
+use txoutbox_postgres::OutboxTable;
 
 use crate::Verdict;
 

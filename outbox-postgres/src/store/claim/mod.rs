@@ -11,7 +11,7 @@ use std::collections::HashSet;
 
 use sqlx::Connection;
 
-use outbox_core::{Batch, ClaimRequest, Error, OrderingPolicy};
+use txoutbox_core::{Batch, ClaimRequest, Error, OrderingPolicy};
 
 use super::lease::{EmptyLease, PgLease};
 use super::PostgresStore;
@@ -49,7 +49,7 @@ pub(super) const CLAIM_LOCKS: &str = "claim_locks";
 pub(super) const SHRINK_BUFFERS_ABOVE: usize = 1024 * 1024;
 
 impl PostgresStore {
-    /// Claims a batch (see [`Store::claim`](outbox_core::Store::claim)).
+    /// Claims a batch (see [`Store::claim`](txoutbox_core::Store::claim)).
     pub(super) async fn claim_batch(&self, request: ClaimRequest) -> Result<Batch, Error> {
         let limit = i64::try_from(request.limit).unwrap_or(i64::MAX);
         let max_bytes = i64::try_from(request.max_bytes).unwrap_or(i64::MAX);

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use sqlx::{Postgres, Row, Transaction};
 
-use outbox_core::{ClaimRequest, Error, Event};
+use txoutbox_core::{ClaimRequest, Error, Event};
 
 use crate::error::map_sqlx;
 use crate::row::decode_event;

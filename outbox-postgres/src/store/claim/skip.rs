@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row, Transaction};
 
-use outbox_core::{Error, Event};
+use txoutbox_core::{Error, Event};
 
 use crate::error::map_sqlx;
 use crate::row::decode_event;

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use sqlx::{Postgres, Row, Transaction};
 use uuid::Uuid;
 
-use outbox_core::{Error, Event};
+use txoutbox_core::{Error, Event};
 
 use super::CLAIM_LOCKS;
 use crate::error::map_sqlx;
