@@ -19,7 +19,8 @@
 #   other-ca.pem): PostgreSQL's certificate files (one reload), a RabbitMQ listener on 5671
 #   (rabbitmq.conf, one restart), HTTPS for the SQS endpoint on 4567 and a Kafka broker behind TLS on
 #   9094 (a second Tansu on 9095; both behind scripts/tls-proxy.py);
-# - PgBouncer 1.24.1 in transaction mode, built from Debian's source tarball into .tools/ (Debian 12
+# - PgBouncer 1.24.1 in transaction mode, built once per machine from Debian's source tarball into
+#   /var/cache/outbox-test (OUTBOX_TEST_CACHE) and reused by every clone (Debian 12
 #   packages 1.18, which has no max_prepared_statements): 127.0.0.1:6432 with prepared statements on,
 #   127.0.0.1:6433 with them off (max_prepared_statements = 0, as before 1.21); state in
 #   /var/lib/outbox-test/pgbouncer, logs beside it.
@@ -159,6 +160,17 @@ ensure_rabbitmq() {
   if ! command -v rabbitmq-server >/dev/null 2>&1; then
     log "RabbitMQ is not running and rabbitmq-server is not installed: install it (apt-get install rabbitmq-server) or set AMQP_URL"
     exit 1
+  fi
+  # A node whose application a broker-outage test stopped (rabbitmqctl stop_app) and that was
+  # killed before starting it again: the node answers, its listener is closed.
+  if command -v rabbitmqctl >/dev/null 2>&1 && timeout 30 rabbitmqctl ping >/dev/null 2>&1; then
+    log "RabbitMQ's node runs with its application stopped (left by an interrupted test run): starting it"
+    timeout 60 rabbitmqctl start_app >/dev/null 2>&1 || true
+    for _ in $(seq 1 60); do port_open 127.0.0.1 5672 && break; sleep 0.5; done
+  fi
+  if port_open 127.0.0.1 5672; then
+    log "RabbitMQ is up"
+    return
   fi
   log "starting RabbitMQ"
   rabbitmq-server -detached || true
@@ -333,7 +345,9 @@ ensure_ops_tools() {
 
 # PgBouncer in transaction mode, the pooler of managed offerings and large installations. Debian 12
 # packages 1.18, which cannot carry prepared statements; 1.21 added max_prepared_statements. The
-# source tarball is Debian's own (trixie's 1.24.1, checksum pinned), built once into .tools/.
+# source tarball is Debian's own (trixie's 1.24.1, checksum pinned), built once per machine into
+# a cache outside the checkout (OUTBOX_TEST_CACHE, default /var/cache/outbox-test), which every
+# clone on the machine reuses.
 PGBOUNCER_VERSION=1.24.1
 PGBOUNCER_SHA256=da72a3aba13072876d055a3e58dd4aba4a5de4ed6148e73033185245598fd3e0
 PGBOUNCER_STATE=/var/lib/outbox-test/pgbouncer
@@ -346,9 +360,10 @@ ensure_pgbouncer() {
     log "DATABASE_URL is not the local server: the pooler tests need PGBOUNCER_URL and PGBOUNCER_UNPREPARED_URL (PgBouncer >= 1.21 in transaction mode, with and without max_prepared_statements) in front of it"
     return
   fi
-  local bin="$TOOLS/pgbouncer-$PGBOUNCER_VERSION/bin/pgbouncer"
+  local prefix="${OUTBOX_TEST_CACHE:-/var/cache/outbox-test}/pgbouncer-$PGBOUNCER_VERSION-${PGBOUNCER_SHA256:0:12}"
+  local bin="$prefix/bin/pgbouncer"
   if [ ! -x "$bin" ]; then
-    log "building PgBouncer $PGBOUNCER_VERSION (Debian's source tarball) into .tools/"
+    log "building PgBouncer $PGBOUNCER_VERSION (Debian's source tarball) into $prefix"
     local src
     src=$(mktemp -d)
     curl -fsS --retry 3 -o "$src/pgbouncer.tar.gz" \
@@ -358,9 +373,11 @@ ensure_pgbouncer() {
       || { log "PgBouncer's source tarball does not match its pinned checksum"; exit 1; }
     tar -xzf "$src/pgbouncer.tar.gz" -C "$src"
     (cd "$src/pgbouncer-$PGBOUNCER_VERSION" \
-      && ./configure --prefix="$TOOLS/pgbouncer-$PGBOUNCER_VERSION" --without-cares --with-openssl >"$src/build.log" 2>&1 \
-      && make -j2 >>"$src/build.log" 2>&1 && make install >>"$src/build.log" 2>&1) \
+      && ./configure --prefix="$prefix.partial" --without-cares --with-openssl >"$src/build.log" 2>&1 \
+      && make -j2 >>"$src/build.log" 2>&1 && rm -rf "$prefix.partial" && make install >>"$src/build.log" 2>&1) \
       || { log "building PgBouncer failed; see $src/build.log"; exit 1; }
+    # Moved into place whole: an interrupted build leaves no binary that looks finished.
+    rm -rf "$prefix" && mv "$prefix.partial" "$prefix"
     rm -rf "$src"
   fi
   mkdir -p "$PGBOUNCER_STATE"

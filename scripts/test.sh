@@ -1,20 +1,49 @@
 #!/usr/bin/env bash
 # The whole test suite: starts what the tests need (scripts/test-env.sh), then runs every test of the
-# workspace against the real servers, and ends with one summary line. CI runs exactly this (.ci/run).
+# workspace against the real servers, and ends with one summary line (its wall time and the five
+# slowest test binaries before it). CI runs exactly this (.ci/run).
+#
+# The tests run under cargo-nextest, in three phases (.config/nextest.toml says which test goes
+# where and why): the tests that leave the servers as they found them, side by side; then those that
+# disturb RabbitMQ or Kafka, the two kinds side by side; then, one at a time, those that restart
+# PostgreSQL or hold up every replication slot. TEST_THREADS (default 4) sets the first phase's width.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$(date +%s)
+# Each step's wall time, printed at the end (where the suite's time goes).
+steps=()
+step_started=$started
+step() {
+  local now
+  now=$(date +%s)
+  steps+=("$(printf '%5d s  %s' $((now - step_started)) "$1")")
+  step_started=$now
+}
 bash scripts/test-env.sh
+step "set-up (scripts/test-env.sh)"
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "cargo-nextest is missing: cargo install --locked cargo-nextest"
+  exit 1
+fi
 log=$(mktemp)
+results=$(mktemp -d)
 # The fault scenarios append their summary lines here; they are printed before the summary.
 export FAULT_SCENARIO_REPORT
 FAULT_SCENARIO_REPORT=$(mktemp)
-trap 'rm -f "$log" "$FAULT_SCENARIO_REPORT"' EXIT
+trap 'rm -rf "$log" "$results" "$FAULT_SCENARIO_REPORT"' EXIT
 status=0
-# The binary with each adapter alone, and with none: its feature gates stay honest (warnings fail too).
+# Feature gates, by `cargo check` (a build under each feature set would prove nothing more): the
+# binary with each adapter alone and with none, and each adapter crate alone with its tests.
 for features in amqp kafka sqs ""; do
   if cargo check -p txoutbox --no-default-features --features "$features" --locked 2>&1 \
       | grep -E '^(warning|error)'; then
     echo "txoutbox does not build cleanly with only the features [$features]"
+    status=1
+  fi
+done
+for crate in txoutbox-amqp txoutbox-kafka txoutbox-sqs; do
+  if cargo check -p "$crate" --all-targets --locked 2>&1 | grep -E '^(warning|error)'; then
+    echo "$crate does not build cleanly alone"
     status=1
   fi
 done
@@ -26,16 +55,33 @@ if ! cargo package --workspace --exclude txoutbox-tests --no-verify --locked \
   echo "a crate does not package (cargo package)"
   status=1
 fi
-# Each broker adapter alone, with only its own features (the publisher contract of the shared suite
-# runs in its tests); then the rest of the workspace, every feature on. Every test binary runs
-# whatever failed before it (--no-fail-fast); the exit status is non-zero if any test failed.
-adapters=(txoutbox-amqp txoutbox-kafka txoutbox-sqs)
+step "feature checks and packaging"
 : > "$log"
-for crate in "${adapters[@]}"; do
-  cargo test -p "$crate" --locked --no-fail-fast -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee -a "$log" || status=$?
-done
-cargo test --workspace --all-features --locked --no-fail-fast "${adapters[@]/#/--exclude=}" \
-  -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee -a "$log" || status=$?
+# Every test target, built once for the three phases.
+cargo nextest run --workspace --all-features --locked --profile suite --no-run 2>&1 | tail -n 3 \
+  || status=1
+step "build"
+# The documentation's examples (nextest does not run doctests).
+cargo test --workspace --all-features --locked --doc 2>&1 | tee -a "$log" || status=$?
+step "doctests"
+# The three phases; each leaves its JUnit report in $results.
+quiet=(binary_id\(txoutbox-tests::fault_postgres\) binary_id\(txoutbox-tests::fault_slot\)
+  binary_id\(txoutbox-tests::fault_large_transaction\))
+loud=(binary_id\(txoutbox-tests::fault_connections\) binary_id\(txoutbox-amqp::faults\)
+  binary_id\(txoutbox-amqp::broker_size_limit\) "(binary_id(txoutbox-tests::fault_broker) & test(/rabbitmq/))"
+  binary_id\(txoutbox-tests::fault_resets\))
+join() { local IFS='|'; echo "$*"; }
+phase() {
+  local name=$1
+  shift
+  cargo nextest run --workspace --all-features --locked --profile suite --no-fail-fast \
+    --hide-progress-bar "$@" 2>&1 | tee -a "$log" || status=1
+  cp target/nextest/suite/junit.xml "$results/$name.xml" 2>/dev/null || true
+  step "tests, phase $name"
+}
+phase calm -j "${TEST_THREADS:-4}" -E "not ($(join "${quiet[@]}" "${loud[@]}"))"
+phase brokers -j 2 -E "$(join "${loud[@]}")"
+phase postgres -j 1 -E "$(join "${quiet[@]}")"
 # The README's install command works from this checkout (a debug build in the suite's target
 # directory, so it reuses what the tests built), and the installed binary runs.
 install_root=$(mktemp -d)
@@ -50,14 +96,26 @@ else
   status=1
 fi
 rm -rf "$install_root"
+step "cargo install"
 echo "fault scenarios:"
 sort "$FAULT_SCENARIO_REPORT" | sed 's/^/  /'
-passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
-failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
-if grep -qE '^test .+ \.\.\. FAILED$' "$log"; then
+# Counts: the doctests' result lines, and each phase's JUnit report (a test retried by nothing: one
+# testcase each).
+doc_passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
+doc_failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
+read -r passed failed < <(python3 scripts/junit-summary.py counts "$results"/*.xml)
+passed=$((passed + doc_passed))
+failed=$((failed + doc_failed))
+if grep -qE '^test .+ \.\.\. FAILED$' "$log" || [ "$failed" -gt 0 ]; then
   echo "failed tests:"
-  grep -E '^test .+ \.\.\. FAILED$' "$log" | sed -E 's/^test (.+) \.\.\. FAILED$/  \1/'
+  grep -E '^test .+ \.\.\. FAILED$' "$log" | sed -E 's/^test (.+) \.\.\. FAILED$/  \1/' || true
+  python3 scripts/junit-summary.py failures "$results"/*.xml | sed 's/^/  /'
 fi
+echo "slowest test binaries (seconds of their tests, added up):"
+python3 scripts/junit-summary.py slowest "$results"/*.xml | sed 's/^/  /'
+echo "where the time went:"
+printf '  %s\n' "${steps[@]}"
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
+echo "wall time: $(( $(date +%s) - started )) s"
 echo "summary: $passed passed, $failed failed"
 exit "$status"

@@ -199,7 +199,8 @@ pub fn report_to(scenario: &str, destination: &str, v: &Verdict, extra: &str) {
             .append(true)
             .open(path)
         {
-            let _ = writeln!(f, "{line}");
+            // One write of the whole line: tests in other processes append to the same file.
+            let _ = f.write_all(format!("{line}\n").as_bytes());
         }
     }
 }
