@@ -123,6 +123,13 @@ fn bad_config_files_name_the_problem() {
         ("[http]\nlisten = \"not an address\"\n", "http.listen"),
         ("[log]\nformat = \"xml\"\n", "log.format"),
         ("this is = = not toml", "is not valid TOML"),
+        // A producer queue that cannot hold one record of max_message_bytes: librdkafka would
+        // answer "queue full" to such a record for ever.
+        (
+            "[publisher]\ntype = \"kafka\"\n[kafka]\nmax_message_bytes = 4000000\n\
+             [kafka.properties]\n\"queue.buffering.max.kbytes\" = \"2048\"\n",
+            "raise it to at least 3907",
+        ),
     ];
     for (body, expected) in cases {
         let dir = workdir();
@@ -156,6 +163,20 @@ fn bad_config_files_name_the_problem() {
         text(&out.stderr).contains("relay.max_in_flight (from OUTBOX_RELAY__MAX_IN_FLIGHT)"),
         "{}",
         text(&out.stderr)
+    );
+    // The environment never changes a setting's text.
+    let out = Command::new(bin())
+        .args(["config"])
+        .env("OUTBOX_PUBLISHER__TYPE", "kafka")
+        .env("OUTBOX_KAFKA__TOPIC", "0042")
+        .current_dir(workdir())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("topic = \"0042\""),
+        "{}",
+        text(&out.stdout)
     );
 }
 

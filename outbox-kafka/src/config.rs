@@ -245,6 +245,9 @@ const IDEMPOTENCE_OWNED: &[&str] = &[
     "message.send.max.retries",
 ];
 
+/// librdkafka's bound on the bytes its producer queue holds.
+const QUEUE_KBYTES: &str = "queue.buffering.max.kbytes";
+
 /// The name librdkafka resolves a property key to, as far as the checks below need it: a topic-level
 /// property may be set on the producer with a `topic.` prefix, which librdkafka strips.
 fn property_name(key: &str) -> &str {
@@ -370,8 +373,37 @@ impl KafkaConfig {
                 )));
             }
         }
+        self.queue_holds_a_record()?;
         self.allow_list()?;
         Template::parse("kafka.topic", &self.topic)
+    }
+
+    /// The producer's queue (`queue.buffering.max.kbytes`) must hold one record of
+    /// `kafka.max_message_bytes`: librdkafka answers "queue full" to a record larger than the whole
+    /// queue on every try, which would hold its aggregate for ever as back-pressure.
+    fn queue_holds_a_record(&self) -> Result<(), Error> {
+        let Some((key, value)) = self
+            .properties
+            .iter()
+            .find(|(key, _)| property_name(key) == QUEUE_KBYTES)
+        else {
+            return Ok(());
+        };
+        let Ok(kbytes) = value.trim().parse::<usize>() else {
+            return Err(Error::config(format!(
+                "kafka.properties.\"{key}\" = {value:?}: expected a number of kilobytes"
+            )));
+        };
+        if kbytes.saturating_mul(1024) < self.max_message_bytes {
+            let needed = self.max_message_bytes.div_ceil(1024);
+            return Err(Error::config(format!(
+                "kafka.properties.\"{key}\" = {kbytes} (KiB) holds less than one record of \
+                 kafka.max_message_bytes = {}: the producer could never queue such a record; \
+                 raise it to at least {needed}, or lower kafka.max_message_bytes",
+                self.max_message_bytes
+            )));
+        }
+        Ok(())
     }
 
     /// Whether the producer's partitioner may send a record with an empty key to any partition:
@@ -513,6 +545,27 @@ mod tests {
             let e = bad(c);
             assert!(e.contains(key) && e.contains(names), "{key}: {e}");
         }
+        // A producer queue smaller than one record of max_message_bytes is refused, naming both
+        // settings and the smallest queue that holds one.
+        let mut c = KafkaConfig {
+            max_message_bytes: 4_000_000,
+            ..KafkaConfig::default()
+        };
+        c.properties
+            .insert("queue.buffering.max.kbytes".into(), "2048".into());
+        let e = bad(c.clone());
+        assert!(
+            e.contains("queue.buffering.max.kbytes")
+                && e.contains("kafka.max_message_bytes = 4000000")
+                && e.contains("at least 3907"),
+            "{e}"
+        );
+        c.properties
+            .insert("queue.buffering.max.kbytes".into(), "3907".into());
+        assert!(c.validate().is_ok());
+        c.properties
+            .insert("queue.buffering.max.kbytes".into(), "lots".into());
+        assert!(bad(c).contains("kilobytes"));
         // The retries belong to the idempotent producer, not to a plain one.
         let mut c = KafkaConfig::default();
         c.properties.insert("retries".into(), "3".into());

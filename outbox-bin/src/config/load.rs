@@ -1,14 +1,15 @@
-//! Loading: the TOML file, the environment's overrides merged into it (`OUTBOX_<SECTION>__<KEY>`
-//! and `DATABASE_URL`), and the typed reading that names the key, the value and where it came from.
-//! An environment value is guessed as a number or boolean first and read again as text, or as a
-//! comma-separated list, when the key expects that.
+//! Loading: the TOML file, the environment's overrides laid over it (`OUTBOX_<SECTION>__<KEY>` and
+//! `DATABASE_URL`, each kept as its exact text: see `source.rs`), and the typed reading that names
+//! the key, the value and where it came from.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use serde_path_to_error::Segment;
 
 use txoutbox_core::Error;
 
+use super::source::Source;
 use super::{Config, DEFAULT_CONFIG_FILE, ENV_PREFIX};
 
 /// The part after `OUTBOX_` of a variable of the form `OUTBOX_<SECTION>__<KEY>`, the only form
@@ -58,7 +59,7 @@ impl Config {
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, Error> {
-        let (mut root, origin) = match path {
+        let (file, origin) = match path {
             Some(p) => (read_file(p)?, Some(p.to_path_buf())),
             None if Path::new(DEFAULT_CONFIG_FILE).exists() => (
                 read_file(Path::new(DEFAULT_CONFIG_FILE))?,
@@ -66,6 +67,7 @@ impl Config {
             ),
             None => (Value::Object(Default::default()), None),
         };
+        let mut root = Source::File(file);
         // Keys set from the environment, with the variable that set them.
         let mut sources: Vec<(Vec<String>, String)> = Vec::new();
         let mut env: Vec<(String, String)> = env.into_iter().collect();
@@ -86,14 +88,14 @@ impl Config {
                 )));
             }
             let path = kafka_property_path(&name, path)?;
-            set_path(&mut root, &path, guess(&raw));
+            root = root.with(&path, raw);
             sources.push((path, name));
         }
         // DATABASE_URL applies unless OUTBOX_DATABASE__URL was given.
         if let Some(url) = database_url {
             let key = vec!["database".to_string(), "url".to_string()];
             if !sources.iter().any(|(p, _)| *p == key) {
-                set_path(&mut root, &key, Value::String(url));
+                root = root.with(&key, url);
                 sources.push((key, "DATABASE_URL".into()));
             }
         }
@@ -127,43 +129,6 @@ fn kafka_property_path(name: &str, path: Vec<String>) -> Result<Vec<String>, Err
     Ok(vec![path[0].clone(), path[1].clone(), property])
 }
 
-/// Sets `path` (dotted) in `root` to `value`, creating tables on the way.
-fn set_path(root: &mut Value, path: &[String], value: Value) {
-    let mut node = root;
-    for (i, key) in path.iter().enumerate() {
-        if !node.is_object() {
-            *node = Value::Object(Default::default());
-        }
-        let Some(map) = node.as_object_mut() else {
-            return;
-        };
-        if i + 1 == path.len() {
-            map.insert(key.clone(), value);
-            return;
-        }
-        node = map
-            .entry(key.clone())
-            .or_insert_with(|| Value::Object(Default::default()));
-    }
-}
-
-/// A typed guess for an environment value: integer, float, boolean, else text.
-fn guess(raw: &str) -> Value {
-    if let Ok(i) = raw.parse::<i64>() {
-        return Value::from(i);
-    }
-    if let Ok(f) = raw.parse::<f64>() {
-        if f.is_finite() {
-            return Value::from(f);
-        }
-    }
-    match raw {
-        "true" => Value::Bool(true),
-        "false" => Value::Bool(false),
-        _ => Value::String(raw.to_string()),
-    }
-}
-
 fn read_file(path: &Path) -> Result<Value, Error> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         Error::config(format!(
@@ -183,66 +148,34 @@ fn read_file(path: &Path) -> Result<Value, Error> {
 }
 
 fn deserialize(
-    mut root: Value,
+    root: Source,
     sources: &[(Vec<String>, String)],
     file: Option<&Path>,
 ) -> Result<Config, Error> {
-    // An environment value guessed as a number or boolean may belong to a text key (a password
-    // of digits): on a type error at such a key, retry with the raw text.
-    for _ in 0..=sources.len() {
-        match serde_path_to_error::deserialize::<_, Config>(&root) {
-            Ok(c) => return Ok(c),
-            Err(err) => {
-                let path = err.path().to_string();
-                let keys: Vec<String> = path.split('.').map(str::to_string).collect();
-                let from_env = sources.iter().find(|(p, _)| *p == keys);
-                if let Some((p, _)) = from_env {
-                    if let Some(v) = lookup(&root, p) {
-                        // A list from the environment: comma-separated (`a.*,b`).
-                        if err.inner().to_string().contains("expected a sequence") {
-                            let text = match v {
-                                Value::String(t) => t.clone(),
-                                other => other.to_string(),
-                            };
-                            let items: Vec<Value> = if text.trim().is_empty() {
-                                Vec::new()
-                            } else {
-                                text.split(',')
-                                    .map(|i| Value::String(i.trim().to_string()))
-                                    .collect()
-                            };
-                            set_path(&mut root, p, Value::Array(items));
-                            continue;
-                        }
-                        if !v.is_string() && err.inner().to_string().contains("invalid type") {
-                            let text = match v {
-                                Value::Number(n) => n.to_string(),
-                                Value::Bool(b) => b.to_string(),
-                                other => other.to_string(),
-                            };
-                            set_path(&mut root, p, Value::String(text));
-                            continue;
-                        }
-                    }
-                }
-                let origin = match from_env {
-                    Some((_, name)) => format!(" (from {name})"),
-                    _ => file
-                        .map(|f| format!(" (in {})", f.display()))
-                        .unwrap_or_default(),
-                };
-                let key = if path == "." || path.is_empty() {
-                    "configuration".to_string()
-                } else {
-                    path
-                };
-                return Err(Error::config(format!("{key}{origin}: {}", err.inner())));
-            }
-        }
-    }
-    Err(Error::config("the configuration could not be read"))
-}
-
-fn lookup<'a>(root: &'a Value, path: &[String]) -> Option<&'a Value> {
-    path.iter().try_fold(root, |node, key| node.get(key))
+    serde_path_to_error::deserialize::<_, Config>(root).map_err(|err| {
+        // The keys down to the error; a variable whose key is one of them (or the key itself) set
+        // the value.
+        let keys: Vec<String> = err
+            .path()
+            .iter()
+            .filter_map(|segment| match segment {
+                Segment::Map { key } => Some(key.clone()),
+                _ => None,
+            })
+            .collect();
+        let from_env = sources.iter().find(|(p, _)| keys.starts_with(p));
+        let origin = match from_env {
+            Some((_, name)) => format!(" (from {name})"),
+            _ => file
+                .map(|f| format!(" (in {})", f.display()))
+                .unwrap_or_default(),
+        };
+        let path = err.path().to_string();
+        let key = if path == "." || path.is_empty() {
+            "configuration".to_string()
+        } else {
+            path
+        };
+        Error::config(format!("{key}{origin}: {}", err.inner()))
+    })
 }

@@ -20,6 +20,7 @@ use crate::adapters::{self, Adapter, Bound, Configured};
 mod load;
 pub mod reference;
 mod sections;
+mod source;
 #[cfg(test)]
 mod tests;
 

@@ -103,6 +103,42 @@ fn digits_stay_text_where_text_is_expected() {
     assert_eq!(c.log.level, "3");
 }
 
+/// The environment never changes a setting's text: a text key takes the variable whole, leading
+/// zeros and trailing decimals included, and a password of digits is a password.
+#[test]
+fn text_settings_from_the_environment_keep_their_exact_text() {
+    let c = load_str(
+        "",
+        &[
+            ("OUTBOX_KAFKA__TOPIC", "0042"),
+            ("OUTBOX_AMQP__EXCHANGE", "1.10"),
+            ("OUTBOX_KAFKA__PROPERTIES__SASL__PASSWORD", "0123"),
+            ("OUTBOX_RELAY__BATCH_SIZE", "0250"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.relay.batch_size, 250, "a number key parses the text");
+    #[cfg(feature = "kafka")]
+    {
+        assert_eq!(c.kafka.topic, "0042");
+        assert_eq!(
+            c.kafka.properties.get("sasl.password").map(String::as_str),
+            Some("0123")
+        );
+    }
+    #[cfg(feature = "amqp")]
+    assert_eq!(c.amqp.exchange, "1.10");
+    let e = load_str("", &[("OUTBOX_RELAY__BATCH_SIZE", "25O")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("relay.batch_size")
+            && e.contains("OUTBOX_RELAY__BATCH_SIZE")
+            && e.contains("\"25O\""),
+        "a number key refuses a text that is not one, naming the variable and its text: {e}"
+    );
+}
+
 #[test]
 fn errors_name_the_key_the_value_and_the_source() {
     let e = load_str("[relay]\nbatch_siz = 10\n", &[])
