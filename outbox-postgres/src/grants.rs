@@ -77,6 +77,29 @@ pub(crate) async fn check_privileges(
 /// The context key of a missing privilege's error: the GRANT statements that give it.
 const GRANT_CONTEXT: &str = "grant";
 
+/// The role's `REPLICATION` attribute, which a logical slot's reader needs (a superuser has it):
+/// an error naming the `ALTER ROLE` that gives it when the role lacks it.
+///
+/// # Errors
+/// The missing attribute (a missing grant, [`is_missing_grant`]); a database error.
+pub(crate) async fn check_replication(conn: &mut PgConnection, why: &str) -> Result<(), Error> {
+    let (role, may): (String, bool) = sqlx::query_as(
+        "SELECT quote_ident(session_user), coalesce((SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = session_user), false)",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx("privilege check", e))?;
+    if may {
+        return Ok(());
+    }
+    let fix = format!("ALTER ROLE {role} REPLICATION");
+    Err(Error::new(
+        ErrorKind::PermissionDenied,
+        format!("the role {role} lacks the REPLICATION attribute, which {why}: {fix}"),
+    )
+    .with_context(GRANT_CONTEXT, fix))
+}
+
 /// Whether `e` is a privilege the role lacks, as the stores' checks report it (not a failed login,
 /// which is a permission error too): waiting for the grant, rather than failing, is the cure.
 pub fn is_missing_grant(e: &Error) -> bool {

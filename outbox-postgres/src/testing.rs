@@ -329,14 +329,9 @@ impl StoreFixture for WalFixture {
         let held = config.held_table(&table).unwrap();
         migrate(&self.pool, &held).await.unwrap();
         let held = PostgresStore::new(self.pool.clone(), held);
-        let store = crate::wal::WalStore::new(
-            self.pool.clone(),
-            &database_url(),
-            slot,
-            held.clone(),
-            &config,
-        )
-        .with_held_poll_interval(std::time::Duration::from_millis(20));
+        let store = crate::wal::WalStore::new(self.pool.clone(), slot, held.clone(), &config)
+            .unwrap()
+            .with_held_poll_interval(std::time::Duration::from_millis(20));
         let reader = store.start();
         Arc::new(WalTestStore {
             store,

@@ -438,7 +438,8 @@ async fn publishes_every_write_form_intact(wal: bool, language: &str) {
         let held_table = wal_config.held_table(&table).unwrap();
         migrate(&pg, &held_table).await.unwrap();
         let held = PostgresStore::new(pg.clone(), held_table);
-        let store = WalStore::new(pg.clone(), &hostile.url(), slot, held.clone(), &wal_config)
+        let store = WalStore::new(pg.clone(), slot, held.clone(), &wal_config)
+            .unwrap()
             .with_held_poll_interval(Duration::from_millis(50));
         let reader = store.start();
         (Arc::new(store), held, Some(reader))

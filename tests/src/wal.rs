@@ -63,15 +63,19 @@ impl WalSource {
     }
 
     /// A WAL store with a pool of its own (as a relay process has), waking `wake`.
+    ///
+    /// # Panics
+    /// When the test database's settings make no replication connection (this is test support).
+    #[allow(clippy::unwrap_used)]
     pub async fn store(&self, wake: Wake) -> WalStore {
         let pool = pool(6).await;
         WalStore::new(
             pool.clone(),
-            &txoutbox_postgres::testing::database_url(),
             self.slot.clone(),
             PostgresStore::new(pool, self.held.clone()),
             &self.config,
         )
+        .unwrap()
         .with_wake(wake)
         .with_held_poll_interval(Duration::from_millis(50))
     }

@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use txoutbox_core::testkit::{sample_event, ScriptedPublisher};
 use txoutbox_core::{CancellationToken, ErrorKind, Store};
+use txoutbox_postgres::testing::url_named;
 use txoutbox_postgres::testing::{fresh_table, pool};
 use txoutbox_postgres::wal::{WalStore, UNDECODABLE_AGGREGATE_TYPE};
 use txoutbox_postgres::{OutboxTable, PostgresStore, Writer};
-use txoutbox_tests::harness::wait_until;
+use txoutbox_tests::harness::{outbox_bin, outbox_cli, wait_until};
 use txoutbox_tests::wal::{run_store, wal_position, WalSource};
 use uuid::Uuid;
 
@@ -198,6 +199,76 @@ async fn rows_a_foreign_key_or_a_trigger_keeps_stay_and_are_published_once() {
     assert_eq!(left, 1 + 4, "the referenced row and agg-3's four stay");
 }
 
+/// A role for a relay of `table`'s WAL source: LOGIN, `REPLICATION` when `replication`, the
+/// grants the README gives it (DELETE on the outbox table when `delete`).
+async fn relay_role(
+    admin: &sqlx::PgPool,
+    table: &OutboxTable,
+    wal: &WalSource,
+    replication: bool,
+    delete: bool,
+) -> String {
+    let role = format!("outbox_dba_{}", &Uuid::new_v4().simple().to_string()[..10]);
+    let schema = table.schema();
+    let t = table.qualified();
+    let held = wal.held.qualified();
+    let attributes = if replication {
+        "LOGIN REPLICATION"
+    } else {
+        "LOGIN"
+    };
+    let on_table = if delete { "SELECT, DELETE" } else { "SELECT" };
+    for sql in [
+        format!("CREATE ROLE {role} {attributes}"),
+        format!("GRANT USAGE ON SCHEMA \"{schema}\" TO {role}"),
+        format!("GRANT {on_table} ON {t} TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {held} TO {role}"),
+        format!("GRANT USAGE ON ALL SEQUENCES IN SCHEMA \"{schema}\" TO {role}"),
+    ] {
+        sqlx::query(&sql).execute(admin).await.unwrap();
+    }
+    role
+}
+
+/// Ends `role`'s sessions and drops it.
+async fn drop_role(admin: &sqlx::PgPool, role: &str) {
+    let _ = sqlx::query(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ))
+    .execute(admin)
+    .await;
+    for sql in [
+        format!("DROP OWNED BY {role}"),
+        format!("DROP ROLE IF EXISTS {role}"),
+    ] {
+        let _ = sqlx::query(&sql).execute(admin).await;
+    }
+}
+
+/// The test database's URL, logging in as `role`.
+fn role_url(role: &str) -> String {
+    let url = txoutbox_postgres::testing::database_url();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
+    format!("{scheme}://{role}@{rest}")
+}
+
+/// A WAL store whose pool logs in as `role`.
+async fn store_as(role: &str, wal: &WalSource) -> (WalStore, sqlx::PgPool) {
+    let role_pool = txoutbox_postgres::connect(&role_url(role), 6)
+        .await
+        .unwrap();
+    let store = WalStore::new(
+        role_pool.clone(),
+        wal.slot.clone(),
+        PostgresStore::new(role_pool.clone(), wal.held.clone()),
+        &wal.config,
+    )
+    .unwrap()
+    .with_held_poll_interval(Duration::from_millis(50));
+    (store, role_pool)
+}
+
 /// A relay role without DELETE on the outbox table (wal.delete_published needs it): readiness fails
 /// naming the grant, nothing is read; once granted, every event is published once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,32 +276,9 @@ async fn a_role_without_delete_fails_readiness_and_reads_nothing_until_granted()
     let admin = pool(4).await;
     let table = fresh_table(&admin).await;
     let wal = WalSource::setup(&table).await;
-    let role = format!("outbox_dba_{}", &Uuid::new_v4().simple().to_string()[..10]);
-    let schema = table.schema();
+    let role = relay_role(&admin, &table, &wal, true, false).await;
     let t = table.qualified();
-    let held = wal.held.qualified();
-    for sql in [
-        format!("CREATE ROLE {role} LOGIN REPLICATION"),
-        format!("GRANT USAGE ON SCHEMA \"{schema}\" TO {role}"),
-        format!("GRANT SELECT ON {t} TO {role}"),
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {held} TO {role}"),
-        format!("GRANT USAGE ON ALL SEQUENCES IN SCHEMA \"{schema}\" TO {role}"),
-    ] {
-        sqlx::query(&sql).execute(&admin).await.unwrap();
-    }
-    let url = txoutbox_postgres::testing::database_url();
-    let (scheme, rest) = url.split_once("://").unwrap();
-    let rest = rest.split_once('@').map_or(rest, |(_, h)| h);
-    let role_url = format!("{scheme}://{role}@{rest}");
-    let role_pool = txoutbox_postgres::connect(&role_url, 6).await.unwrap();
-    let store = WalStore::new(
-        role_pool.clone(),
-        &role_url,
-        wal.slot.clone(),
-        PostgresStore::new(role_pool.clone(), wal.held.clone()),
-        &wal.config,
-    )
-    .with_held_poll_interval(Duration::from_millis(50));
+    let (store, role_pool) = store_as(&role, &wal).await;
     let ids = write(&admin, &table, 5, 4).await;
 
     let publisher = ScriptedPublisher::new();
@@ -267,15 +315,131 @@ async fn a_role_without_delete_fails_readiness_and_reads_nothing_until_granted()
     drop(store);
     role_pool.close().await;
     drop(wal);
-    let _ = sqlx::query(&format!(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-    ))
-    .execute(&admin)
+    drop_role(&admin, &role).await;
+}
+
+/// A relay role without `REPLICATION`: the replication connection is refused, so readiness (and
+/// `outbox check`, which runs the same check) fails naming `ALTER ROLE ... REPLICATION`, and
+/// nothing is read; once altered, every event is published once and readiness is green.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_without_replication_fails_readiness_and_reads_nothing_until_altered() {
+    let admin = pool(4).await;
+    let table = fresh_table(&admin).await;
+    let wal = WalSource::setup(&table).await;
+    let role = relay_role(&admin, &table, &wal, false, true).await;
+    let (store, role_pool) = store_as(&role, &wal).await;
+    let ids = write(&admin, &table, 5, 4).await;
+
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let task = run_store(store.clone(), publisher.clone(), &shutdown);
+    let e = store.check().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
+    assert!(
+        e.message()
+            .contains(&format!("ALTER ROLE {role} REPLICATION")),
+        "{e}"
+    );
+    // `outbox check` as that role says the same.
+    let mut env: Vec<(String, String)> = wal.relay_env(&[]);
+    env.push(("DATABASE_URL".into(), role_url(&role)));
+    env.push(("OUTBOX_DATABASE__SCHEMA".into(), table.schema().to_string()));
+    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let (code, out) = outbox_cli(&["check"], &env_refs);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!("ALTER ROLE {role} REPLICATION")),
+        "{out}"
+    );
+    // The reader tries again every second and reads nothing meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(publisher.delivered().len(), 0, "nothing read without it");
+
+    sqlx::query(&format!("ALTER ROLE {role} REPLICATION"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(60), "every event published", || async {
+        publisher.delivered().len() >= ids.len()
+    })
     .await;
-    for sql in [
-        format!("DROP OWNED BY {role}"),
-        format!("DROP ROLE IF EXISTS {role}"),
-    ] {
-        let _ = sqlx::query(&sql).execute(&admin).await;
+    store.check().await.unwrap();
+    shutdown.cancel();
+    task.await.unwrap();
+    delivered_once(&publisher, &ids);
+    drop(store);
+    role_pool.close().await;
+    drop(wal);
+    drop_role(&admin, &role).await;
+}
+
+/// The replication connection is made from the settings the pool's sessions use, the libpq
+/// environment included: a relay whose URL names neither user nor TLS mode, run with `PGUSER` (a
+/// role of its own) and `PGSSLMODE`, streams the slot as that role, with TLS exactly when the
+/// pool has it, under the pool's `application_name`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replication_connection_takes_the_pools_role_and_tls_from_the_environment() {
+    let admin = pool(4).await;
+    let table = fresh_table(&admin).await;
+    let wal = WalSource::setup(&table).await;
+    let role = relay_role(&admin, &table, &wal, true, true).await;
+    // The test database's URL without its user.
+    let url = role_url(&role).replacen(&format!("{role}@"), "", 1);
+    for (mode, tls) in [("disable", false), ("require", true)] {
+        let (tag, url) = url_named(&url, "outbox-test-env");
+        let mut c = std::process::Command::new(outbox_bin());
+        for (k, _) in std::env::vars() {
+            if k.starts_with("OUTBOX_") || k.starts_with("PG") {
+                c.env_remove(k);
+            }
+        }
+        c.arg("relay")
+            .current_dir(std::env::temp_dir())
+            .env("DATABASE_URL", &url)
+            .env("PGUSER", &role)
+            .env("PGSSLMODE", mode)
+            .env("OUTBOX_DATABASE__SCHEMA", table.schema())
+            .env("OUTBOX_PUBLISHER__TYPE", "stdout")
+            .env("OUTBOX_HTTP__ENABLED", "false")
+            .envs(wal.relay_env(&[]))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        let mut relay = c.spawn().unwrap();
+        let sessions = || async {
+            sqlx::query_as::<_, (String, String, bool)>(
+                "SELECT a.backend_type, a.usename::text, coalesce(s.ssl, false)
+                 FROM pg_stat_activity a LEFT JOIN pg_stat_ssl s USING (pid)
+                 WHERE a.application_name = $1",
+            )
+            .bind(&tag)
+            .fetch_all(&admin)
+            .await
+            .unwrap()
+        };
+        wait_until(
+            Duration::from_secs(60),
+            &format!("a walsender under the relay's application_name (PGSSLMODE={mode})"),
+            || async {
+                sessions()
+                    .await
+                    .iter()
+                    .any(|(kind, _, _)| kind == "walsender")
+            },
+        )
+        .await;
+        for (kind, user, ssl) in sessions().await {
+            assert_eq!(
+                user, role,
+                "PGSSLMODE={mode}: a {kind} session runs as {user}"
+            );
+            assert_eq!(
+                ssl, tls,
+                "PGSSLMODE={mode}: a {kind} session with TLS {ssl}"
+            );
+        }
+        let _ = relay.kill();
+        let _ = relay.wait();
     }
+    drop(wal);
+    drop_role(&admin, &role).await;
 }

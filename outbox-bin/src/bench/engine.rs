@@ -114,7 +114,7 @@ async fn run_phases(
         }
     }
     if has(Phase::Drain) {
-        match WalBench::prepare(url, admin, &table, progress).await? {
+        match WalBench::prepare(admin, &table, progress).await? {
             Some(wal) => {
                 for t in [&DiscardTarget as &dyn BenchTarget, target] {
                     let result = async {
@@ -183,7 +183,7 @@ async fn run_phases(
                 .latency
                 .push(latency_run(url, admin, &table, target, o, notify_on, None, progress).await?);
         }
-        match WalBench::prepare(url, admin, &table, progress).await? {
+        match WalBench::prepare(admin, &table, progress).await? {
             Some(wal) => {
                 wal.reset(admin).await?;
                 target.reset().await?;

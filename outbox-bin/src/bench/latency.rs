@@ -100,7 +100,7 @@ async fn latency_inner(
     let wake = txoutbox_core::Wake::new();
     let (store, reader): (Arc<dyn Store>, _) = match wal {
         Some(w) => {
-            let store = w.store(relay_pool.clone(), wake.clone(), o);
+            let store = w.store(relay_pool.clone(), wake.clone(), o)?;
             let reader = store.start();
             (Arc::new(store), Some(reader))
         }

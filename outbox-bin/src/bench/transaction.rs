@@ -30,7 +30,7 @@ pub(super) async fn transaction_phase(
     report: &mut BenchReport,
 ) -> Result<(), Error> {
     let mut fill = FIRST_FILL;
-    let wal = WalBench::prepare(url, admin, table, progress).await?;
+    let wal = WalBench::prepare(admin, table, progress).await?;
     if wal.is_none() {
         report.notes.push(WAL_UNAVAILABLE.into());
     }

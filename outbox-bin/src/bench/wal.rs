@@ -30,14 +30,12 @@ pub(super) struct WalBench {
     slot: WalSlot,
     held: OutboxTable,
     config: WalConfig,
-    url: String,
 }
 
 impl WalBench {
     /// A fresh slot (a leftover of an earlier run is dropped) and held table; `None` when the
     /// server's `wal_level` is not `logical`.
     pub(super) async fn prepare(
-        url: &str,
         admin: &PgPool,
         table: &OutboxTable,
         progress: &(dyn Fn(&str) + Send + Sync),
@@ -55,12 +53,7 @@ impl WalBench {
         let slot = config.slot(table)?;
         let held = config.held_table(table)?;
         migrate(admin, &held).await?;
-        let wal = WalBench {
-            slot,
-            held,
-            config,
-            url: url.to_string(),
-        };
+        let wal = WalBench { slot, held, config };
         wal.drop(admin).await;
         Ok(Some(wal))
     }
@@ -86,16 +79,18 @@ impl WalBench {
         pool: PgPool,
         wake: txoutbox_core::Wake,
         o: &BenchOptions,
-    ) -> WalStore {
+    ) -> Result<WalStore, Error> {
         WalStore::new(
             pool.clone(),
-            &self.url,
             self.slot.clone(),
             PostgresStore::new(pool, self.held.clone()),
             &self.config,
         )
-        .with_wake(wake)
-        .with_held_poll_interval(o.relay.poll_interval)
+        .map(|store| {
+            store
+                .with_wake(wake)
+                .with_held_poll_interval(o.relay.poll_interval)
+        })
     }
 }
 
@@ -112,7 +107,7 @@ pub(super) async fn wal_drain_run(
     let shutdown = CancellationToken::new();
     let pool = connect(url, o.relay.max_in_flight as u32 + 1).await?;
     let wake = txoutbox_core::Wake::new();
-    let store = wal.store(pool, wake.clone(), o);
+    let store = wal.store(pool, wake.clone(), o)?;
     let publisher = delayed(target.publisher().await?, o.publish_delay);
     publisher.check().await?;
     let relay = Relay::new(Arc::new(store.clone()), publisher, o.relay.clone())?

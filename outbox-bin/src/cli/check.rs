@@ -211,15 +211,18 @@ async fn wal_prerequisites(
         .map_err(|f| Error::config(f.message))?;
     let slot = config.wal.slot(table)?;
     let name = slot.slot().to_string();
-    let url = config
-        .database
-        .direct_url
-        .as_deref()
-        .unwrap_or(&config.database.url);
-    let source = WalStore::new(held.pool().clone(), url, slot, held.clone(), &config.wal);
+    // The pool the relay reads the slot with (database.direct_url when set): the replication
+    // connection is made from its settings, and opened here as the relay would.
+    let session = txoutbox_postgres::pooler::session_pool(
+        &config.database,
+        held.pool(),
+        &[SessionUse::WalSource],
+    )
+    .await?;
+    let source = WalStore::new(session, slot, held.clone(), &config.wal)?;
     source.check().await?;
     Ok(format!(
-        "wal_level = logical, slot {name} readable, the role may read it and keep the held table {}",
+        "wal_level = logical, slot {name} readable over a replication connection, the role may read it and keep the held table {}",
         held.table().qualified()
     ))
 }

@@ -88,19 +88,9 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
     let wal = if wal_source {
         let slot = config.wal.slot(&table)?;
         Some(
-            WalStore::new(
-                session.clone(),
-                config
-                    .database
-                    .direct_url
-                    .as_deref()
-                    .unwrap_or(&config.database.url),
-                slot,
-                pg.clone(),
-                &config.wal,
-            )
-            .with_wake(wake.clone())
-            .with_held_poll_interval(config.relay.poll_interval),
+            WalStore::new(session.clone(), slot, pg.clone(), &config.wal)?
+                .with_wake(wake.clone())
+                .with_held_poll_interval(config.relay.poll_interval),
         )
     } else {
         None

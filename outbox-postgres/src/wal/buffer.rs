@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use txoutbox_core::{Action, Event, Wake};
 
+use super::conninfo::{ReplicationHealth, ReplicationTarget};
 use super::decode::WalReader;
 use crate::store::PostgresStore;
 use crate::table::OutboxTable;
@@ -163,7 +164,9 @@ pub(super) struct HeldPoll {
 /// What the store, its leases and the reader task share.
 pub(super) struct Inner {
     pub(super) pool: PgPool,
-    pub(super) replication_url: String,
+    /// The replication connection's settings (the pool's), and whether it opens.
+    pub(super) replication: ReplicationTarget,
+    pub(super) replication_health: ReplicationHealth,
     pub(super) reader: WalReader,
     pub(super) source: OutboxTable,
     pub(super) held: PostgresStore,

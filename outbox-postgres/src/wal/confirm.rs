@@ -153,8 +153,9 @@ pub(super) fn refusal(e: &sqlx::Error) -> Option<Refusal> {
     }
 }
 
-/// The relay's role may write the held table (and draw from its sequence) and, with
-/// `wal.delete_published`, DELETE from the outbox table: an error naming the grant when it may not.
+/// The relay's role has `REPLICATION`, may write the held table (and draw from its sequence) and,
+/// with `wal.delete_published`, DELETE from the outbox table: an error naming the grant when it
+/// may not.
 ///
 /// # Errors
 /// The missing privilege; a database error.
@@ -162,6 +163,13 @@ pub(super) async fn check_reader_privileges(
     inner: &Inner,
     conn: &mut PgConnection,
 ) -> Result<(), Error> {
+    // The slot is read over a replication connection, which the server opens only for a role
+    // with REPLICATION (the pool's role: both connections are made from the same settings).
+    crate::grants::check_replication(
+        conn,
+        "reading the slot needs (the replication connection is refused without it)",
+    )
+    .await?;
     // The held table: the reader moves events there (its writer-order trigger draws from its
     // sequence), and the relays publish them from it.
     crate::grants::check_privileges(

@@ -51,6 +51,7 @@
 mod buffer;
 mod config;
 mod confirm;
+mod conninfo;
 mod decode;
 mod fallback;
 mod held;

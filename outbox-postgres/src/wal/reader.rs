@@ -323,6 +323,7 @@ async fn read_slot(
     let mut stream = open_stream(inner, origin).await?;
     let result = read_stream(inner, conn, &mut stream, identity, stop).await;
     stream.close().await;
+    inner.replication_health.closed();
     result
 }
 

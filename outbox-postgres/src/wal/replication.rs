@@ -18,6 +18,7 @@ use bytes::Buf;
 use pg_walstream::{parse_keepalive_message, CancellationToken, PgReplicationConnection};
 use pg_walstream::{ReplicationError, XLogRecPtr};
 
+use super::conninfo::ReplicationTarget;
 use super::decode::PROTO_VERSION;
 
 /// The output settings every reading session of the slot runs with (name, value): columns come as
@@ -29,9 +30,6 @@ pub(crate) const OUTPUT_SETTINGS: [(&str, &str); 5] = [
     ("bytea_output", "hex"),
     ("extra_float_digits", "3"),
 ];
-
-/// How long opening the replication connection may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A change as the server sent it: where it starts, and its pgoutput bytes.
 pub(super) struct Change {
@@ -54,19 +52,19 @@ pub(super) struct Replication {
 }
 
 impl Replication {
-    /// Connects to `url` (a `replication=database` URL), pins [`OUTPUT_SETTINGS`] and starts
-    /// streaming `slot` through `publication` from the slot's confirmed position.
+    /// Connects to `target`, pins [`OUTPUT_SETTINGS`] (and the pool's `application_name`) and
+    /// starts streaming `slot` through `publication` from the slot's confirmed position.
     ///
     /// # Errors
     /// The server's error (a missing slot: SQLSTATE 42704; a slot another session streams: 55006).
     pub(super) fn start(
-        url: &str,
+        target: &ReplicationTarget,
         slot: &str,
         publication: &str,
         report_every: Duration,
     ) -> Result<Replication, ReplicationError> {
-        let mut conn = PgReplicationConnection::connect(&with_connect_timeout(url))?;
-        conn.exec(&pin_settings_sql())?;
+        let mut conn = PgReplicationConnection::connect(target.conninfo())?;
+        conn.exec(&pin_settings_sql(target.application_name()))?;
         let publications = format!("\"{}\"", publication.replace('"', "\"\""));
         conn.start_replication(
             slot,
@@ -157,25 +155,28 @@ impl Replication {
     }
 }
 
-/// The SQL that pins [`OUTPUT_SETTINGS`] for a session.
-fn pin_settings_sql() -> String {
-    OUTPUT_SETTINGS
-        .iter()
-        .map(|(name, value)| format!("SET {name} = '{value}'"))
-        .collect::<Vec<_>>()
-        .join("; ")
+/// Opens a replication connection to `target`, asks the server who it is (`IDENTIFY_SYSTEM`) and
+/// closes it: the relay's role may open one, with the pool's settings.
+///
+/// # Errors
+/// The connection's or the server's error.
+pub(super) fn probe(target: &ReplicationTarget) -> Result<(), ReplicationError> {
+    let mut conn = PgReplicationConnection::connect(target.conninfo())?;
+    conn.identify_system()?;
+    Ok(())
 }
 
-/// `url` with a `connect_timeout` unless it has one.
-fn with_connect_timeout(url: &str) -> String {
-    if url.contains("connect_timeout") {
-        return url.to_string();
-    }
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!(
-        "{url}{separator}connect_timeout={}",
-        CONNECT_TIMEOUT.as_secs()
-    )
+/// The SQL that pins [`OUTPUT_SETTINGS`] for a session, and the pool's `application_name` (the
+/// replication session then shows in `pg_stat_activity` as the pool's sessions do).
+fn pin_settings_sql(application_name: Option<&str>) -> String {
+    let name = application_name.map(|n| ("application_name", n));
+    OUTPUT_SETTINGS
+        .iter()
+        .copied()
+        .chain(name)
+        .map(|(name, value)| format!("SET {name} = '{}'", value.replace('\'', "''")))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 #[cfg(test)]
@@ -185,21 +186,10 @@ mod tests {
     #[test]
     fn the_pinned_settings_are_one_statement_each() {
         assert_eq!(
-            pin_settings_sql(),
+            pin_settings_sql(None),
             "SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'postgres'; SET TimeZone = 'UTC'; \
              SET bytea_output = 'hex'; SET extra_float_digits = '3'"
         );
-    }
-
-    #[test]
-    fn a_connect_timeout_is_added_once() {
-        assert_eq!(
-            with_connect_timeout("postgres://u@h/db?replication=database"),
-            "postgres://u@h/db?replication=database&connect_timeout=30"
-        );
-        assert_eq!(
-            with_connect_timeout("postgres://u@h/db?connect_timeout=5"),
-            "postgres://u@h/db?connect_timeout=5"
-        );
+        assert!(pin_settings_sql(Some("it's me")).ends_with("; SET application_name = 'it''s me'"));
     }
 }

@@ -24,6 +24,7 @@ use txoutbox_core::{
 use super::buffer::{EntryState, HeldPoll, Inner, Settings, State};
 use super::config::WalConfig;
 use super::confirm::check_reader_privileges;
+use super::conninfo::{ReplicationHealth, ReplicationTarget};
 use super::decode::WalReader;
 use super::fallback::{check_slot, not_ready};
 use super::reader::{run_reader, runtime_supported};
@@ -86,21 +87,29 @@ impl WalStore {
     /// The WAL source of `slot`'s table, moving what it cannot publish at once to `held` (an
     /// outbox table migrated like any other; `outbox wal setup` makes it).
     ///
-    /// The slot is streamed over a replication connection to `database_url` (the pool's URL; the
-    /// role needs the `REPLICATION` attribute, as for any logical slot).
+    /// The slot is streamed over a replication connection made with exactly the settings of
+    /// `pool`'s sessions (host, port, role, password, database, TLS mode and certificate
+    /// authority, as sqlx resolved them from the URL and the libpq environment). The role needs
+    /// the `REPLICATION` attribute, as for any logical slot. `pool` must reach the server itself,
+    /// not a pooler in transaction mode (the reader holds a session lock).
+    ///
+    /// # Errors
+    /// A configuration error naming a setting of the pool the replication connection cannot use
+    /// as the pool does (a Unix socket, a TLS client certificate, startup options, a certificate
+    /// authority given as PEM text).
     pub fn new(
         pool: PgPool,
-        database_url: &str,
         slot: WalSlot,
         held: PostgresStore,
         config: &WalConfig,
-    ) -> Self {
+    ) -> Result<Self, Error> {
         let source = slot.table().clone();
-        let separator = if database_url.contains('?') { '&' } else { '?' };
-        WalStore {
+        let replication = ReplicationTarget::of(&pool.connect_options())?;
+        Ok(WalStore {
             inner: Arc::new(Inner {
                 pool,
-                replication_url: format!("{database_url}{separator}replication=database"),
+                replication,
+                replication_health: ReplicationHealth::default(),
                 reader: WalReader::new(slot),
                 source,
                 held,
@@ -127,7 +136,7 @@ impl WalStore {
                 tableless_gap_bytes: AtomicU64::new(0),
                 last_claim: Mutex::new(Instant::now()),
             }),
-        }
+        })
     }
 
     /// Wakes `wake` (the relay's) when events are there to claim.
@@ -415,9 +424,10 @@ impl Store for WalStore {
         Ok(stats)
     }
 
-    /// The held table answers, the role may delete what it publishes (`wal.delete_published`),
-    /// and the slot can be streamed: it exists, has not lost WAL, and its publication holds the
-    /// outbox table. While it cannot, the relay publishes from the outbox table (and makes the slot
+    /// The held table answers, the role has `REPLICATION` and may delete what it publishes
+    /// (`wal.delete_published`), the slot can be streamed (it exists, has not lost WAL, and its
+    /// publication holds the outbox table), and the replication connection opens with the relay's
+    /// settings (the reader streams, or a probe connection opens). While it cannot, the relay publishes from the outbox table (and makes the slot
     /// again with `wal.auto_recreate`), and this fails saying so.
     async fn check(&self) -> Result<(), Error> {
         runtime_supported()?;
@@ -438,7 +448,11 @@ impl Store for WalStore {
                 format!("the relay publishes from the outbox table until every row written before the slot's position is in the held table: {reason}"),
             ));
         }
-        Ok(())
+        // What delivers: the replication connection itself, with the relay's role and settings.
+        self.inner
+            .replication_health
+            .ready(&self.inner.replication)
+            .await
     }
 }
 

@@ -92,12 +92,22 @@ pub(super) async fn open_stream(inner: &Inner, origin: Origin) -> Result<Stream,
     // Confirms reach the server within CONFIRM_EVERY while data flows: a new reader replays from
     // there.
     let replication = Replication::start(
-        &inner.replication_url,
+        &inner.replication,
         slot.slot(),
         slot.publication(),
         CONFIRM_EVERY,
     )
-    .map_err(|e| stream_error("wal stream start", e))?;
+    .map_err(|e| stream_error("wal stream start", e));
+    let replication = match replication {
+        Ok(r) => {
+            inner.replication_health.opened();
+            r
+        }
+        Err(e) => {
+            inner.replication_health.failed(&e);
+            return Err(e);
+        }
+    };
     let confirmed = Arc::new(AtomicU64::new(0));
     let settled = Arc::new(AtomicU64::new(0));
     let (tx, rx) = mpsc::channel(STREAM_CHANNEL);
