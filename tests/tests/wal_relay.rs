@@ -650,3 +650,181 @@ async fn large_transaction(end_session: bool) {
         assert_clean_verdict(&verdict);
     }
 }
+
+/// A switch from polling to WAL (`outbox wal setup`, then a relay with `database.source = "wal"`)
+/// keeps each row's delivery state: a dead letter of the polling source still holds its aggregate
+/// back and is listed among the dead letters, with its last error; an event backing off waits for
+/// its time; the other aggregates flow, the events written after the switch included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_from_polling_keeps_dead_letters_and_backoffs() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    // What a polling relay left: agg-1's first event dead-lettered, agg-2's first backing off.
+    let mut committed = write_rounds(&table, 4, 3).await;
+    let first = |agg: &str| committed.iter().find(|(a, _)| a == agg).unwrap().1;
+    let (poison, waiting) = (first("agg-1"), first("agg-2"));
+    let t = table.qualified();
+    sqlx::query(&format!(
+        "UPDATE {t} SET dead_lettered_at = now(), attempts = 5, last_error = 'poison: refused by the broker' WHERE id = $1"
+    ))
+    .bind(poison)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {t} SET retry_after = now() + interval '1 hour', attempts = 1, last_error = 'timeout' WHERE id = $1"
+    ))
+    .bind(waiting)
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The switch, as `outbox wal setup` makes it, and a WAL relay.
+    let wal = WalSource::setup(&table).await;
+    txoutbox_postgres::wal::mark_new_slot(&pool, &table, &wal.held, wal.slot.slot())
+        .await
+        .unwrap();
+    let publisher = ScriptedPublisher::new();
+    let shutdown = CancellationToken::new();
+    let (store, task) = spawn(&wal, &publisher, &shutdown).await;
+    committed.extend(write_rounds(&table, 4, 2).await);
+    let held_back = |agg: &str| {
+        let agg = agg.to_string();
+        committed
+            .iter()
+            .filter(move |(a, _)| *a == agg)
+            .map(|(_, id)| *id)
+    };
+    let flowing: Vec<Uuid> = held_back("agg-0").chain(held_back("agg-3")).collect();
+    wait_until(
+        Duration::from_secs(60),
+        "the other aggregates published and the table emptied",
+        || async {
+            let got: std::collections::HashSet<Uuid> =
+                publisher.delivered().iter().map(|e| e.id).collect();
+            flowing.iter().all(|id| got.contains(id)) && source_rows(&pool, &table).await == 0
+        },
+    )
+    .await;
+    let delivered: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    assert!(
+        held_back("agg-1").all(|id| !delivered.contains(&id)),
+        "nothing of agg-1 goes out past its dead letter"
+    );
+    assert!(
+        held_back("agg-2").all(|id| !delivered.contains(&id)),
+        "nothing of agg-2 goes out before its backing-off event's time"
+    );
+    let letters = store
+        .held()
+        .dead_letters(&DeadLetterFilter::All, None, 10)
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].id, poison);
+    assert_eq!(
+        letters[0].last_error.as_deref(),
+        Some("poison: refused by the broker")
+    );
+    assert_eq!(store.held().stats().await.unwrap().dead_letters, 1);
+
+    // The operator retries the dead letter and the backoff ends: both aggregates follow, in order.
+    store
+        .held()
+        .retry_dead_letters(&DeadLetterFilter::Ids(vec![poison]))
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET retry_after = now() WHERE id = $1",
+        wal.held.qualified()
+    ))
+    .bind(waiting)
+    .execute(&pool)
+    .await
+    .unwrap();
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    shutdown.cancel();
+    task.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!("a switch from polling to WAL: {verdict}");
+    assert_clean_verdict(&verdict);
+}
+
+/// A transaction that wrote a row while the outbox table was out of the publication, and that
+/// stays open after the operator put the table back: the relay keeps publishing from the table
+/// meanwhile (other aggregates flow), does not stream again until that transaction ended, and then
+/// publishes its row: nothing is lost, whatever the transaction's length, and order holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_open_across_the_publications_repair_loses_nothing() {
+    let Fixture {
+        pool,
+        table,
+        mut wal,
+        publisher,
+        shutdown,
+    } = fixture().await;
+    // The operator repairs the publication (`outbox wal setup`), not the relay.
+    wal.config.auto_recreate = false;
+    let (store, task) = spawn(&wal, &publisher, &shutdown).await;
+    let mut committed = write_rounds(&table, 3, 2).await;
+    wait_until(Duration::from_secs(60), "the first events", || async {
+        publisher.delivered().len() >= committed.len()
+    })
+    .await;
+
+    wal.unpublish(&pool, &table).await;
+    // A writer's transaction inserts while the table is out of the publication, and stays open.
+    let writer = txoutbox_postgres::Writer::new(table.clone());
+    let mut long = pool.begin().await.unwrap();
+    let long_id = writer
+        .enqueue(&mut long, sample_event("agg-long", 0))
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(30), "the relay falls back", || async {
+        store.progress().fallback.is_some()
+    })
+    .await;
+    sqlx::query(&format!(
+        "ALTER PUBLICATION {} ADD TABLE {}",
+        wal.slot.publication(),
+        table.qualified()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Meanwhile other writers go on, and their events are published from the table.
+    let during = write_rounds(&table, 3, 2).await;
+    committed.extend(during.iter().cloned());
+    wait_until(
+        Duration::from_secs(30),
+        "events written during the long transaction published while it runs",
+        || async {
+            let got: std::collections::HashSet<Uuid> =
+                publisher.delivered().iter().map(|e| e.id).collect();
+            during.iter().all(|(_, id)| got.contains(id))
+        },
+    )
+    .await;
+    assert!(
+        store.progress().fallback.is_some(),
+        "the relay does not stream again while the transaction runs"
+    );
+    long.commit().await.unwrap();
+    committed.push(("agg-long".to_string(), long_id));
+    committed.extend(write_rounds(&table, 3, 2).await);
+    drained(&pool, &table, &wal, &publisher, committed.len()).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the relay streams again",
+        || async { store.progress().fallback.is_none() },
+    )
+    .await;
+    shutdown.cancel();
+    task.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(&committed, &received);
+    println!("a transaction open across the publication's repair: {verdict}");
+    assert_eq!(verdict.lost, 0, "{verdict}");
+    assert_eq!(verdict.order_violations, 0, "{verdict}");
+    assert_eq!(verdict.unexpected, 0, "{verdict}");
+}

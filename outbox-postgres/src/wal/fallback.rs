@@ -272,13 +272,15 @@ pub(super) async fn fall_back(
     let mut identity = None;
     let mut next_repair = Instant::now();
     let mut last_failure: Option<String> = None;
+    let mut running = None;
     loop {
         if fence.is_none() && Instant::now() >= next_repair {
-            match restore(inner, conn, slot_lost).await {
+            match restore(inner, conn, slot_lost, &mut running).await {
                 Ok(Restored::NotYet(p)) => {
                     slot_lost |= p.loses_messages();
                     next_repair = Instant::now() + FALLBACK_POLL;
                 }
+                Ok(Restored::Waiting) => next_repair = Instant::now() + FALLBACK_POLL,
                 Ok(Restored::Ready {
                     fence: f,
                     made_at,
@@ -355,6 +357,10 @@ pub(super) async fn fall_back(
 enum Restored {
     /// Still not readable (waiting for an operator, with `wal.auto_recreate` off).
     NotYet(SlotProblem),
+    /// Readable, but transactions that began before it became so still run: rows they wrote may
+    /// be in neither the slot nor (until they commit) the table's visible rows, so the fence waits
+    /// for them. The reader goes on moving rows meanwhile.
+    Waiting,
     /// Readable: rows up to `fence` (in `seq`) may have committed before its consistent point, and
     /// go to the held table before the slot is streamed. `made_at` is the new slot's consistent
     /// point, when a slot was lost (the table-less events before it since the old slot's position
@@ -372,6 +378,7 @@ async fn restore(
     inner: &Inner,
     conn: &mut PgConnection,
     slot_lost: bool,
+    running: &mut Option<Running>,
 ) -> Result<Restored, Error> {
     let slot = inner.reader.slot();
     let mut check = check_slot(inner, conn).await?;
@@ -408,13 +415,17 @@ async fn restore(
         }
     }
     if let Some(p) = check.problem {
+        *running = None;
         return Ok(Restored::NotYet(p));
     }
     // A transaction that began before the publication held the table (added again, made again)
     // and commits later is decoded as of its start, without the table: its rows come only from
-    // the table, so it must have ended before the fence is read. (A new slot waited for those
-    // already.)
-    wait_for_running_transactions(conn).await?;
+    // the table, so it must have ended before the fence is read, however long it runs. (A new
+    // slot waited for those already.)
+    if !running_ended(inner, conn, running, check.identity).await? {
+        return Ok(Restored::Waiting);
+    }
+    *running = None;
     // Read after the slot exists: a row committed before its consistent point is visible now, so
     // its seq is at most this.
     let fence: i64 = sqlx::query_scalar(&format!(
@@ -436,34 +447,67 @@ async fn restore(
     })
 }
 
-/// How long the reader waits for the transactions running when the publication became right, at
-/// most (then it reads the fence anyway, and says so).
-const RUNNING_WAIT: Duration = Duration::from_secs(60);
+/// How long the transactions running when the publication became right may run before the reader
+/// says which ones it waits for (and again each time as long again).
+const RUNNING_WARN: Duration = Duration::from_secs(60);
 
-/// Waits until every transaction running now (in any database) has ended.
-async fn wait_for_running_transactions(conn: &mut PgConnection) -> Result<(), Error> {
+/// The transactions the fence waits for: those running when the slot became readable with the
+/// publication `identity` (the server's next transaction id then, `until`), and since when.
+pub(super) struct Running {
+    until: String,
+    identity: Identity,
+    since: Instant,
+    warned: Instant,
+}
+
+/// Whether every transaction running when the slot became readable (with `identity`; a new
+/// identity starts a new wait) has ended. Says once a minute which sessions it still waits for.
+async fn running_ended(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    running: &mut Option<Running>,
+    identity: Identity,
+) -> Result<bool, Error> {
     let map = |e| map_sqlx("wal fallback", e);
-    let until: String = sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text")
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(map)?;
-    let deadline = Instant::now() + RUNNING_WAIT;
-    loop {
-        let done: bool =
-            sqlx::query_scalar("SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::xid8")
-                .bind(&until)
+    if running.as_ref().is_none_or(|r| r.identity != identity) {
+        let until: String =
+            sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text")
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(map)?;
-        if done {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            warn!("transactions that began before the publication held the outbox table still run after 60 s: rows they write may be neither moved nor decoded; end long transactions before changing the publication");
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = Instant::now();
+        *running = Some(Running {
+            until,
+            identity,
+            since: now,
+            warned: now,
+        });
     }
+    let Some(r) = running.as_mut() else {
+        return Ok(true);
+    };
+    // The sessions named are those whose transaction began before the wait did.
+    let (done, sessions): (bool, Option<String>) = sqlx::query_as(
+        "SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::xid8,
+                (SELECT string_agg(pid::text, ', ' ORDER BY pid) FROM pg_stat_activity
+                 WHERE backend_xid IS NOT NULL
+                   AND xact_start <= now() - $2 * interval '1 millisecond')",
+    )
+    .bind(&r.until)
+    .bind(i64::try_from(r.since.elapsed().as_millis()).unwrap_or(i64::MAX))
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(map)?;
+    if !done && r.warned.elapsed() >= RUNNING_WARN {
+        r.warned = Instant::now();
+        warn!(
+            slot = inner.reader.slot().slot(),
+            waited_s = r.since.elapsed().as_secs(),
+            sessions = sessions.as_deref().unwrap_or("(none with a transaction id)"),
+            "the slot can be read again, but transactions that began before its publication held the outbox table still run: the relay keeps publishing from the table and streams once they end (rows they wrote are then in the table); end them (pg_stat_activity, these pids) if they hang"
+        );
+    }
+    Ok(done)
 }
 
 /// Says which table-less events no slot read: those committed between the old slot's last
@@ -495,10 +539,18 @@ fn report_gap(inner: &Inner, from: Option<u64>, to: u64) {
     }
 }
 
+/// The columns of a row's delivery state, kept when it moves to the held table.
+const STATE_COLUMNS: &str = "created_at, attempts, retry_after, last_error, dead_lettered_at";
+
 /// Moves up to [`MOVE_CHUNK`] unpublished rows of the outbox table (with `seq` up to `fence`, when
 /// set) to the held table, in `seq` order, and deletes them from the outbox table, in one
 /// statement. Rows whose id is in the held table already are not moved twice. Returns how many
 /// were moved.
+///
+/// A row keeps its delivery state: attempts, last error, next attempt time and dead-letter mark.
+/// A dead letter of the polling source (a switch to WAL) moves too: in the held table it still
+/// holds its aggregate back and shows in `outbox dead-letters`, and an event backing off still
+/// waits for its time.
 ///
 /// In `seq` order is in order per aggregate: a row a writer's transaction still holds has no later
 /// row of its aggregate visible (the writer-order trigger).
@@ -513,14 +565,14 @@ async fn move_rows(
         format!(
             "WITH picked AS (
                  SELECT s.* FROM {source} s
-                 WHERE s.processed_at IS NULL AND s.dead_lettered_at IS NULL
+                 WHERE s.processed_at IS NULL
                    AND ($1::bigint IS NULL OR s.seq <= $1)
                    AND NOT EXISTS (SELECT 1 FROM {held} h WHERE h.id = s.id)
                  ORDER BY s.seq
                  LIMIT $2
              ), moved AS (
-                 INSERT INTO {held} ({INSERT_COLUMNS}, created_at, attempts)
-                 SELECT {INSERT_COLUMNS}, created_at, attempts FROM picked ORDER BY seq
+                 INSERT INTO {held} ({INSERT_COLUMNS}, {STATE_COLUMNS})
+                 SELECT {INSERT_COLUMNS}, {STATE_COLUMNS} FROM picked ORDER BY seq
                  ON CONFLICT (id) DO NOTHING
              ){}
              SELECT id FROM picked ORDER BY seq",
