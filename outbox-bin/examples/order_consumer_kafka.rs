@@ -2,6 +2,11 @@
 //! id (its `outbox-event-id` header) is recorded in `processed_events` in the same transaction as the
 //! handler's write; the offset is committed after, so a redelivered record is skipped, not re-handled.
 //!
+//! A record whose handling fails is tried again a few times; if it still fails, the consumer commits
+//! the offsets of the records it handled and stops with an error, without committing past the
+//! failed one: started again, it reads that record first. (Going on to the next record would commit
+//! an offset past it, and it would never be read again.)
+//!
 //! ```sh
 //! cargo run -p txoutbox --example order_consumer_kafka
 //! ```
@@ -9,10 +14,17 @@
 //! `TOPIC` (default `outbox.event.order`), `GROUP` (default `shipping`), `SCHEMA` (default `shipping`),
 //! `MAX_MESSAGES` (stop after that many records; default: run until Ctrl-C).
 
+use std::collections::HashMap;
+use std::time::Duration;
+
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
 use txoutbox_postgres::{connect, Inbox, OutboxTable, Processed};
+
+/// Tries of a record's handling before the consumer stops.
+const TRIES: u32 = 3;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -48,6 +60,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("consuming {topic}");
 
     let mut seen = 0;
+    // The next offset to read of each partition, as far as records were handled.
+    let mut handled: HashMap<i32, i64> = HashMap::new();
     loop {
         let message = consumer.recv().await?;
         let Some(event_id) = txoutbox_kafka::event_id(&message) else {
@@ -65,29 +79,52 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             continue;
         }
         let order_id = payload["order_id"].as_i64().unwrap_or_default();
-        let table = shipments.clone();
-        let outcome = inbox
-            .process(&pool, event_id, move |conn| {
-                Box::pin(async move {
-                    sqlx::query(&format!("INSERT INTO {table} (order_id) VALUES ($1)"))
-                        .bind(order_id)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok::<_, sqlx::Error>(())
+        let mut tries = 0;
+        let outcome = loop {
+            tries += 1;
+            let table = shipments.clone();
+            let outcome = inbox
+                .process(&pool, event_id, move |conn| {
+                    Box::pin(async move {
+                        sqlx::query(&format!("INSERT INTO {table} (order_id) VALUES ($1)"))
+                            .bind(order_id)
+                            .execute(&mut *conn)
+                            .await?;
+                        Ok::<_, sqlx::Error>(())
+                    })
                 })
-            })
-            .await;
+                .await;
+            match outcome {
+                Err(e) if tries < TRIES => {
+                    eprintln!("event {event_id} failed (try {tries} of {TRIES}): {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                other => break other,
+            }
+        };
         match outcome {
             Ok(Processed::Done(())) => {
                 println!("shipment created for order {order_id} (event {event_id})")
             }
             Ok(Processed::Duplicate) => println!("duplicate event {event_id} skipped"),
-            // Not committed: the record is read again after a restart or rebalance.
+            // Nothing past this record is committed: the consumer stops, and reads it again
+            // when started again.
             Err(e) => {
-                eprintln!("event {event_id} failed: {e}");
-                continue;
+                let mut positions = TopicPartitionList::new();
+                for (partition, next) in &handled {
+                    positions.add_partition_offset(&topic, *partition, Offset::Offset(*next))?;
+                }
+                if positions.count() > 0 {
+                    consumer.commit(&positions, CommitMode::Sync)?;
+                }
+                println!(
+                    "event {event_id} (offset {}) failed {TRIES} times: stopping; it is read again when the consumer starts again",
+                    message.offset()
+                );
+                return Err(e.into());
             }
         }
+        handled.insert(message.partition(), message.offset() + 1);
         consumer.commit_message(&message, CommitMode::Async)?;
         seen += 1;
         if max.is_some_and(|m| seen >= m) {

@@ -65,8 +65,9 @@ impl WebhookPublisher {
 #[async_trait]
 impl Publisher for WebhookPublisher {
     async fn publish(&self, events: &[Event]) -> Vec<PublishOutcome> {
-        // Concurrent requests, one outcome per event, in input order. (Events of one aggregate in one
-        // batch may race here; a webhook that needs strict order should post them one by one.)
+        // Concurrent requests, one outcome per event, in input order. They never race within an
+        // aggregate: this publisher's `keeps_order` is false (the default), so the relay puts at
+        // most one event of an aggregate in a call and sends the next once this one succeeded.
         futures::future::join_all(events.iter().map(|e| self.post(e))).await
     }
 

@@ -70,15 +70,21 @@ impl Proc {
     }
 
     fn wait_exit(&mut self, timeout: Duration) -> Vec<String> {
+        let (status, out) = self.wait_end(timeout);
+        assert!(status.success(), "example failed: {status}");
+        out
+    }
+
+    /// Waits for the example to exit; its exit status and every line it wrote.
+    fn wait_end(&mut self, timeout: Duration) -> (std::process::ExitStatus, Vec<String>) {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "example failed: {status}");
                 // Every line it wrote is read once its output ends.
                 if let Some(reader) = self.reader.take() {
                     reader.join().unwrap();
                 }
-                return self.out.lock().unwrap().clone();
+                return (status, self.out.lock().unwrap().clone());
             }
             assert!(
                 Instant::now() < deadline,
@@ -242,4 +248,76 @@ async fn kafka_consumer_handles_a_redelivered_event_once() {
         "{out:?}"
     );
     assert_eq!(shipments(&pg, &schema).await, 1);
+}
+
+/// A record whose handling fails is not committed past: the consumer stops after its tries, and
+/// started again it reads that record first, then the next ones (the handled ones are not read
+/// again: their offsets were committed before it stopped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_consumer_reads_a_failed_record_again_after_a_restart() {
+    let pg = pool(2).await;
+    let schema = fresh_table(&pg).await.schema().to_string();
+    // The shipments table as the example makes it, with a fault: order 2 cannot be shipped yet.
+    for sql in [
+        format!("CREATE TABLE \"{schema}\".shipments (order_id bigint PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT now())"),
+        format!(
+            "CREATE FUNCTION \"{schema}\".refuse_order_2() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN IF NEW.order_id = 2 THEN RAISE EXCEPTION 'order 2 cannot be shipped yet'; END IF; RETURN NEW; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER refuse_order_2 BEFORE INSERT ON \"{schema}\".shipments
+             FOR EACH ROW EXECUTE FUNCTION \"{schema}\".refuse_order_2()"
+        ),
+    ] {
+        sqlx::query(&sql).execute(&pg).await.unwrap();
+    }
+    let fx = txoutbox_kafka::testing::Fixture::new(1).await;
+    let p = fx.publisher();
+    for order in 1..=3 {
+        let mut e = event(&order.to_string(), 0);
+        e.event_type = "order.created".into();
+        e.payload = format!(r#"{{"order_id": {order}}}"#).into_bytes();
+        assert!(p.publish(std::slice::from_ref(&e)).await[0].is_ok());
+    }
+    let group = format!("g-{}", uuid::Uuid::new_v4().simple());
+    let consumer = |max: &str| {
+        let mut c = Command::new(example("order_consumer_kafka"));
+        c.env("DATABASE_URL", database_url())
+            .env("KAFKA_BROKERS", txoutbox_kafka::testing::brokers())
+            .env("TOPIC", &fx.topic)
+            .env("GROUP", &group)
+            .env("SCHEMA", &schema)
+            .env("MAX_MESSAGES", max);
+        Proc::start(c)
+    };
+    let (status, out) = consumer("3").wait_end(Duration::from_secs(90));
+    assert!(
+        !status.success(),
+        "the consumer stops on the failed record: {out:?}"
+    );
+    assert!(
+        out.iter().any(|l| l.contains("failed 3 times: stopping")),
+        "{out:?}"
+    );
+    assert_eq!(shipments(&pg, &schema).await, 1, "order 1 only");
+
+    // The cause is fixed; started again, the consumer reads order 2, then order 3.
+    sqlx::query(&format!(
+        "DROP TRIGGER refuse_order_2 ON \"{schema}\".shipments"
+    ))
+    .execute(&pg)
+    .await
+    .unwrap();
+    let out = consumer("2").wait_exit(Duration::from_secs(90));
+    let created: Vec<&String> = out
+        .iter()
+        .filter(|l| l.starts_with("shipment created"))
+        .collect();
+    assert_eq!(created.len(), 2, "{out:?}");
+    assert!(
+        created[0].contains("order 2") && created[1].contains("order 3"),
+        "{out:?}"
+    );
+    assert!(!out.iter().any(|l| l.starts_with("duplicate")), "{out:?}");
+    assert_eq!(shipments(&pg, &schema).await, 3);
 }
