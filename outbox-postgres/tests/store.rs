@@ -94,6 +94,51 @@ async fn migrate_is_idempotent_and_plain_sql_inserts_work() {
     assert_eq!(n, 0);
 }
 
+/// The writer takes what a service holds: a sqlx `Transaction` (the event exists only if it
+/// commits), a pooled connection, a `PgConnection` (outside a transaction, each write commits on
+/// its own).
+#[tokio::test]
+async fn the_writer_takes_a_transaction_a_pooled_connection_or_a_connection() {
+    use sqlx::Connection;
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let writer = Writer::new(table.clone());
+    let mut tx = pool.begin().await.unwrap();
+    writer.enqueue(&mut tx, sample_event("a", 0)).await.unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let committed = writer.enqueue(&mut tx, sample_event("a", 1)).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut pooled = pool.acquire().await.unwrap();
+    let from_pool = writer
+        .enqueue_many(
+            &mut pooled,
+            vec![sample_event("b", 0), sample_event("b", 1)],
+        )
+        .await
+        .unwrap();
+    drop(pooled);
+    let mut conn = sqlx::PgConnection::connect(&txoutbox_postgres::testing::database_url())
+        .await
+        .unwrap();
+    let alone = writer
+        .enqueue(&mut conn, sample_event("c", 0))
+        .await
+        .unwrap();
+    conn.close().await.unwrap();
+    let ids: Vec<uuid::Uuid> = sqlx::query_scalar(&format!(
+        "SELECT id FROM {} ORDER BY seq",
+        table.qualified()
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut expected = vec![committed];
+    expected.extend(from_pool);
+    expected.push(alone);
+    assert_eq!(ids, expected, "the rolled-back event is not there");
+}
+
 #[tokio::test]
 async fn migrate_upgrades_a_classic_table_in_place() {
     let pool = pool(4).await;

@@ -471,3 +471,101 @@ async fn wal_store_passes_the_store_conformance_suite() {
     txoutbox_core::testkit::store_suite::run_all(&txoutbox_postgres::testing::WalFixture { pool })
         .await;
 }
+
+/// The README's statement between `<!-- sql:NAME -->` markers.
+fn readme_sql(name: &str) -> String {
+    let readme = include_str!("../README.md");
+    let start = readme
+        .find(&format!("<!-- sql:{name} -->"))
+        .unwrap_or_else(|| panic!("README.md has no sql:{name} block"));
+    let block = &readme[start..];
+    let end = block.find(&format!("<!-- /sql:{name} -->")).unwrap();
+    block[..end]
+        .lines()
+        .skip_while(|l| !l.starts_with("```sql"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("```"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The README's recipe for services on other clients: its row insert and its table-less message,
+/// run as they stand (the default table and prefix swapped for this test's), in one transaction,
+/// come out of the slot as the two events, in that order, with the fields bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readmes_plain_sql_recipes_write_events_the_relay_reads() {
+    use txoutbox_postgres::wal::{WalItem, WalReader};
+    let pool = pool(4).await;
+    logical(&pool).await;
+    let table = fresh_table(&pool).await;
+    let prefix = table.schema().to_string();
+    let slot = WalSlot::new(table.clone(), None, None)
+        .unwrap()
+        .with_message_prefix(prefix.clone());
+    let _guard = Dropped(slot.clone(), pool.clone());
+    slot.setup(&pool).await.unwrap();
+    let row_sql = readme_sql("row").replace("outbox_events", &table.qualified());
+    let tableless_sql = readme_sql("tableless").replace("'outbox'", &format!("'{prefix}'"));
+    assert!(row_sql.starts_with("INSERT INTO") && tableless_sql.contains(&prefix));
+    let id = uuid::Uuid::new_v4();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&row_sql)
+        .bind("order")
+        .bind("42")
+        .bind("order.created")
+        .bind(serde_json::json!({"total": 99}))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(&tableless_sql)
+        .bind(id)
+        .bind("order")
+        .bind("42")
+        .bind("order.paid")
+        .bind(serde_json::json!({"by": "card"}))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let peek = WalReader::new(slot.clone())
+        .peek(&pool, 1000)
+        .await
+        .unwrap();
+    let events: Vec<txoutbox_core::Event> = peek
+        .transactions
+        .into_iter()
+        .flat_map(|t| t.items)
+        .map(|item| match item {
+            WalItem::Event(e) => e,
+            other => panic!("not an event: {other:?}"),
+        })
+        .collect();
+    assert_eq!(events.len(), 2, "{events:?}");
+    let fields = |e: &txoutbox_core::Event| {
+        (
+            e.aggregate_type.clone(),
+            e.aggregate_id.clone(),
+            e.event_type.clone(),
+            serde_json::from_slice::<serde_json::Value>(&e.payload).unwrap(),
+        )
+    };
+    assert_eq!(
+        fields(&events[0]),
+        (
+            "order".into(),
+            "42".into(),
+            "order.created".into(),
+            serde_json::json!({"total": 99})
+        )
+    );
+    assert_eq!(
+        fields(&events[1]),
+        (
+            "order".into(),
+            "42".into(),
+            "order.paid".into(),
+            serde_json::json!({"by": "card"})
+        )
+    );
+    assert_eq!(events[1].id, id);
+}

@@ -3,7 +3,7 @@
 //! `wal::decode` for the message's JSON fields).
 
 use serde_json::Value;
-use sqlx::{Postgres, Transaction};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use txoutbox_core::format::base64;
@@ -78,20 +78,19 @@ impl MessageWriter {
         Value::Object(map).to_string()
     }
 
-    /// Emits `event` in `tx`: it exists only if `tx` commits, and comes out of the slot in commit
-    /// order. Returns its id.
+    /// Emits `event` on `conn`: in a transaction (`&mut tx` for a sqlx `Transaction`), it exists
+    /// only if the transaction commits, and comes out of the slot in commit order. Returns its id.
+    ///
+    /// `conn` is whatever the service holds: a `Transaction`, a pooled connection, a
+    /// `PgConnection`. Outside a transaction the message is committed at once, on its own.
     ///
     /// # Errors
     /// A database error.
-    pub async fn emit(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        event: NewEvent,
-    ) -> Result<Uuid, Error> {
+    pub async fn emit(&self, conn: &mut PgConnection, event: NewEvent) -> Result<Uuid, Error> {
         sqlx::query("SELECT pg_logical_emit_message(true, $1, $2)")
             .bind(&self.prefix)
             .bind(Self::encode(&event))
-            .execute(&mut **tx)
+            .execute(conn)
             .await
             .map_err(|e| map_sqlx("wal emit", e))?;
         Ok(event.id)

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use sqlx::{Postgres, Transaction};
+use sqlx::{PgConnection, Postgres, Transaction};
 use uuid::Uuid;
 
 use txoutbox_core::{Error, ErrorKind, NewEvent, Wake};
@@ -106,23 +106,25 @@ impl Writer {
         self
     }
 
-    /// Enqueues one event in `tx` and returns its id.
+    /// Enqueues one event on `conn` and returns its id.
+    ///
+    /// `conn` is whatever the service holds: `&mut tx` for a sqlx `Transaction` (the business
+    /// transaction: the event exists only if it commits), a pooled connection, a `PgConnection`.
+    /// Outside a transaction the event is committed at once, on its own: the business write and
+    /// the event are atomic only when both are in one transaction.
     ///
     /// # Errors
     /// [`txoutbox_core::ErrorKind::InvalidInput`] when the event does not validate,
     /// [`txoutbox_core::ErrorKind::PayloadTooLarge`] when its payload exceeds
     /// [`Writer::max_payload_bytes`]; a database error otherwise. Either way the caller's transaction decides: roll it back and nothing was written.
-    pub async fn enqueue(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        event: NewEvent,
-    ) -> Result<Uuid, Error> {
+    pub async fn enqueue(&self, conn: &mut PgConnection, event: NewEvent) -> Result<Uuid, Error> {
         let id = event.id;
-        self.enqueue_many(tx, vec![event]).await?;
+        self.enqueue_many(conn, vec![event]).await?;
         Ok(id)
     }
 
-    /// Enqueues many events in `tx` with one statement, in order, and returns their ids.
+    /// Enqueues many events on `conn` (as [`Writer::enqueue`]) with one statement, in order, and
+    /// returns their ids.
     ///
     /// Two transactions that write overlapping aggregates should list them in the same order (a
     /// deadlock between them fails one with SQLSTATE 40P01, to be retried). Each aggregate written waits for any other
@@ -133,7 +135,7 @@ impl Writer {
     /// As [`Writer::enqueue`]; no event is written when one is invalid.
     pub async fn enqueue_many(
         &self,
-        tx: &mut Transaction<'_, Postgres>,
+        conn: &mut PgConnection,
         events: Vec<NewEvent>,
     ) -> Result<Vec<Uuid>, Error> {
         if events.is_empty() {
@@ -159,7 +161,7 @@ impl Writer {
             columns.bind(sqlx::query(&self.insert_sql))
         };
         query
-            .execute(&mut **tx)
+            .execute(conn)
             .await
             .map_err(|e| map_sqlx("enqueue", e))?;
         Ok(columns.into_ids())
