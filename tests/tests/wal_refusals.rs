@@ -269,6 +269,28 @@ async fn store_as(role: &str, wal: &WalSource) -> (WalStore, sqlx::PgPool) {
     (store, role_pool)
 }
 
+/// A relay over a store whose role was missing something, running until `shutdown`.
+struct Granted {
+    store: WalStore,
+    role_pool: sqlx::PgPool,
+    task: tokio::task::JoinHandle<()>,
+    shutdown: CancellationToken,
+}
+
+/// Once the role has what it lacked: every event is published, once, and readiness is green.
+async fn granted_then_everything_once(g: Granted, publisher: &ScriptedPublisher, ids: &[Uuid]) {
+    wait_until(Duration::from_secs(60), "every event published", || async {
+        publisher.delivered().len() >= ids.len()
+    })
+    .await;
+    g.store.check().await.unwrap();
+    g.shutdown.cancel();
+    g.task.await.unwrap();
+    delivered_once(publisher, ids);
+    drop(g.store);
+    g.role_pool.close().await;
+}
+
 /// A relay role without DELETE on the outbox table (wal.delete_published needs it): readiness fails
 /// naming the grant, nothing is read; once granted, every event is published once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -304,16 +326,17 @@ async fn a_role_without_delete_fails_readiness_and_reads_nothing_until_granted()
         .execute(&admin)
         .await
         .unwrap();
-    wait_until(Duration::from_secs(60), "every event published", || async {
-        publisher.delivered().len() >= ids.len()
-    })
+    granted_then_everything_once(
+        Granted {
+            store,
+            role_pool,
+            task,
+            shutdown,
+        },
+        &publisher,
+        &ids,
+    )
     .await;
-    store.check().await.unwrap();
-    shutdown.cancel();
-    task.await.unwrap();
-    delivered_once(&publisher, &ids);
-    drop(store);
-    role_pool.close().await;
     drop(wal);
     drop_role(&admin, &role).await;
 }
@@ -359,16 +382,17 @@ async fn a_role_without_replication_fails_readiness_and_reads_nothing_until_alte
         .execute(&admin)
         .await
         .unwrap();
-    wait_until(Duration::from_secs(60), "every event published", || async {
-        publisher.delivered().len() >= ids.len()
-    })
+    granted_then_everything_once(
+        Granted {
+            store,
+            role_pool,
+            task,
+            shutdown,
+        },
+        &publisher,
+        &ids,
+    )
     .await;
-    store.check().await.unwrap();
-    shutdown.cancel();
-    task.await.unwrap();
-    delivered_once(&publisher, &ids);
-    drop(store);
-    role_pool.close().await;
     drop(wal);
     drop_role(&admin, &role).await;
 }

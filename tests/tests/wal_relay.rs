@@ -93,6 +93,22 @@ async fn drained(
     .await;
 }
 
+/// What the publisher received of `committed`, judged, once the relay of `task` stopped.
+async fn judged(
+    publisher: &ScriptedPublisher,
+    shutdown: &CancellationToken,
+    task: tokio::task::JoinHandle<txoutbox_core::RelaySummary>,
+    committed: &[(String, Uuid)],
+    what: &str,
+) -> txoutbox_tests::Verdict {
+    shutdown.cancel();
+    task.await.unwrap();
+    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
+    let verdict = check(committed, &received);
+    println!("{what}: {verdict}");
+    verdict
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_relays_keep_order_through_random_failures_with_a_standby() {
     let Fixture {
@@ -228,11 +244,14 @@ async fn a_poison_event_dead_letters_and_holds_back_only_its_aggregate() {
         .unwrap();
     assert_eq!(retried, 1);
     drained(&pool, &table, &wal, &publisher, committed.len()).await;
-    shutdown.cancel();
-    task.await.unwrap();
-    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
-    let verdict = check(&committed, &received);
-    println!("WAL source, poison event retried: {verdict}");
+    let verdict = judged(
+        &publisher,
+        &shutdown,
+        task,
+        &committed,
+        "WAL source, poison event retried",
+    )
+    .await;
     assert_clean_verdict(&verdict);
 }
 
@@ -742,11 +761,14 @@ async fn a_switch_from_polling_keeps_dead_letters_and_backoffs() {
     .await
     .unwrap();
     drained(&pool, &table, &wal, &publisher, committed.len()).await;
-    shutdown.cancel();
-    task.await.unwrap();
-    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
-    let verdict = check(&committed, &received);
-    println!("a switch from polling to WAL: {verdict}");
+    let verdict = judged(
+        &publisher,
+        &shutdown,
+        task,
+        &committed,
+        "a switch from polling to WAL",
+    )
+    .await;
     assert_clean_verdict(&verdict);
 }
 
@@ -819,11 +841,14 @@ async fn a_transaction_open_across_the_publications_repair_loses_nothing() {
         || async { store.progress().fallback.is_none() },
     )
     .await;
-    shutdown.cancel();
-    task.await.unwrap();
-    let received: Vec<Uuid> = publisher.delivered().iter().map(|e| e.id).collect();
-    let verdict = check(&committed, &received);
-    println!("a transaction open across the publication's repair: {verdict}");
+    let verdict = judged(
+        &publisher,
+        &shutdown,
+        task,
+        &committed,
+        "a transaction open across the publication's repair",
+    )
+    .await;
     assert_eq!(verdict.lost, 0, "{verdict}");
     assert_eq!(verdict.order_violations, 0, "{verdict}");
     assert_eq!(verdict.unexpected, 0, "{verdict}");
