@@ -34,18 +34,21 @@ trap 'rm -rf "$log" "$results" "$FAULT_SCENARIO_REPORT"' EXIT
 status=0
 # Feature gates, by `cargo check` (a build under each feature set would prove nothing more): the
 # binary with each adapter alone and with none, and each adapter crate alone with its tests.
-for features in amqp kafka sqs ""; do
-  if cargo check -p txoutbox --no-default-features --features "$features" --locked 2>&1 \
-      | grep -E '^(warning|error)'; then
-    echo "txoutbox does not build cleanly with only the features [$features]"
+# A check that fails, or that warns, fails the suite (its output shown).
+check_clean() {
+  local what=$1 out
+  shift
+  if ! out=$(cargo check "$@" --locked 2>&1) || grep -qE '^(warning|error)' <<<"$out"; then
+    grep -E '^(warning|error)' -A 12 <<<"$out" || tail -n 30 <<<"$out"
+    echo "$what does not build cleanly"
     status=1
   fi
+}
+for features in amqp kafka sqs ""; do
+  check_clean "txoutbox with only the features [$features]" -p txoutbox --no-default-features --features "$features"
 done
 for crate in txoutbox-amqp txoutbox-kafka txoutbox-sqs; do
-  if cargo check -p "$crate" --all-targets --locked 2>&1 | grep -E '^(warning|error)'; then
-    echo "$crate does not build cleanly alone"
-    status=1
-  fi
+  check_clean "$crate alone" -p "$crate" --all-targets
 done
 # Every published crate, the binary included, packages for crates.io (metadata, license files,
 # README; what the tarball holds).
@@ -74,9 +77,16 @@ join() { local IFS='|'; echo "$*"; }
 phase() {
   local name=$1
   shift
+  # A report left by an earlier phase or run must not be read as this phase's.
+  rm -f target/nextest/suite/junit.xml
   cargo nextest run --workspace --all-features --locked --profile suite --no-fail-fast \
     --hide-progress-bar "$@" 2>&1 | tee -a "$log" || status=1
-  cp target/nextest/suite/junit.xml "$results/$name.xml" 2>/dev/null || true
+  if [ -f target/nextest/suite/junit.xml ]; then
+    cp target/nextest/suite/junit.xml "$results/$name.xml"
+  else
+    echo "phase $name wrote no test report (it did not run its tests)"
+    status=1
+  fi
   step "tests, phase $name"
 }
 phase calm -j "${TEST_THREADS:-4}" -E "not ($(join "${quiet[@]}" "${loud[@]}"))"
@@ -103,7 +113,13 @@ sort "$FAULT_SCENARIO_REPORT" | sed 's/^/  /'
 # testcase each).
 doc_passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
 doc_failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
-read -r passed failed < <(python3 scripts/junit-summary.py counts "$results"/*.xml)
+counts=$(python3 scripts/junit-summary.py counts "$results"/*.xml 2>/dev/null) || counts=""
+if ! [[ "$counts" =~ ^[0-9]+\ [0-9]+$ ]]; then
+  echo "the test reports could not be read"
+  counts="0 0"
+  status=1
+fi
+read -r passed failed <<<"$counts"
 passed=$((passed + doc_passed))
 failed=$((failed + doc_failed))
 if grep -qE '^test .+ \.\.\. FAILED$' "$log" || [ "$failed" -gt 0 ]; then

@@ -5,7 +5,7 @@
 //! ```sh
 //! cargo run -p txoutbox --example order_consumer_amqp
 //! ```
-//! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `AMQP_URL`,
+//! Environment: `DATABASE_URL` (default `txoutbox_postgres::DEFAULT_DATABASE_URL`, the local server's `postgres` database), `AMQP_URL`,
 //! `EXCHANGE` (default `outbox.events`), `QUEUE` (default `shipping.order-created`), `SCHEMA` (default
 //! `shipping`), `MAX_MESSAGES` (stop after that many deliveries; default: run until Ctrl-C).
 
@@ -21,7 +21,7 @@ use txoutbox_postgres::{connect, Inbox, OutboxTable, Processed};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
-    let database_url = env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    let database_url = env("DATABASE_URL", txoutbox_postgres::DEFAULT_DATABASE_URL);
     let amqp_url = env("AMQP_URL", txoutbox_amqp::DEFAULT_URL);
     let exchange = env("EXCHANGE", txoutbox_amqp::DEFAULT_EXCHANGE);
     let queue = env("QUEUE", "shipping.order-created");

@@ -10,7 +10,7 @@
 //! ```sh
 //! cargo run -p txoutbox --example order_consumer_kafka
 //! ```
-//! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `KAFKA_BROKERS`,
+//! Environment: `DATABASE_URL` (default `txoutbox_postgres::DEFAULT_DATABASE_URL`, the local server's `postgres` database), `KAFKA_BROKERS`,
 //! `TOPIC` (default `outbox.event.order`), `GROUP` (default `shipping`), `SCHEMA` (default `shipping`),
 //! `MAX_MESSAGES` (stop after that many records; default: run until Ctrl-C).
 
@@ -29,7 +29,7 @@ const TRIES: u32 = 3;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
-    let database_url = env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    let database_url = env("DATABASE_URL", txoutbox_postgres::DEFAULT_DATABASE_URL);
     let brokers = env("KAFKA_BROKERS", txoutbox_kafka::DEFAULT_BROKERS);
     let topic = env("TOPIC", "outbox.event.order");
     let group = env("GROUP", "shipping");
@@ -115,7 +115,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     positions.add_partition_offset(&topic, *partition, Offset::Offset(*next))?;
                 }
                 if positions.count() > 0 {
-                    consumer.commit(&positions, CommitMode::Sync)?;
+                    if let Err(c) = consumer.commit(&positions, CommitMode::Sync) {
+                        // Those records are read again and skipped by the inbox.
+                        eprintln!("the offsets of the handled records were not committed: {c}");
+                    }
                 }
                 println!(
                     "event {event_id} (offset {}) failed {TRIES} times: stopping; it is read again when the consumer starts again",

@@ -4,7 +4,7 @@
 //! ```sh
 //! cargo run -p txoutbox --example relay_to_kafka
 //! ```
-//! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `KAFKA_BROKERS`
+//! Reads `DATABASE_URL` (default `txoutbox_postgres::DEFAULT_DATABASE_URL`, the local server's `postgres` database) and `KAFKA_BROKERS`
 //! (default `127.0.0.1:9092`).
 
 use std::sync::Arc;
@@ -21,7 +21,7 @@ use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        .unwrap_or_else(|_| txoutbox_postgres::DEFAULT_DATABASE_URL.into());
     let brokers =
         std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| txoutbox_kafka::DEFAULT_BROKERS.into());
 

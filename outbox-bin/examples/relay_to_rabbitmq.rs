@@ -4,7 +4,7 @@
 //! ```sh
 //! cargo run -p txoutbox --example relay_to_rabbitmq
 //! ```
-//! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `AMQP_URL` (default
+//! Reads `DATABASE_URL` (default `txoutbox_postgres::DEFAULT_DATABASE_URL`, the local server's `postgres` database) and `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`).
 
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use txoutbox_postgres::{connect, migrate, OutboxTable, PostgresStore, Writer};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        .unwrap_or_else(|_| txoutbox_postgres::DEFAULT_DATABASE_URL.into());
     let amqp = AmqpConfig {
         url: std::env::var("AMQP_URL").unwrap_or_else(|_| txoutbox_amqp::DEFAULT_URL.into()),
         exchange: "outbox.example".into(),

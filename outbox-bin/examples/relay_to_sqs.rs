@@ -4,7 +4,7 @@
 //! ```sh
 //! AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test cargo run -p txoutbox --example relay_to_sqs
 //! ```
-//! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `SQS_ENDPOINT_URL`
+//! Reads `DATABASE_URL` (default `txoutbox_postgres::DEFAULT_DATABASE_URL`, the local server's `postgres` database) and `SQS_ENDPOINT_URL`
 //! (default `http://127.0.0.1:4566`, the local emulator).
 
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use txoutbox_sqs::{SqsConfig, SqsPublisher};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        .unwrap_or_else(|_| txoutbox_postgres::DEFAULT_DATABASE_URL.into());
     let endpoint =
         std::env::var("SQS_ENDPOINT_URL").unwrap_or_else(|_| "http://127.0.0.1:4566".into());
 

@@ -2,7 +2,13 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// Shared by the workspace's adapters and binary, not a promise to users: hidden from the docs,
+// it may change in any release.
+#[doc(hidden)]
 pub mod cache;
+// Shared by the workspace's adapters and binary, not a promise to users: hidden from the docs,
+// it may change in any release.
+#[doc(hidden)]
 pub mod duration;
 mod error;
 mod event;
@@ -12,9 +18,15 @@ mod ports;
 pub mod publishers;
 pub mod redact;
 mod relay;
+// Shared by the workspace's adapters and binary, not a promise to users: hidden from the docs,
+// it may change in any release.
+#[doc(hidden)]
 pub mod routing;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testkit;
+// Shared by the workspace's adapters and binary, not a promise to users: hidden from the docs,
+// it may change in any release.
+#[doc(hidden)]
 pub mod tls;
 #[cfg(feature = "opentelemetry")]
 pub mod trace;

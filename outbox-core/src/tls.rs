@@ -158,44 +158,15 @@ fn pem_certificates(pem: &str) -> Vec<Option<Vec<u8>>> {
             break;
         };
         let text: String = body[..end].chars().filter(|c| !c.is_whitespace()).collect();
-        blocks.push(base64_decode(&text).filter(|der| der.len() > 2 && der[0] == 0x30));
+        // PEM is padded base64 (OpenSSL, which librdkafka uses, refuses it otherwise).
+        let padded = !text.is_empty() && text.len().is_multiple_of(4);
+        blocks.push(
+            crate::format::base64_decode(&text)
+                .filter(|der| padded && der.len() > 2 && der[0] == 0x30),
+        );
         rest = &body[end + END.len()..];
     }
     blocks
-}
-
-/// Standard base64 with padding; `None` on anything else.
-fn base64_decode(text: &str) -> Option<Vec<u8>> {
-    fn value(c: u8) -> Option<u32> {
-        match c {
-            b'A'..=b'Z' => Some(u32::from(c - b'A')),
-            b'a'..=b'z' => Some(u32::from(c - b'a') + 26),
-            b'0'..=b'9' => Some(u32::from(c - b'0') + 52),
-            b'+' => Some(62),
-            b'/' => Some(63),
-            _ => None,
-        }
-    }
-    let bytes = text.as_bytes();
-    if bytes.is_empty() || !bytes.len().is_multiple_of(4) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
-    for (i, chunk) in bytes.chunks(4).enumerate() {
-        let last = i + 1 == bytes.len() / 4;
-        let pad = chunk.iter().rev().take_while(|c| **c == b'=').count();
-        if pad > 2 || (pad > 0 && !last) {
-            return None;
-        }
-        let mut n = 0u32;
-        for c in &chunk[..4 - pad] {
-            n = (n << 6) | value(*c)?;
-        }
-        n <<= 6 * pad as u32;
-        let decoded = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
-        out.extend_from_slice(&decoded[..3 - pad]);
-    }
-    Some(out)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! cargo run -p txoutbox-postgres --example order_service
 //! curl -X POST 127.0.0.1:8080/orders -H 'content-type: application/json' -d '{"customer_id":"c-1","total_cents":1250}'
 //! ```
-//! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `LISTEN` (default
+//! Environment: `DATABASE_URL` (default `txoutbox_postgres::DEFAULT_DATABASE_URL`, the local server's `postgres` database), `LISTEN` (default
 //! `127.0.0.1:8080`), `OUTBOX_SCHEMA` (default `public`).
 
 use std::sync::Arc;
@@ -78,7 +78,7 @@ async fn create_order(
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        .unwrap_or_else(|_| txoutbox_postgres::DEFAULT_DATABASE_URL.into());
     let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:8080".into());
     let schema = std::env::var("OUTBOX_SCHEMA").unwrap_or_else(|_| "public".into());
     let pool = connect(&url, 8).await?;

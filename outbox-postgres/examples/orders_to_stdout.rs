@@ -5,7 +5,7 @@
 //! cargo run -p txoutbox-postgres --example orders_to_stdout            # 5 orders
 //! ORDERS=100 cargo run -p txoutbox-postgres --example orders_to_stdout
 //! ```
-//! Reads `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
+//! Reads `DATABASE_URL` (default `txoutbox_postgres::DEFAULT_DATABASE_URL`, the local server's `postgres` database).
 
 use std::sync::Arc;
 
@@ -22,7 +22,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
     let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        .unwrap_or_else(|_| txoutbox_postgres::DEFAULT_DATABASE_URL.into());
     let orders: i64 = std::env::var("ORDERS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -4,7 +4,7 @@
 //! ```sh
 //! cargo run -p txoutbox-postgres --example webhook_relay
 //! ```
-//! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`), `WEBHOOK_URL`
+//! Environment: `DATABASE_URL` (default `txoutbox_postgres::DEFAULT_DATABASE_URL`, the local server's `postgres` database), `WEBHOOK_URL`
 //! (default: a receiver this example starts on 127.0.0.1, which prints what it gets), `EVENTS`
 //! (how many demo events to write first, default 5), `OUTBOX_SCHEMA` (default `outbox_webhook`).
 
@@ -83,7 +83,7 @@ impl Publisher for WebhookPublisher {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        .unwrap_or_else(|_| txoutbox_postgres::DEFAULT_DATABASE_URL.into());
     let events: usize = std::env::var("EVENTS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -77,14 +77,19 @@ pub(crate) async fn check_privileges(
 /// The context key of a missing privilege's error: the GRANT statements that give it.
 const GRANT_CONTEXT: &str = "grant";
 
-/// The role's `REPLICATION` attribute, which a logical slot's reader needs (a superuser has it):
-/// an error naming the `ALTER ROLE` that gives it when the role lacks it.
+/// The role's `REPLICATION` attribute, which a logical slot's reader needs (a superuser has it;
+/// on Amazon RDS and Aurora, membership in `rds_replication` gives it): an error naming the
+/// `ALTER ROLE` (or the `GRANT rds_replication`) that gives it when the role lacks it.
 ///
 /// # Errors
 /// The missing attribute (a missing grant, [`is_missing_grant`]); a database error.
 pub(crate) async fn check_replication(conn: &mut PgConnection, why: &str) -> Result<(), Error> {
-    let (role, may): (String, bool) = sqlx::query_as(
-        "SELECT quote_ident(session_user), coalesce((SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = session_user), false)",
+    let (role, may, rds): (String, bool, bool) = sqlx::query_as(
+        "SELECT quote_ident(session_user),
+                coalesce((SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = session_user), false)
+                OR CASE WHEN EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'rds_replication')
+                        THEN pg_has_role(session_user, 'rds_replication', 'MEMBER') ELSE false END,
+                EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'rds_replication')",
     )
     .fetch_one(&mut *conn)
     .await
@@ -92,7 +97,11 @@ pub(crate) async fn check_replication(conn: &mut PgConnection, why: &str) -> Res
     if may {
         return Ok(());
     }
-    let fix = format!("ALTER ROLE {role} REPLICATION");
+    let fix = if rds {
+        format!("GRANT rds_replication TO {role}")
+    } else {
+        format!("ALTER ROLE {role} REPLICATION")
+    };
     Err(Error::new(
         ErrorKind::PermissionDenied,
         format!("the role {role} lacks the REPLICATION attribute, which {why}: {fix}"),

@@ -163,7 +163,10 @@ fn deserialize(
                 _ => None,
             })
             .collect();
-        let from_env = sources.iter().find(|(p, _)| keys.starts_with(p));
+        // A variable set the value at the error, or a key below it (a key the type does not know).
+        let from_env = sources
+            .iter()
+            .find(|(p, _)| keys.starts_with(p) || (!keys.is_empty() && p.starts_with(&keys)));
         let origin = match from_env {
             Some((_, name)) => format!(" (from {name})"),
             _ => file

@@ -88,7 +88,7 @@ pub struct DeadLetterDetail {
     pub event: Event,
     /// Pending events of its aggregate written after the aggregate's first dead letter (under
     /// per-aggregate order they wait until it is retried or discarded); counted up to
-    /// [`HELD_BACK_SHOWN`].
+    /// 100,000.
     pub held_back: u64,
     /// The aggregate's first dead letter: the one that holds its events back (this one, or an
     /// earlier one).
@@ -96,7 +96,7 @@ pub struct DeadLetterDetail {
 }
 
 /// The most held-back events [`PostgresStore::dead_letter`] counts (a bounded read).
-pub const HELD_BACK_SHOWN: i64 = 100_000;
+pub(crate) const HELD_BACK_SHOWN: i64 = 100_000;
 
 impl PostgresStore {
     /// Lists dead letters, oldest first, at most `limit`; with `older_than`, only those

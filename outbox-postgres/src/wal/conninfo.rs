@@ -61,7 +61,7 @@ impl ReplicationTarget {
     /// # Errors
     /// A configuration error naming what the replication client cannot do as the pool does: a
     /// Unix socket, a TLS client certificate, startup options (`options`, `PGOPTIONS`), a
-    /// certificate authority given as PEM text, a user or host name it cannot carry.
+    /// certificate authority given as PEM text.
     pub(crate) fn of(options: &PgConnectOptions) -> Result<ReplicationTarget, Error> {
         let refuse = |what: String, fix: &str| {
             Err(Error::config(format!(
@@ -90,15 +90,11 @@ impl ReplicationTarget {
             );
         }
         let user = options.get_username();
-        // sqlx writes its settings as a URL of this shape, and cannot when the user or host name
-        // does not fit in one.
-        if url::Url::parse(&format!("postgres://{user}@{host}:{}", options.get_port())).is_err() {
-            return refuse(
-                format!("carry the user {user:?} on host {host:?}"),
-                "use a user name of letters, digits and _ . - (a role can be renamed)",
-            );
-        }
-        let written = options.to_url_lossy();
+        // The password and the certificate settings have no getter: sqlx writes them in a URL,
+        // whose user and host part it cannot write for every name. Written here with a plain
+        // user and host (an IPv6 host, or a user name with `@` or `/`, would not parse there);
+        // only the password and the query are read from it.
+        let written = options.clone().username("u").host("h").to_url_lossy();
         let query = |key: &str| {
             written
                 .query_pairs()
@@ -251,14 +247,24 @@ impl ReplicationHealth {
     }
 
     /// Whether the replication connection opens: yes while the reader streams; the reader's
-    /// error once its stream has failed to open for [`FAILING_GRACE`]; otherwise (a standby, a
-    /// reader not streaming yet) a connection opened now with `target`, its answer kept a while.
+    /// error once its stream has failed to open for [`FAILING_GRACE`] (while this relay holds the
+    /// slot's reader lock, `reading`: a standby's last failure may be another relay's walsender
+    /// that has gone since); otherwise (a standby, a reader not streaming yet) a connection opened
+    /// now with `target`, its answer kept a while.
     ///
     /// # Errors
     /// Why the replication connection does not open.
-    pub(crate) async fn ready(&self, target: &ReplicationTarget) -> Result<(), Error> {
+    pub(crate) async fn ready(
+        &self,
+        target: &ReplicationTarget,
+        reading: bool,
+    ) -> Result<(), Error> {
         {
-            let st = self.state();
+            let mut st = self.state();
+            if !reading {
+                st.open = false;
+                st.failing = None;
+            }
             if st.open {
                 return Ok(());
             }

@@ -27,7 +27,6 @@ use std::collections::{BTreeMap, HashMap};
 use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
 use pg_walstream::protocol::{LogicalReplicationMessage, LogicalReplicationParser, TupleData};
-use serde_json::Value;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
@@ -37,6 +36,7 @@ use txoutbox_core::{Error, ErrorKind, Event, JSON_CONTENT_TYPE};
 use super::slot::WalSlot;
 use crate::error::map_sqlx;
 use crate::row::{event_from_text, parse_headers};
+use crate::writer::message::TablelessMessage;
 
 /// The pgoutput protocol version read (1: whole transactions only, no streaming of transactions in
 /// progress, so a peek never returns part of one).
@@ -590,19 +590,7 @@ pub(crate) struct Origin {
 }
 
 /// A table-less message's fields; the payload kept as written (its exact JSON text).
-#[derive(serde::Deserialize)]
-struct MessageFields<'a> {
-    id: Option<String>,
-    aggregate_type: Option<String>,
-    aggregate_id: Option<String>,
-    event_type: Option<String>,
-    #[serde(borrow)]
-    payload: Option<&'a serde_json::value::RawValue>,
-    payload_base64: Option<String>,
-    content_type: Option<String>,
-    headers: Option<Value>,
-    destination: Option<String>,
-}
+type MessageFields<'a> = TablelessMessage<&'a serde_json::value::RawValue>;
 
 /// The event a table-less message carries (see the module's documentation for the encoding).
 fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: Origin) -> WalItem {

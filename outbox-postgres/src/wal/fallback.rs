@@ -50,16 +50,51 @@ pub(super) enum SlotProblem {
     TableNotPublished,
 }
 
-/// The reasons a reader falls back to the outbox table, as its metrics label them: the slot
-/// missing, the slot lost (invalidated), the publication missing, the publication without the
-/// outbox table, and rows written before the slot was made (after `outbox wal setup`, or a
-/// fallback another relay did not finish).
+/// Why a reader falls back to the outbox table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FallbackReason {
+    /// The slot is missing (dropped, or not made after a failover).
+    SlotMissing,
+    /// The slot lost WAL it needed (invalidated by `max_slot_wal_keep_size`).
+    SlotLost,
+    /// The publication is missing.
+    NoPublication,
+    /// The publication does not hold the outbox table.
+    TableNotPublished,
+    /// Rows were written before the slot was made (after `outbox wal setup`, or a fallback another
+    /// relay did not finish).
+    RowsBeforeSlot,
+}
+
+impl FallbackReason {
+    /// Every reason, in the order the metrics list them.
+    pub const ALL: [FallbackReason; 5] = [
+        FallbackReason::SlotMissing,
+        FallbackReason::SlotLost,
+        FallbackReason::NoPublication,
+        FallbackReason::TableNotPublished,
+        FallbackReason::RowsBeforeSlot,
+    ];
+
+    /// Its label, as the metrics (`reason`) and the alerts name it.
+    pub const fn label(self) -> &'static str {
+        match self {
+            FallbackReason::SlotMissing => "slot_missing",
+            FallbackReason::SlotLost => "slot_lost",
+            FallbackReason::NoPublication => "no_publication",
+            FallbackReason::TableNotPublished => "table_not_published",
+            FallbackReason::RowsBeforeSlot => "rows_before_slot",
+        }
+    }
+}
+
+/// The labels of [`FallbackReason::ALL`], in that order.
 pub const FALLBACK_REASONS: [&str; 5] = [
-    "slot_missing",
-    "slot_lost",
-    "no_publication",
-    "table_not_published",
-    "rows_before_slot",
+    FallbackReason::SlotMissing.label(),
+    FallbackReason::SlotLost.label(),
+    FallbackReason::NoPublication.label(),
+    FallbackReason::TableNotPublished.label(),
+    FallbackReason::RowsBeforeSlot.label(),
 ];
 
 impl SlotProblem {
@@ -69,13 +104,13 @@ impl SlotProblem {
         matches!(self, SlotProblem::Missing | SlotProblem::Lost)
     }
 
-    /// Its label among [`FALLBACK_REASONS`].
-    fn label(self) -> &'static str {
+    /// The reason it gives the reader to fall back.
+    fn reason(self) -> FallbackReason {
         match self {
-            SlotProblem::Missing => FALLBACK_REASONS[0],
-            SlotProblem::Lost => FALLBACK_REASONS[1],
-            SlotProblem::NoPublication => FALLBACK_REASONS[2],
-            SlotProblem::TableNotPublished => FALLBACK_REASONS[3],
+            SlotProblem::Missing => FallbackReason::SlotMissing,
+            SlotProblem::Lost => FallbackReason::SlotLost,
+            SlotProblem::NoPublication => FallbackReason::NoPublication,
+            SlotProblem::TableNotPublished => FallbackReason::TableNotPublished,
         }
     }
 
@@ -114,7 +149,25 @@ pub(super) struct SlotCheck {
 }
 
 /// The publication, its entry for the outbox table and the table (their oids).
-pub(super) type Identity = (Option<i64>, Option<i64>, Option<i64>);
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Identity {
+    publication: Option<i64>,
+    entry: Option<i64>,
+    table: Option<i64>,
+}
+
+/// What [`check_slot`] reads of the slot and the publication.
+#[derive(sqlx::FromRow)]
+struct SlotRow {
+    slot_exists: bool,
+    wal_status: Option<String>,
+    confirmed: Option<i64>,
+    publication: bool,
+    covers: bool,
+    pub_oid: Option<i64>,
+    rel_oid: Option<i64>,
+    table_oid: Option<i64>,
+}
 
 /// Looks at the slot, the publication and whether it holds the outbox table.
 ///
@@ -122,26 +175,16 @@ pub(super) type Identity = (Option<i64>, Option<i64>, Option<i64>);
 /// A database error.
 pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result<SlotCheck, Error> {
     let slot = inner.reader.slot();
-    #[allow(clippy::type_complexity)]
-    let (exists, wal_status, confirmed, publication, covers, pub_oid, rel_oid, table_oid): (
-        bool,
-        Option<String>,
-        Option<i64>,
-        bool,
-        bool,
-        Option<i64>,
-        Option<i64>,
-        Option<i64>,
-    ) = sqlx::query_as(
-        "SELECT s.slot_name IS NOT NULL, s.wal_status,
-                (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint,
-                EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $2),
+    let row: SlotRow = sqlx::query_as(
+        "SELECT s.slot_name IS NOT NULL AS slot_exists, s.wal_status,
+                (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS confirmed,
+                EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $2) AS publication,
                 EXISTS (SELECT 1 FROM pg_publication_tables
-                        WHERE pubname = $2 AND schemaname = $3 AND tablename = $4),
-                (SELECT p.oid::bigint FROM pg_publication p WHERE p.pubname = $2),
+                        WHERE pubname = $2 AND schemaname = $3 AND tablename = $4) AS covers,
+                (SELECT p.oid::bigint FROM pg_publication p WHERE p.pubname = $2) AS pub_oid,
                 (SELECT pr.oid::bigint FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
-                 WHERE p.pubname = $2 AND pr.prrelid = to_regclass($5)),
-                to_regclass($5)::oid::bigint
+                 WHERE p.pubname = $2 AND pr.prrelid = to_regclass($5)) AS rel_oid,
+                to_regclass($5)::oid::bigint AS table_oid
          FROM (SELECT 1) one
          LEFT JOIN pg_replication_slots s ON s.slot_name = $1 AND s.database = current_database()",
     )
@@ -155,18 +198,18 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
     .map_err(|e| map_sqlx("wal check", e))?;
     // A slot another session is still making has no confirmed position until it is consistent:
     // rows committed before that point are not in it, so it is not there yet.
-    let problem = if !exists || confirmed.is_none() {
+    let problem = if !row.slot_exists || row.confirmed.is_none() {
         Some(SlotProblem::Missing)
-    } else if wal_status.as_deref() == Some("lost") {
+    } else if row.wal_status.as_deref() == Some("lost") {
         Some(SlotProblem::Lost)
-    } else if !publication {
+    } else if !row.publication {
         Some(SlotProblem::NoPublication)
-    } else if !covers {
+    } else if !row.covers {
         Some(SlotProblem::TableNotPublished)
     } else {
         None
     };
-    let confirmed = confirmed.and_then(|c| u64::try_from(c).ok());
+    let confirmed = row.confirmed.and_then(|c| u64::try_from(c).ok());
     if problem.is_none() {
         if let Some(c) = confirmed {
             inner.slot_confirmed.fetch_max(c, Ordering::SeqCst);
@@ -175,7 +218,11 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
     Ok(SlotCheck {
         problem,
         confirmed,
-        identity: (pub_oid, rel_oid, table_oid),
+        identity: Identity {
+            publication: row.pub_oid,
+            entry: row.rel_oid,
+            table: row.table_oid,
+        },
     })
 }
 
@@ -220,7 +267,9 @@ pub(super) async fn fall_back(
         );
         return Ok(Some(check_slot(inner, conn).await?.identity));
     }
-    let kind = problem.map_or(FALLBACK_REASONS[4], SlotProblem::label);
+    let kind = problem
+        .map_or(FallbackReason::RowsBeforeSlot, SlotProblem::reason)
+        .label();
     let entered = inner.enter_fallback(kind, &format!("{reason}: {fix}"));
     // With wal.delete_published = false the table keeps published rows: the reader cannot tell
     // which wait, publishes none of them, and only waits for the slot to be readable again.
@@ -390,14 +439,9 @@ async fn restore(
             {
                 // A lost slot cannot be read; one older than its (new) publication cannot decode
                 // what was written without it.
-                sqlx::query(
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
-                     WHERE slot_name = $1 AND database = current_database()",
-                )
-                .bind(slot.slot())
-                .execute(&mut *conn)
-                .await
-                .map_err(|e| map_sqlx("wal drop of the unreadable slot", e))?;
+                slot.drop_slot(&mut *conn, false)
+                    .await
+                    .map_err(|e| map_sqlx("wal drop of the unreadable slot", e))?;
                 slot_lost = true;
             }
             let made = slot.setup(&inner.pool).await?;
@@ -418,11 +462,14 @@ async fn restore(
         *running = None;
         return Ok(Restored::NotYet(p));
     }
-    // A transaction that began before the publication held the table (added again, made again)
-    // and commits later is decoded as of its start, without the table: its rows come only from
-    // the table, so it must have ended before the fence is read, however long it runs. (A new
-    // slot waited for those already.)
-    if !running_ended(inner, conn, running, check.identity).await? {
+    // A transaction of this database that wrote before the publication held the table (added
+    // again, made again) and commits later is decoded as of its writes, without the table: its
+    // rows come only from the table, so it must have ended before the fence is read, however long
+    // it runs. (A new slot waited for those already.) With wal.delete_published = false nothing is
+    // moved from the table, so there is nothing to wait for.
+    if inner.settings.delete_published
+        && !running_ended(inner, conn, running, check.identity).await?
+    {
         return Ok(Restored::Waiting);
     }
     *running = None;
@@ -451,17 +498,20 @@ async fn restore(
 /// says which ones it waits for (and again each time as long again).
 const RUNNING_WARN: Duration = Duration::from_secs(60);
 
-/// The transactions the fence waits for: those running when the slot became readable with the
-/// publication `identity` (the server's next transaction id then, `until`), and since when.
+/// The transactions the fence waits for: those of this database (and its prepared ones) that held
+/// a transaction id when the slot became readable with the publication `identity` (a write gives a
+/// transaction its id, so every transaction that wrote a row meanwhile is among them), and since
+/// when. Told by their transaction ids' locks, which `pg_locks` shows to any role.
 pub(super) struct Running {
-    until: String,
+    xids: Vec<String>,
     identity: Identity,
     since: Instant,
     warned: Instant,
 }
 
-/// Whether every transaction running when the slot became readable (with `identity`; a new
-/// identity starts a new wait) has ended. Says once a minute which sessions it still waits for.
+/// Whether every transaction of this database that held a transaction id when the slot became
+/// readable (with `identity`; a new identity starts a new wait) has ended. Says once a minute which
+/// sessions it still waits for.
 async fn running_ended(
     inner: &Inner,
     conn: &mut PgConnection,
@@ -470,14 +520,19 @@ async fn running_ended(
 ) -> Result<bool, Error> {
     let map = |e| map_sqlx("wal fallback", e);
     if running.as_ref().is_none_or(|r| r.identity != identity) {
-        let until: String =
-            sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text")
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(map)?;
+        let xids: Vec<String> = sqlx::query_scalar(
+            "SELECT l.transactionid::text FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted
+               AND a.datname = current_database() AND l.pid <> pg_backend_pid()
+             UNION
+             SELECT transaction::text FROM pg_prepared_xacts WHERE database = current_database()",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map)?;
         let now = Instant::now();
         *running = Some(Running {
-            until,
+            xids,
             identity,
             since: now,
             warned: now,
@@ -486,28 +541,34 @@ async fn running_ended(
     let Some(r) = running.as_mut() else {
         return Ok(true);
     };
-    // The sessions named are those whose transaction began before the wait did.
-    let (done, sessions): (bool, Option<String>) = sqlx::query_as(
-        "SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::xid8,
-                (SELECT string_agg(pid::text, ', ' ORDER BY pid) FROM pg_stat_activity
-                 WHERE backend_xid IS NOT NULL
-                   AND xact_start <= now() - $2 * interval '1 millisecond')",
+    if r.xids.is_empty() {
+        return Ok(true);
+    }
+    // A transaction holds the lock on its id until it ends (a prepared one, until it is committed
+    // or rolled back).
+    let still: Vec<String> = sqlx::query_scalar(
+        "SELECT coalesce(l.pid::text, 'prepared ' || p.gid, 'prepared') FROM pg_locks l
+         LEFT JOIN pg_prepared_xacts p ON p.transaction::text = l.transactionid::text
+         WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock'
+           AND l.transactionid::text = ANY($1)",
     )
-    .bind(&r.until)
-    .bind(i64::try_from(r.since.elapsed().as_millis()).unwrap_or(i64::MAX))
-    .fetch_one(&mut *conn)
+    .bind(&r.xids)
+    .fetch_all(&mut *conn)
     .await
     .map_err(map)?;
-    if !done && r.warned.elapsed() >= RUNNING_WARN {
+    if still.is_empty() {
+        return Ok(true);
+    }
+    if r.warned.elapsed() >= RUNNING_WARN {
         r.warned = Instant::now();
         warn!(
             slot = inner.reader.slot().slot(),
             waited_s = r.since.elapsed().as_secs(),
-            sessions = sessions.as_deref().unwrap_or("(none with a transaction id)"),
-            "the slot can be read again, but transactions that began before its publication held the outbox table still run: the relay keeps publishing from the table and streams once they end (rows they wrote are then in the table); end them (pg_stat_activity, these pids) if they hang"
+            sessions = %still.join(", "),
+            "the slot can be read again, but transactions of this database that wrote before its publication held the outbox table still run: the relay keeps publishing from the table and streams once they end (their rows are then in the table); end them if they hang (the pids named; prepared transactions by their gid). The slot keeps WAL meanwhile"
         );
     }
-    Ok(done)
+    Ok(false)
 }
 
 /// Says which table-less events no slot read: those committed between the old slot's last

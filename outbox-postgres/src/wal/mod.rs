@@ -68,7 +68,7 @@ pub use config::{WalConfig, DEFAULT_RETAINED_WAL_WARNING};
 pub use decode::{
     postgres_time, Piece, WalItem, WalPeek, WalReader, WalTransaction, PROTO_VERSION,
 };
-pub use fallback::{mark_new_slot, FALLBACK_MARK_TYPE, FALLBACK_REASONS};
+pub use fallback::{mark_new_slot, FallbackReason, FALLBACK_MARK_TYPE, FALLBACK_REASONS};
 pub use held::{SPILL_MARK_TYPE, UNDECODABLE_AGGREGATE_TYPE};
 pub use reader::STANDBY_RETRY;
 pub use slot::{check_wal_level, wal_level, WalSetup, WalSlot};

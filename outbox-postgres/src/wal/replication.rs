@@ -174,7 +174,11 @@ fn pin_settings_sql(application_name: Option<&str>) -> String {
         .iter()
         .copied()
         .chain(name)
-        .map(|(name, value)| format!("SET {name} = '{}'", value.replace('\'', "''")))
+        .map(|(name, value)| {
+            // An escape string constant reads the same whatever standard_conforming_strings is.
+            let escaped = value.replace('\\', "\\\\").replace('\'', "\\'");
+            format!("SET {name} = E'{escaped}'")
+        })
         .collect::<Vec<_>>()
         .join("; ")
 }
@@ -187,9 +191,10 @@ mod tests {
     fn the_pinned_settings_are_one_statement_each() {
         assert_eq!(
             pin_settings_sql(None),
-            "SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'postgres'; SET TimeZone = 'UTC'; \
-             SET bytea_output = 'hex'; SET extra_float_digits = '3'"
+            "SET DateStyle = E'ISO, YMD'; SET IntervalStyle = E'postgres'; SET TimeZone = E'UTC'; \
+             SET bytea_output = E'hex'; SET extra_float_digits = E'3'"
         );
-        assert!(pin_settings_sql(Some("it's me")).ends_with("; SET application_name = 'it''s me'"));
+        assert!(pin_settings_sql(Some("it's a\\b"))
+            .ends_with("; SET application_name = E'it\\'s a\\\\b'"));
     }
 }

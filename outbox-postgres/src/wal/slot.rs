@@ -103,14 +103,7 @@ impl WalSlot {
         if slot.is_some() && self.lost(pool).await? {
             // It cannot be read any more (max_slot_wal_keep_size): made again below. The relay
             // moves the outbox table's rows written before the new one to its held table.
-            sqlx::query(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
-                 WHERE slot_name = $1 AND database = current_database() AND wal_status = 'lost'",
-            )
-            .bind(&self.slot)
-            .execute(pool)
-            .await
-            .map_err(map)?;
+            self.drop_slot(pool, true).await.map_err(map)?;
             slot = None;
         }
         let has_publication = !self.publication_missing(pool).await?;
@@ -205,6 +198,28 @@ impl WalSlot {
         Ok(created)
     }
 
+    /// Drops this database's slot of this name, if there is one (with `only_lost`, only one that
+    /// lost WAL it needed). The one statement every drop of the slot runs.
+    ///
+    /// # Errors
+    /// The database's error (SQLSTATE 55006: a session reads the slot right now).
+    pub(crate) async fn drop_slot<'c>(
+        &self,
+        executor: impl sqlx::PgExecutor<'c>,
+        only_lost: bool,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+             WHERE slot_name = $1 AND database = current_database()
+               AND (NOT $2 OR wal_status = 'lost')",
+        )
+        .bind(&self.slot)
+        .bind(only_lost)
+        .execute(executor)
+        .await
+        .map(|_| ())
+    }
+
     /// Drops the slot and then the publication, each if it exists. Returns what was dropped.
     ///
     /// # Errors
@@ -214,9 +229,7 @@ impl WalSlot {
         let mut dropped = WalSetup::default();
         // Never another database's slot of the same name (slot_here refuses it).
         if self.slot_here(pool).await?.is_some() {
-            sqlx::query("SELECT pg_drop_replication_slot($1)")
-                .bind(&self.slot)
-                .execute(pool)
+            self.drop_slot(pool, false)
                 .await
                 .map_err(|e| {
                     let in_use = matches!(&e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55006"));

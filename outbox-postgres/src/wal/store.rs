@@ -449,9 +449,10 @@ impl Store for WalStore {
             ));
         }
         // What delivers: the replication connection itself, with the relay's role and settings.
+        let reading = self.inner.state().active;
         self.inner
             .replication_health
-            .ready(&self.inner.replication)
+            .ready(&self.inner.replication, reading)
             .await
     }
 }

@@ -11,6 +11,31 @@ use txoutbox_core::{Error, NewEvent, Payload};
 
 use crate::error::map_sqlx;
 
+/// A table-less event's message: a JSON object of the event's fields, as the writer writes it and
+/// the WAL source's decoder reads it (the decoder reads the payload as its exact JSON text, `P`).
+/// Only the aggregate, the event type and one of the two payloads are required: plain SQL may
+/// leave out the id (the reader derives one from the message's position) and the rest.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(crate) struct TablelessMessage<P> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) id: Option<String>,
+    pub(crate) aggregate_type: Option<String>,
+    pub(crate) aggregate_id: Option<String>,
+    pub(crate) event_type: Option<String>,
+    /// The JSON payload.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) payload: Option<P>,
+    /// A binary payload, base64.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) payload_base64: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) content_type: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) headers: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) destination: Option<String>,
+}
+
 /// The default prefix of table-less events' messages.
 pub const DEFAULT_MESSAGE_PREFIX: &str = "outbox";
 
@@ -46,36 +71,33 @@ impl MessageWriter {
 
     /// The JSON content of `event`'s message.
     pub fn encode(event: &NewEvent) -> String {
-        let mut map = serde_json::Map::new();
-        map.insert("id".into(), event.id.to_string().into());
-        map.insert("aggregate_type".into(), event.aggregate_type.clone().into());
-        map.insert("aggregate_id".into(), event.aggregate_id.clone().into());
-        map.insert("event_type".into(), event.event_type.clone().into());
-        match &event.payload {
-            Payload::Json(v) => {
-                map.insert("payload".into(), v.clone());
-            }
+        let (payload, payload_base64, content_type) = match &event.payload {
+            Payload::Json(v) => (Some(v), None, None),
             Payload::Binary { content_type, data } => {
-                map.insert("payload_base64".into(), base64(data).into());
-                map.insert("content_type".into(), content_type.clone().into());
+                (None, Some(base64(data)), Some(content_type.clone()))
             }
-        }
-        if !event.headers.is_empty() {
-            map.insert(
-                "headers".into(),
+        };
+        let message = TablelessMessage {
+            id: Some(event.id.to_string()),
+            aggregate_type: Some(event.aggregate_type.clone()),
+            aggregate_id: Some(event.aggregate_id.clone()),
+            event_type: Some(event.event_type.clone()),
+            payload,
+            payload_base64,
+            content_type,
+            headers: (!event.headers.is_empty()).then(|| {
                 Value::Object(
                     event
                         .headers
                         .iter()
                         .map(|(k, v)| (k.clone(), Value::String(v.clone())))
                         .collect(),
-                ),
-            );
-        }
-        if let Some(d) = &event.destination {
-            map.insert("destination".into(), d.clone().into());
-        }
-        Value::Object(map).to_string()
+                )
+            }),
+            destination: event.destination.clone(),
+        };
+        // A struct of strings and JSON values always serialises.
+        serde_json::to_string(&message).unwrap_or_default()
     }
 
     /// Emits `event` on `conn`: in a transaction (`&mut tx` for a sqlx `Transaction`), it exists
