@@ -630,6 +630,16 @@ async fn the_wal_source_needs_its_setup_and_its_operators_tools_work_on_the_held
     let out = run(outbox(&table, &["status", "--json"]));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(status["stats"]["dead_letters"], 0, "{status}");
+    // A switch back to polling while the held table holds it: refused, naming the way back.
+    let out = run(outbox(&table, &["relay"]));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains(
+            "outbox_events_held\" still holds 1 unpublished events (1 of them dead letters)"
+        ) && text(&out.stderr).contains("database.source = \"wal\""),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

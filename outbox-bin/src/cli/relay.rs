@@ -67,6 +67,13 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         let session = session_pool(&config.database, pg.pool(), &uses).await?;
         if wal_source {
             wal_preflight(&config, &pg).await?;
+        } else {
+            // Back from the WAL source: what it left in its held table goes first.
+            txoutbox_postgres::wal::refuse_polling_over_held_events(
+                pg.pool(),
+                &config.wal.held_table(&table)?,
+            )
+            .await?;
         }
         // A missing privilege is waited for below, with readiness saying which.
         match pg.check().await {

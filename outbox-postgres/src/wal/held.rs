@@ -565,3 +565,58 @@ fn undecodable_event(id: Uuid, lsn: u64, raw: String, commit_time: DateTime<Utc>
         attempts: 0,
     }
 }
+
+/// What the WAL source left in its held table `held`: events not yet published, and how many of
+/// them are dead letters; `None` when the table does not exist or holds none (its marks aside).
+///
+/// A polling relay over the outbox table does not publish them, and the later events of their
+/// aggregates would go out before them: a switch from the WAL source back to polling waits until
+/// this is `None` ([`refuse_polling_over_held_events`]).
+///
+/// # Errors
+/// A database error.
+pub async fn held_events_left(
+    pool: &sqlx::PgPool,
+    held: &crate::table::OutboxTable,
+) -> Result<Option<(i64, i64)>, Error> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(held.qualified())
+        .fetch_one(pool)
+        .await
+        .map_err(|e| map_sqlx("held table check", e))?;
+    if !exists {
+        return Ok(None);
+    }
+    let (left, dead): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT count(*), count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) FROM {}
+         WHERE processed_at IS NULL AND aggregate_type NOT LIKE '{}'",
+        held.qualified(),
+        crate::row::MARK_TYPES
+    ))
+    .fetch_one(pool)
+    .await
+    .map_err(|e| map_sqlx("held table check", e))?;
+    Ok((left > 0).then_some((left, dead)))
+}
+
+/// Refuses a polling relay over a table whose WAL source left events in its held table `held`
+/// ([`held_events_left`]), naming them and the way back.
+///
+/// # Errors
+/// A configuration error while events wait there; a database error.
+pub async fn refuse_polling_over_held_events(
+    pool: &sqlx::PgPool,
+    held: &crate::table::OutboxTable,
+) -> Result<(), Error> {
+    let Some((left, dead)) = held_events_left(pool, held).await? else {
+        return Ok(());
+    };
+    Err(Error::config(format!(
+        "the WAL source's held table {} still holds {left} unpublished events ({dead} of them dead \
+         letters): a polling relay would not publish them, and later events of their aggregates \
+         would go out before them. Run the relay with database.source = \"wal\" until `outbox \
+         status` shows none there (retry or discard its dead letters with `outbox dead-letters`), \
+         then switch to polling",
+        held.qualified()
+    )))
+}

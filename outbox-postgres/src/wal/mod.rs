@@ -69,7 +69,9 @@ pub use decode::{
     postgres_time, Piece, WalItem, WalPeek, WalReader, WalTransaction, PROTO_VERSION,
 };
 pub use fallback::{mark_new_slot, FallbackReason, FALLBACK_MARK_TYPE, FALLBACK_REASONS};
-pub use held::{SPILL_MARK_TYPE, UNDECODABLE_AGGREGATE_TYPE};
+pub use held::{
+    held_events_left, refuse_polling_over_held_events, SPILL_MARK_TYPE, UNDECODABLE_AGGREGATE_TYPE,
+};
 pub use reader::STANDBY_RETRY;
 pub use slot::{check_wal_level, wal_level, WalSetup, WalSlot};
 pub use status::{SlotPositions, WalStatus, STATUS_PEEK};
