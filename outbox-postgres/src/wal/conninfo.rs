@@ -233,9 +233,9 @@ impl ReplicationHealth {
         st.failing = None;
     }
 
-    /// The reader's stream ended.
-    pub(crate) fn closed(&self) {
-        self.state().open = false;
+    /// The reader's stream is open until the guard this returns is dropped.
+    pub(crate) fn streaming(&self) -> Streaming<'_> {
+        Streaming(self)
     }
 
     /// The reader's stream failed to open with `e`.
@@ -287,6 +287,15 @@ impl ReplicationHealth {
         let answer = target.probe().await;
         self.state().probed = Some((Instant::now(), answer.clone()));
         answer
+    }
+}
+
+/// The reader's stream, open for readiness until dropped ([`ReplicationHealth::streaming`]).
+pub(crate) struct Streaming<'a>(&'a ReplicationHealth);
+
+impl Drop for Streaming<'_> {
+    fn drop(&mut self) {
+        self.0.state().open = false;
     }
 }
 
@@ -402,5 +411,34 @@ mod tests {
         }
         // A client certificate without TLS is never sent, by either.
         assert!(target("postgres://relay@127.0.0.1/test?sslmode=disable&sslcert=/c.pem").is_ok());
+    }
+
+    /// Readiness counts the reader's stream only while it is open (the guard dropped, however the
+    /// reading ended, it probes again), and a standby never reports the reader's old failure.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readiness_counts_the_stream_only_while_it_is_open() {
+        let health = ReplicationHealth::default();
+        // Nothing listens on port 1 of the loopback: a probe fails at once, naming the target.
+        let target = target("postgres://relay@127.0.0.1:1/x?sslmode=disable").unwrap();
+        health.opened();
+        let streaming = health.streaming();
+        assert!(health.ready(&target, true).await.is_ok());
+        drop(streaming);
+        let e = health.ready(&target, true).await.unwrap_err();
+        assert!(
+            e.message().contains("relay@127.0.0.1:1/x"),
+            "{}",
+            e.message()
+        );
+        health.failed(&Error::new(
+            ErrorKind::Connection,
+            "the reader's own failure",
+        ));
+        let e = health.ready(&target, false).await.unwrap_err();
+        assert!(
+            !e.message().contains("the reader's own failure"),
+            "a standby probes: {}",
+            e.message()
+        );
     }
 }

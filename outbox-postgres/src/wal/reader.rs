@@ -321,9 +321,10 @@ async fn read_slot(
     };
     let origin = origin(conn).await?;
     let mut stream = open_stream(inner, origin).await?;
+    // However this ends (a panic, the task dropped), readiness stops counting this stream.
+    let _streaming = inner.replication_health.streaming();
     let result = read_stream(inner, conn, &mut stream, identity, stop).await;
     stream.close().await;
-    inner.replication_health.closed();
     result
 }
 
