@@ -9,7 +9,7 @@ use txoutbox_core::testkit::TestStore;
 use txoutbox_core::ErrorKind;
 use txoutbox_postgres::testing::{fresh_table, pool, PgTestStore};
 use txoutbox_postgres::wal::{self, WalSlot};
-use txoutbox_postgres::PostgresStore;
+use txoutbox_postgres::{OutboxTable, PostgresStore};
 
 /// Drops the slot at the end of the test, failed or not: a forgotten slot keeps WAL for ever.
 struct Dropped(WalSlot, sqlx::PgPool);
@@ -24,6 +24,20 @@ impl Drop for Dropped {
         })
         .join();
     }
+}
+
+/// A fresh outbox table with its slot set up, under a message prefix of its own (messages are
+/// database-wide: the prefix keeps other tests' messages out); the slot is dropped with the guard.
+async fn table_with_slot(pool: &sqlx::PgPool) -> (OutboxTable, WalSlot, String, Dropped) {
+    logical(pool).await;
+    let table = fresh_table(pool).await;
+    let prefix = table.schema().to_string();
+    let slot = WalSlot::new(table.clone(), None, None)
+        .unwrap()
+        .with_message_prefix(prefix.clone());
+    let guard = Dropped(slot.clone(), pool.clone());
+    slot.setup(pool).await.unwrap();
+    (table, slot, prefix, guard)
 }
 
 async fn logical(pool: &sqlx::PgPool) {
@@ -129,15 +143,7 @@ async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() 
     use txoutbox_postgres::wal::{MessageWriter, WalItem, WalReader};
     use txoutbox_postgres::Writer;
     let pool = pool(4).await;
-    logical(&pool).await;
-    let table = fresh_table(&pool).await;
-    // Messages are database-wide: this test's own prefix keeps other tests' messages out.
-    let prefix = table.schema().to_string();
-    let slot = WalSlot::new(table.clone(), None, None)
-        .unwrap()
-        .with_message_prefix(prefix.clone());
-    let _guard = Dropped(slot.clone(), pool.clone());
-    slot.setup(&pool).await.unwrap();
+    let (table, slot, prefix, _guard) = table_with_slot(&pool).await;
     let reader = WalReader::new(slot.clone());
     let writer = Writer::new(table.clone());
     let messages = MessageWriter::new(prefix.clone());
@@ -496,14 +502,7 @@ fn readme_sql(name: &str) -> String {
 async fn the_readmes_plain_sql_recipes_write_events_the_relay_reads() {
     use txoutbox_postgres::wal::{WalItem, WalReader};
     let pool = pool(4).await;
-    logical(&pool).await;
-    let table = fresh_table(&pool).await;
-    let prefix = table.schema().to_string();
-    let slot = WalSlot::new(table.clone(), None, None)
-        .unwrap()
-        .with_message_prefix(prefix.clone());
-    let _guard = Dropped(slot.clone(), pool.clone());
-    slot.setup(&pool).await.unwrap();
+    let (table, slot, prefix, _guard) = table_with_slot(&pool).await;
     let row_sql = readme_sql("row").replace("outbox_events", &table.qualified());
     let tableless_sql = readme_sql("tableless").replace("'outbox'", &format!("'{prefix}'"));
     assert!(row_sql.starts_with("INSERT INTO") && tableless_sql.contains(&prefix));
