@@ -640,6 +640,40 @@ async fn the_wal_source_needs_its_setup_and_its_operators_tools_work_on_the_held
         "{}",
         text(&out.stderr)
     );
+    // A polling role that may not read the held table cannot tell: it starts, and says so.
+    let role = format!(
+        "outbox_dba_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA \"{}\" TO {role}", table.schema()),
+        format!(
+            "GRANT SELECT, UPDATE, DELETE ON {} TO {role}",
+            table.qualified()
+        ),
+    ] {
+        sqlx::query(&sql).execute(&pg).await.unwrap();
+    }
+    let url =
+        txoutbox_postgres::testing::database_url().replacen("postgres@", &format!("{role}@"), 1);
+    let mut c = outbox(&table, &["relay"]);
+    c.env("DATABASE_URL", &url);
+    let mut relay = Running::start(c);
+    relay.wait_log(
+        "cannot read the WAL source's held table",
+        Duration::from_secs(30),
+    );
+    relay.wait_log("relay running", Duration::from_secs(30));
+    relay.signal("-TERM");
+    assert_eq!(relay.wait_exit(Duration::from_secs(30)), 0);
+    drop(relay);
+    for sql in [
+        format!("DROP OWNED BY {role}"),
+        format!("DROP ROLE IF EXISTS {role}"),
+    ] {
+        let _ = sqlx::query(&sql).execute(&pg).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -600,7 +600,8 @@ pub async fn held_events_left(
 }
 
 /// Refuses a polling relay over a table whose WAL source left events in its held table `held`
-/// ([`held_events_left`]), naming them and the way back.
+/// ([`held_events_left`]), naming them and the way back. A role that may not read the held table
+/// is let through with a warning.
 ///
 /// # Errors
 /// A configuration error while events wait there; a database error.
@@ -608,7 +609,21 @@ pub async fn refuse_polling_over_held_events(
     pool: &sqlx::PgPool,
     held: &crate::table::OutboxTable,
 ) -> Result<(), Error> {
-    let Some((left, dead)) = held_events_left(pool, held).await? else {
+    let left = match held_events_left(pool, held).await {
+        Ok(left) => left,
+        // A role that may not read the held table (it never ran the WAL source) cannot tell; the
+        // relay says so rather than refuse a polling relay that may owe the table nothing.
+        Err(e) if e.kind() == txoutbox_core::ErrorKind::PermissionDenied => {
+            warn!(
+                held = %held.qualified(),
+                error = %e,
+                "cannot read the WAL source's held table: if a WAL source left events there, publish them with database.source = \"wal\" before polling"
+            );
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    let Some((left, dead)) = left else {
         return Ok(());
     };
     Err(Error::config(format!(
