@@ -178,8 +178,9 @@ impl std::fmt::Debug for Readiness {
 struct ReadyState {
     last: Option<(Instant, Outcomes)>,
     running: Option<watch::Receiver<Outcomes>>,
-    /// The errors last logged, so that a lasting failure is logged once, not per probe.
-    logged: Option<Vec<String>>,
+    /// The components whose failure was last logged, so that a lasting failure is logged once,
+    /// not per probe, however its text changes between probes (a reconnect's countdown).
+    logged: Option<Vec<&'static str>>,
 }
 
 /// Runs one component's check on a task of its own, at most [`CHECK_LIMIT`] (then it is aborted): a
@@ -266,7 +267,7 @@ impl Readiness {
     /// Runs both checks at once, publishing each outcome as it comes, then keeps the result.
     async fn run_checks(&self, tx: watch::Sender<Outcomes>) {
         let errors = Mutex::new(Vec::new());
-        let record = |what: &str, result: Result<Result<(), txoutbox_core::Error>, _>| {
+        let record = |what: &'static str, result: Result<Result<(), txoutbox_core::Error>, _>| {
             let error = match result {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e.to_string()),
@@ -275,7 +276,7 @@ impl Readiness {
             let ok = error.is_none();
             if let Some(e) = error {
                 if let Ok(mut errors) = errors.lock() {
-                    errors.push(format!("{what}: {e}"));
+                    errors.push((what, format!("{what}: {e}")));
                 }
             }
             ok
@@ -297,15 +298,17 @@ impl Readiness {
         errors.sort();
         let mut st = self.lock();
         st.last = Some((Instant::now(), *tx.borrow()));
-        if st.logged.as_ref() != Some(&errors) {
+        let failing: Vec<&'static str> = errors.iter().map(|(what, _)| *what).collect();
+        if st.logged.as_ref() != Some(&failing) {
             if errors.is_empty() {
                 if st.logged.is_some() {
                     info!("readiness: the database and the broker answer again");
                 }
             } else {
-                warn!(problems = %errors.join("; "), "readiness check failed");
+                let texts: Vec<&str> = errors.iter().map(|(_, e)| e.as_str()).collect();
+                warn!(problems = %texts.join("; "), "readiness check failed");
             }
-            st.logged = Some(errors);
+            st.logged = Some(failing);
         }
     }
 }

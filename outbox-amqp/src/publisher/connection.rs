@@ -10,7 +10,7 @@ use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, ExchangeKind};
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use txoutbox_core::Error;
 
@@ -31,6 +31,46 @@ pub(super) struct LinkState {
     pub(super) next_attempt: Option<Instant>,
     pub(super) backoff: Duration,
     pub(super) last_error: Option<Error>,
+    /// Failed attempts since the last success, and when one was last logged as a warning: an
+    /// outage is logged when it starts and then once a minute, not at every attempt.
+    pub(super) failures: u32,
+    pub(super) warned_at: Option<Instant>,
+}
+
+/// How often a lasting outage is logged again as a warning (each attempt is logged at debug).
+const WARN_AGAIN_AFTER: Duration = Duration::from_secs(60);
+
+impl LinkState {
+    /// No link yet; the first attempt is made at once.
+    pub(super) fn new(backoff: Duration) -> Self {
+        LinkState {
+            link: None,
+            next_attempt: None,
+            backoff,
+            last_error: None,
+            failures: 0,
+            warned_at: None,
+        }
+    }
+
+    /// Counts a failed attempt; true when it is to be logged as a warning (the first of an
+    /// outage, then one a minute), false when at debug.
+    fn note_failure(&mut self) -> bool {
+        self.failures += 1;
+        let due = self
+            .warned_at
+            .is_none_or(|at| at.elapsed() >= WARN_AGAIN_AFTER);
+        if due {
+            self.warned_at = Some(Instant::now());
+        }
+        due
+    }
+
+    /// Counts a success; the failed attempts it ends, if any.
+    fn note_success(&mut self) -> u32 {
+        self.warned_at = None;
+        std::mem::take(&mut self.failures)
+    }
 }
 
 /// Opens a connection to `config.url`, named `name` in the broker's connection list, and a channel
@@ -190,7 +230,14 @@ impl AmqpPublisher {
         }
         match self.open().await {
             Ok(link) => {
-                info!(url = %redact_url(&self.config.url), exchange = %self.config.exchange, "connected to RabbitMQ");
+                match st.note_success() {
+                    0 => {
+                        info!(url = %redact_url(&self.config.url), exchange = %self.config.exchange, "connected to RabbitMQ")
+                    }
+                    failed_attempts => {
+                        info!(url = %redact_url(&self.config.url), exchange = %self.config.exchange, failed_attempts, "connected to RabbitMQ again")
+                    }
+                }
                 let channel = (link.channel.clone(), frame_max(&link.connection));
                 st.link = Some(link);
                 st.next_attempt = None;
@@ -199,7 +246,12 @@ impl AmqpPublisher {
                 Ok(channel)
             }
             Err(e) => {
-                warn!(error = %e, retry_in_ms = st.backoff.as_millis() as u64, "cannot connect to RabbitMQ");
+                let retry_in_ms = st.backoff.as_millis() as u64;
+                if st.note_failure() {
+                    warn!(error = %e, retry_in_ms, failed_attempts = st.failures, "cannot connect to RabbitMQ");
+                } else {
+                    debug!(error = %e, retry_in_ms, failed_attempts = st.failures, "cannot connect to RabbitMQ");
+                }
                 st.next_attempt = Some(Instant::now() + st.backoff);
                 st.backoff = (st.backoff * 2).min(self.config.reconnect_max_backoff);
                 st.last_error = Some(e.clone());
@@ -218,5 +270,34 @@ impl AmqpPublisher {
             let close = link.connection.close(320, "outbox reconnect".into());
             let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_warns_when_it_starts_then_once_a_minute() {
+        let mut st = LinkState::new(Duration::from_millis(100));
+        assert!(st.note_failure(), "the first failure warns");
+        let mut warned = 0;
+        // One attempt a second for 59 s: none warns again.
+        for _ in 0..59 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            warned += usize::from(st.note_failure());
+        }
+        assert_eq!(
+            warned, 0,
+            "attempts within a minute of the warning are debug"
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(st.note_failure(), "a minute on, the outage is logged again");
+        assert_eq!(
+            st.note_success(),
+            61,
+            "the success reports the failed attempts"
+        );
+        assert!(st.note_failure(), "the next outage warns at once");
     }
 }

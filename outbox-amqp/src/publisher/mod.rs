@@ -75,12 +75,7 @@ impl AmqpPublisher {
             config,
             routing_key,
             allowed,
-            state: Mutex::new(LinkState {
-                link: None,
-                next_attempt: None,
-                backoff,
-                last_error: None,
-            }),
+            state: Mutex::new(LinkState::new(backoff)),
             known_exchanges: StdMutex::new(BoundedCache::new(DEFAULT_DESTINATION_CACHE)),
             format: Formatter::default(),
         })
