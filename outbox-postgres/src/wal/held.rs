@@ -14,6 +14,7 @@ use txoutbox_core::{Action, Error, Event};
 use super::buffer::{aggregate_key, Entry, EntryState, Inner, Txn};
 use super::confirm::delete_published;
 use super::decode::{Piece, WalItem, WalTransaction};
+use super::replay::ReplayGuard;
 use crate::error::map_sqlx;
 use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED};
 
@@ -321,6 +322,7 @@ pub(super) async fn spill(
     conn: &mut PgConnection,
     part: &WalTransaction,
     spilling: &mut Spilling,
+    guard: &ReplayGuard,
 ) -> Result<bool, Error> {
     let Some(commit_lsn) = part.piece.commit_lsn() else {
         return Ok(true);
@@ -331,6 +333,12 @@ pub(super) async fn spill(
     let (seen, before) = match spilling.current {
         Some((c, seen, before)) if c == commit_lsn => (seen, before),
         _ => (0, SpillMark::load(inner, conn, commit_lsn).await?),
+    };
+    // Rows a reading before this one dealt with (published, or moved by a fallback): not again.
+    let dealt_with = if guard.covers(commit_lsn) {
+        guard.dealt_with(inner, conn, &part.row_ids).await?
+    } else {
+        HashSet::new()
     };
     let (mut rows, moved, previous) = {
         let mut st = inner.state();
@@ -369,6 +377,8 @@ pub(super) async fn spill(
         .min(part.items.len());
     for item in &part.items[skip..] {
         rows.push(match item {
+            WalItem::Event(e) if dealt_with.contains(&e.id) => continue,
+            WalItem::Undecodable { id, .. } if dealt_with.contains(id) => continue,
             WalItem::Event(e) => HeldRow::waiting(e.clone()),
             WalItem::Undecodable {
                 id,
@@ -440,7 +450,15 @@ pub(super) async fn take_in(
     conn: &mut PgConnection,
     new: Vec<WalTransaction>,
     check_held: bool,
+    guard: &ReplayGuard,
 ) -> Result<bool, Error> {
+    // Rows a reading before this one dealt with (published, or moved by a fallback): not again.
+    let replayed: Vec<Uuid> = new
+        .iter()
+        .filter(|t| guard.covers(t.end_lsn))
+        .flat_map(|t| t.row_ids.iter().copied())
+        .collect();
+    let dealt_with = guard.dealt_with(inner, conn, &replayed).await?;
     let mut keys_t = Vec::new();
     let mut keys_i = Vec::new();
     let mut seen = HashSet::new();
@@ -496,14 +514,15 @@ pub(super) async fn take_in(
                     error,
                     raw,
                 } => {
-                    if !held_ids.contains(&id) {
+                    if !held_ids.contains(&id) && !dealt_with.contains(&id) {
                         to_held.push(HeldRow::undecodable(id, lsn, error, raw, t.commit_time));
                     }
                     continue;
                 }
             };
-            if held_ids.contains(&event.id) {
-                // Moved there before a restart: its fate is the held table's.
+            if held_ids.contains(&event.id) || dealt_with.contains(&event.id) {
+                // Moved there before a restart (its fate is the held table's), or its row is gone:
+                // published, or moved by a fallback.
                 continue;
             }
             let agg = format!("{}\u{1f}{}", event.aggregate_type, event.aggregate_id);

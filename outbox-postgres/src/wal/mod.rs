@@ -23,7 +23,9 @@
 //! - **Confirms.** The slot's confirmed position moves past a transaction only once each of its
 //!   events is published or in the held table (and, with `wal.delete_published`, its outbox rows
 //!   deleted): a crash replays from there (at least once). A replayed event already in the held
-//!   table is not moved twice.
+//!   table is not moved twice, and a replayed row event whose row is gone (published, or moved by a
+//!   fallback) is skipped (the `replay` module). A reading that fails first waits for the batches
+//!   in flight and deletes the rows of what it published (`confirm`).
 //! - **A slot that cannot be streamed** (missing, invalidated, its publication without the table):
 //!   the reader moves the outbox table's unpublished rows to the held table, makes the slot again
 //!   with `wal.auto_recreate`, and streams again once every row written before the new slot's
@@ -46,7 +48,8 @@
 //! - `store`: [`WalStore`] and its leases; `reader`: the reader task (lock, standby, reading
 //!   loop); `stream`: the replication stream; `buffer`: the transactions read and each event's
 //!   state; `held`: the hand-over to the held table; `confirm`: confirming settled transactions;
-//!   `fallback`: publishing from the outbox table while the slot cannot be streamed.
+//!   `replay`: what a reading hands over again; `fallback`: publishing from the outbox table while
+//!   the slot cannot be streamed.
 
 mod buffer;
 mod config;
@@ -56,6 +59,7 @@ mod decode;
 mod fallback;
 mod held;
 mod reader;
+mod replay;
 mod replication;
 mod slot;
 mod status;

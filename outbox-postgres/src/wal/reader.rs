@@ -12,12 +12,14 @@ use tracing::{info, warn};
 use txoutbox_core::Error;
 
 use super::buffer::{Inner, State};
+use super::confirm::settle_before_leaving;
 use super::confirm::{check_reader_privileges, confirm_settled};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
 use super::fallback::{
     check_slot, fall_back, mark_unfinished, warn_unreadable, FallbackMark, Identity,
 };
 use super::held::{move_failed, spill, take_in, Spilling};
+use super::replay::ReplayGuard;
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
 use crate::pool::KEEPALIVES;
@@ -320,10 +322,15 @@ async fn read_slot(
         check.identity
     };
     let origin = origin(conn).await?;
+    // After every move of the fallback: what the stream hands over again is told by its row.
+    let guard = ReplayGuard::at_start(inner, conn).await?;
     let mut stream = open_stream(inner, origin).await?;
     // However this ends (a panic, the task dropped), readiness stops counting this stream.
     let _streaming = inner.replication_health.streaming();
-    let result = read_stream(inner, conn, &mut stream, identity, stop).await;
+    let result = read_stream(inner, conn, &mut stream, identity, &guard, stop).await;
+    if result.is_err() {
+        settle_before_leaving(inner, conn).await;
+    }
     stream.close().await;
     result
 }
@@ -333,6 +340,7 @@ async fn read_stream(
     conn: &mut PgConnection,
     stream: &mut Stream,
     identity: Identity,
+    guard: &ReplayGuard,
     stop: &CancellationToken,
 ) -> Result<(), Error> {
     let mut last_confirm = Instant::now();
@@ -355,7 +363,7 @@ async fn read_stream(
             return Ok(());
         }
         if let Some(p) = part.take() {
-            if spill(inner, conn, &p, &mut spilling).await? {
+            if spill(inner, conn, &p, &mut spilling, guard).await? {
                 held_may_have_rows = true;
                 continue;
             }
@@ -432,7 +440,7 @@ async fn read_stream(
             }
         }
         if !new.is_empty() {
-            if take_in(inner, conn, new, held_may_have_rows).await? {
+            if take_in(inner, conn, new, held_may_have_rows, guard).await? {
                 held_may_have_rows = true;
             }
             continue;
@@ -459,7 +467,7 @@ async fn read_stream(
                         let t = taken(inner, conn, stream, t, identity).await?;
                         if t.piece != Piece::Whole {
                             part = Some(t);
-                        } else if take_in(inner, conn, vec![t], held_may_have_rows).await? {
+                        } else if take_in(inner, conn, vec![t], held_may_have_rows, guard).await? {
                             held_may_have_rows = true;
                         }
                     }
