@@ -7,6 +7,7 @@
 # where and why): the tests that leave the servers as they found them, side by side; then those that
 # disturb RabbitMQ or Kafka, the two kinds side by side; then, one at a time, those that restart
 # PostgreSQL or hold up every replication slot. TEST_THREADS (default 4) sets the first phase's width.
+# The feature checks, the packaging and the install run beside the phases, at the lowest priority.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
@@ -30,40 +31,65 @@ results=$(mktemp -d)
 # The fault scenarios append their summary lines here; they are printed before the summary.
 export FAULT_SCENARIO_REPORT
 FAULT_SCENARIO_REPORT=$(mktemp)
-trap 'rm -rf "$log" "$results" "$FAULT_SCENARIO_REPORT"' EXIT
+trap 'rm -rf "$log" "$results" "$FAULT_SCENARIO_REPORT" "${background_log:-}"' EXIT
 status=0
-# Feature gates, by `cargo check` (a build under each feature set would prove nothing more): the
-# binary with each adapter alone and with none, and each adapter crate alone with its tests.
-# A check that fails, or that warns, fails the suite (its output shown).
-check_clean() {
-  local what=$1 out
-  shift
-  if ! out=$(cargo check "$@" --locked 2>&1) || grep -qE '^(warning|error)' <<<"$out"; then
-    grep -E '^(warning|error)' -A 12 <<<"$out" || tail -n 30 <<<"$out"
-    echo "$what does not build cleanly"
-    status=1
-  fi
-}
-for features in amqp kafka sqs ""; do
-  check_clean "txoutbox with only the features [$features]" -p txoutbox --no-default-features --features "$features"
-done
-for crate in txoutbox-amqp txoutbox-kafka txoutbox-sqs; do
-  check_clean "$crate alone" -p "$crate" --all-targets
-done
-# Every published crate, the binary included, packages for crates.io (metadata, license files,
-# README; what the tarball holds).
-if ! cargo package --workspace --exclude txoutbox-tests --no-verify --locked \
-    --allow-dirty >/dev/null 2>"$log"; then
-  cat "$log"
-  echo "a crate does not package (cargo package)"
-  status=1
-fi
-step "feature checks and packaging"
-: > "$log"
 # Every test target, built once for the three phases.
 cargo nextest run --workspace --all-features --locked --profile suite --no-run 2>&1 | tail -n 3 \
   || status=1
 step "build"
+# Beside the tests, at the lowest CPU priority and in a target directory of their own (so that the
+# phases' cargo calls never wait for its lock): the feature gates, the packaging and the install.
+# They print their findings to $background_log and fail the suite when one fails.
+# - Feature gates, by `cargo check` (a build under each feature set would prove nothing more): the
+#   binary with each adapter alone and with none, and each adapter crate alone with its tests. A
+#   check that fails, or that warns, fails the suite (its output shown).
+# - Every published crate, the binary included, packages for crates.io (metadata, license files,
+#   README; what the tarball holds).
+# - The README's install command works from this checkout, and the installed binary runs.
+background_log=$(mktemp)
+background() {
+  export CARGO_TARGET_DIR=target/background
+  local failed=0 out
+  check_clean() {
+    local what=$1
+    shift
+    if ! out=$(cargo check "$@" --locked 2>&1) || grep -qE '^(warning|error)' <<<"$out"; then
+      grep -E '^(warning|error)' -A 12 <<<"$out" || tail -n 30 <<<"$out"
+      echo "$what does not build cleanly"
+      failed=1
+    fi
+  }
+  for features in amqp kafka sqs ""; do
+    check_clean "txoutbox with only the features [$features]" -p txoutbox --no-default-features --features "$features"
+  done
+  for crate in txoutbox-amqp txoutbox-kafka txoutbox-sqs; do
+    check_clean "$crate alone" -p "$crate" --all-targets
+  done
+  if ! out=$(cargo package --workspace --exclude txoutbox-tests --no-verify --locked \
+      --allow-dirty 2>&1 >/dev/null); then
+    echo "$out"
+    echo "a crate does not package (cargo package)"
+    failed=1
+  fi
+  local install_root
+  install_root=$(mktemp -d)
+  if cargo install --locked --debug --path outbox-bin --root "$install_root" \
+      >"$install_root/log" 2>&1 \
+      && "$install_root/bin/outbox" --version | grep -q 'adapters amqp,kafka,sqs' \
+      && (cd "$install_root" && env -i "$install_root/bin/outbox" config >/dev/null); then
+    echo "cargo install --path outbox-bin: installed and runs"
+  else
+    cat "$install_root/log"
+    echo "cargo install --path outbox-bin failed, or the installed binary does not run"
+    failed=1
+  fi
+  rm -rf "$install_root"
+  return "$failed"
+}
+background >"$background_log" 2>&1 &
+background_pid=$!
+renice -n 19 -p "$background_pid" >/dev/null
+: > "$log"
 # The documentation's examples (nextest does not run doctests).
 cargo test --workspace --all-features --locked --doc 2>&1 | tee -a "$log" || status=$?
 step "doctests"
@@ -92,21 +118,12 @@ phase() {
 phase calm -j "${TEST_THREADS:-4}" -E "not ($(join "${quiet[@]}" "${loud[@]}"))"
 phase brokers -j 2 -E "$(join "${loud[@]}")"
 phase postgres -j 1 -E "$(join "${quiet[@]}")"
-# The README's install command works from this checkout (a debug build in the suite's target
-# directory, so it reuses what the tests built), and the installed binary runs.
-install_root=$(mktemp -d)
-if cargo install --locked --debug --path outbox-bin --root "$install_root" --target-dir target \
-    >"$install_root/log" 2>&1 \
-    && "$install_root/bin/outbox" --version | grep -q 'adapters amqp,kafka,sqs' \
-    && (cd "$install_root" && env -i "$install_root/bin/outbox" config >/dev/null); then
-  echo "cargo install --path outbox-bin: installed and runs"
-else
-  cat "$install_root/log"
-  echo "cargo install --path outbox-bin failed, or the installed binary does not run"
+# What ran beside the tests.
+if ! wait "$background_pid"; then
   status=1
 fi
-rm -rf "$install_root"
-step "cargo install"
+cat "$background_log"
+step "waiting for the feature checks, packaging and install (beside the tests)"
 echo "fault scenarios:"
 sort "$FAULT_SCENARIO_REPORT" | sed 's/^/  /'
 # Counts: the doctests' result lines, and each phase's JUnit report (a test retried by nothing: one

@@ -719,7 +719,7 @@ pub(super) struct FallbackMark {
 /// The id of the held table's [`FallbackMark`] row.
 const FALLBACK_MARK_ID: Uuid = Uuid::from_u128(0x6f75_7462_6f78_2d77_616c_2d66_656e_6365);
 
-/// The aggregate and event type of the held table's [`FallbackMark`] row.
+/// The aggregate and event type of the held table's fallback mark row (a fallback not finished).
 pub const FALLBACK_MARK_TYPE: &str = "(wal fallback mark)";
 
 impl FallbackMark {

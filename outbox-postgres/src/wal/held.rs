@@ -298,7 +298,7 @@ impl SpillMark {
     }
 }
 
-/// The aggregate and event type of the held table's [`SpillMark`] row.
+/// The aggregate and event type of the held table's spill mark row (a large transaction being handed over).
 pub const SPILL_MARK_TYPE: &str = "(wal spill mark)";
 
 /// The reader's count of the transaction being handed over in parts.
