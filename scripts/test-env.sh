@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Ensures what the test suite needs, idempotently (safe to run any number of times):
-# - build tools for the bundled librdkafka (Debian cmake, libcurl4-openssl-dev), and iptables (a
-#   test cuts a connection without a reset), installed if missing;
+# - the README's build prerequisites (build-essential, cmake, pkg-config, libssl-dev), and iptables
+#   (a test cuts a connection without a reset), installed if missing;
 # - PostgreSQL (started if down; wal_level = logical for the WAL source, one restart when it is not;
 #   database created if missing);
 # - RabbitMQ (started if down);
@@ -212,10 +212,11 @@ remove_test_net_rules() {
 
 ensure_build_deps() {
   local missing=()
+  # The README's build prerequisites (<!-- build-prerequisites -->).
+  dpkg -s build-essential >/dev/null 2>&1 || missing+=(build-essential)
   command -v cmake >/dev/null 2>&1 || missing+=(cmake)
   # tests/tests/lease.rs cuts one loopback connection without a reset (iptables DROP rules).
   command -v iptables >/dev/null 2>&1 || missing+=(iptables)
-  dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
   dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
   # PgBouncer's build (ensure_pgbouncer), the test CA (ensure_tls_certs) and its checks.
   dpkg -s libevent-dev >/dev/null 2>&1 || missing+=(libevent-dev)

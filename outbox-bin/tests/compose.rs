@@ -96,6 +96,30 @@ fn host_port(address: &str) -> (String, u16) {
     (host.to_string(), port.parse().unwrap())
 }
 
+/// What `outbox config` shows with exactly the environment of `service` and the image's
+/// configuration file `image_toml`, as its container has them.
+fn config_of(name: &str, service: &serde_yaml::Value, image_toml: &str) -> toml::Table {
+    let env: Vec<(String, String)> = service["environment"]
+        .as_mapping()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| {
+            let value = match v {
+                serde_yaml::Value::String(s) => s.clone(),
+                other => serde_yaml::to_string(other).unwrap().trim().to_string(),
+            };
+            (k.as_str().unwrap().to_string(), value)
+        })
+        .collect();
+    let work = workdir();
+    std::fs::write(work.join("outbox.toml"), image_toml).unwrap();
+    let mut c = Command::new(bin());
+    c.arg("config").current_dir(&work).env_clear();
+    c.envs(env.iter().map(|(k, v)| (k, v)));
+    let shown = check(c, &format!("outbox config with the environment of {name}"));
+    toml::from_str(&shown).unwrap()
+}
+
 #[test]
 fn compose_services_agree_with_the_image_and_the_binary() {
     let doc = compose();
@@ -154,26 +178,7 @@ fn compose_services_agree_with_the_image_and_the_binary() {
             .map(|a| a.as_str().unwrap())
             .collect();
         assert!(args == ["migrate"] || args == ["relay"], "{name}: {args:?}");
-        let env: Vec<(String, String)> = service["environment"]
-            .as_mapping()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| {
-                let value = match v {
-                    serde_yaml::Value::String(s) => s.clone(),
-                    other => serde_yaml::to_string(other).unwrap().trim().to_string(),
-                };
-                (k.as_str().unwrap().to_string(), value)
-            })
-            .collect();
-        // Exactly that environment and the image's file, as the container has them.
-        let work = workdir();
-        std::fs::write(work.join("outbox.toml"), &image_toml).unwrap();
-        let mut c = Command::new(bin());
-        c.arg("config").current_dir(&work).env_clear();
-        c.envs(env.iter().map(|(k, v)| (k, v)));
-        let shown = check(c, &format!("outbox config with the environment of {name}"));
-        let config: toml::Table = toml::from_str(&shown).unwrap();
+        let config = config_of(name, service, &image_toml);
         let section = |s: &str, k: &str| config[s][k].as_str().unwrap().to_string();
         // The database is the postgres service, on its port inside the network.
         let (host, port) = host_port(&section("database", "url"));
@@ -238,4 +243,176 @@ fn compose_services_agree_with_the_image_and_the_binary() {
     }
     // migrate and a relay for each of the three brokers.
     assert_eq!(runs, 4);
+}
+
+/// The user and password of a URL (`scheme://user:password@host...`).
+fn credentials(url: &str) -> (String, String) {
+    let rest = url.split_once("://").unwrap().1;
+    let (userinfo, _) = rest.rsplit_once('@').unwrap();
+    let (user, password) = userinfo.split_once(':').unwrap();
+    (user.to_string(), password.to_string())
+}
+
+/// The quick start shows what it promises. RabbitMQ loads definitions at boot that bind a demo
+/// queue so that every event the relay publishes lands there: the relay's exchange and its type, a
+/// `#` binding, and the user the relay logs in as, with that password and the permissions it uses.
+/// The relay keeps mandatory routing. The header's insert runs through `docker compose exec` into
+/// the table the relay reads, and says how to see the queue. The URL the header and the README
+/// give for PostgreSQL reaches the postgres service with its password.
+#[test]
+fn the_demo_queue_takes_every_event_and_the_urls_agree() {
+    use sha2::{Digest, Sha256};
+    let doc = compose();
+    let rabbitmq = &doc["services"]["rabbitmq"];
+    let relay = &doc["services"]["relay"];
+    let postgres = &doc["services"]["postgres"];
+
+    // What RabbitMQ is given: a conf.d file naming the definitions it loads at boot.
+    let volumes: Vec<(String, String)> = rabbitmq["volumes"]
+        .as_sequence()
+        .expect("rabbitmq mounts its demo definitions")
+        .iter()
+        .map(|v| {
+            let parts: Vec<&str> = v.as_str().unwrap().split(':').collect();
+            (parts[0].to_string(), parts[1].to_string())
+        })
+        .collect();
+    let mounted = |target: &str| -> PathBuf {
+        let (source, _) = volumes
+            .iter()
+            .find(|(_, t)| t == target)
+            .unwrap_or_else(|| panic!("rabbitmq mounts nothing at {target}: {volumes:?}"));
+        deploy().join(source)
+    };
+    let conf_at = volumes
+        .iter()
+        .find(|(_, t)| t.starts_with("/etc/rabbitmq/conf.d/") && t.ends_with(".conf"))
+        .map(|(_, t)| t.clone())
+        .expect("a file in RabbitMQ's conf.d");
+    let conf = std::fs::read_to_string(mounted(&conf_at)).unwrap();
+    let definitions_at = conf
+        .lines()
+        .find_map(|l| l.strip_prefix("load_definitions = "))
+        .expect("the conf.d file loads definitions")
+        .trim()
+        .to_string();
+    let definitions: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(mounted(&definitions_at)).unwrap()).unwrap();
+    let named = |kind: &str, name: &str| -> serde_json::Value {
+        definitions[kind]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} named {name} in {definitions_at}"))
+            .clone()
+    };
+
+    // The relay's exchange, declared alike, and a queue bound to it with `#`.
+    let image_toml = std::fs::read_to_string(deploy().join("outbox.toml")).unwrap();
+    let config = config_of("relay", relay, &image_toml);
+    let amqp = &config["amqp"];
+    assert_eq!(
+        amqp["mandatory"].as_bool(),
+        Some(true),
+        "the relay keeps mandatory routing"
+    );
+    let exchange_name = amqp["exchange"].as_str().unwrap();
+    let exchange = named("exchanges", exchange_name);
+    assert_eq!(exchange["type"], amqp["exchange_type"].as_str().unwrap());
+    assert_eq!(exchange["durable"], true, "as the relay declares it");
+    let binding = definitions["bindings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| {
+            b["source"] == exchange_name
+                && b["destination_type"] == "queue"
+                && b["routing_key"] == "#"
+        })
+        .expect("a queue bound to the relay's exchange with #");
+    let queue = binding["destination"].as_str().unwrap();
+    assert_eq!(named("queues", queue)["durable"], true);
+
+    // The user the relay logs in as: that password (RabbitMQ's salted SHA-256), and permission to
+    // declare and write to the exchange on the URL's virtual host.
+    let url = relay["environment"]["OUTBOX_AMQP__URL"].as_str().unwrap();
+    let (user, password) = credentials(url);
+    let vhost = url.rsplit('/').next().unwrap().replace("%2f", "/");
+    let stored = named("users", &user);
+    assert_eq!(
+        stored["hashing_algorithm"],
+        "rabbit_password_hashing_sha256"
+    );
+    let hash = txoutbox_core::format::base64_decode(stored["password_hash"].as_str().unwrap())
+        .expect("a base64 password hash");
+    let (salt, digest) = hash.split_at(4);
+    let computed = Sha256::digest([salt, password.as_bytes()].concat());
+    assert_eq!(
+        digest,
+        computed.as_slice(),
+        "the stored password is not the relay's"
+    );
+    let permission = definitions["permissions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["user"] == user.as_str() && p["vhost"] == vhost.as_str())
+        .expect("the relay's user has permissions on its virtual host");
+    for what in ["configure", "write"] {
+        assert_eq!(permission[what], ".*", "{what}");
+    }
+    for kind in ["exchanges", "queues", "bindings"] {
+        for d in definitions[kind].as_array().unwrap() {
+            assert_eq!(d["vhost"], vhost.as_str(), "{kind}: {d}");
+        }
+    }
+
+    // The header: the insert through `docker compose exec` into the relay's table, and how to see
+    // the queue.
+    let text = std::fs::read_to_string(deploy().join("compose.yaml")).unwrap();
+    let header: String = text
+        .lines()
+        .take_while(|l| l.starts_with('#'))
+        .map(|l| format!("{}\n", l.trim_start_matches('#')))
+        .collect();
+    let table = config["database"]["table"].as_str().unwrap();
+    assert!(
+        header.contains("exec postgres psql") && header.contains(&format!("INSERT INTO {table} ")),
+        "{header}"
+    );
+    assert!(
+        header.contains("rabbitmqctl list_queues") && header.contains(queue),
+        "{header}"
+    );
+
+    // The URL given for PostgreSQL from the host: the service's password, a published port that
+    // reaches the server's, the image's default database (its user's name); the README gives it too.
+    let given = header
+        .split_whitespace()
+        .find_map(|w| {
+            w.strip_prefix("postgres://")
+                .map(|r| format!("postgres://{r}"))
+        })
+        .map(|u| u.trim_end_matches([')', ',', ';']).to_string())
+        .expect("the header gives PostgreSQL's URL");
+    let (pg_user, pg_password) = credentials(&given);
+    assert_eq!(
+        postgres["environment"]["POSTGRES_PASSWORD"].as_str(),
+        Some(pg_password.as_str())
+    );
+    assert!(postgres["environment"]["POSTGRES_USER"].is_null() && pg_user == "postgres");
+    assert!(postgres["environment"]["POSTGRES_DB"].is_null() && given.ends_with("/postgres"));
+    let (host, port) = host_port(&given);
+    assert_eq!(host, "127.0.0.1");
+    assert!(
+        ports(postgres)
+            .iter()
+            .any(|(published, target)| *published == port && *target == 5432),
+        "{given}"
+    );
+    let readme =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    assert!(readme.contains(&given), "the README gives {given}");
 }

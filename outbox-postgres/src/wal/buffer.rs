@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -191,6 +191,9 @@ pub(super) struct Inner {
     pub(super) tableless_gap_bytes: AtomicU64,
     /// When the relay last asked for events.
     pub(super) last_claim: Mutex<Instant>,
+    /// A reading of this relay ended after deleting rows of events it had not confirmed yet:
+    /// later readings check what they read again ([`super::replay::ReplayGuard`]).
+    pub(super) left_unconfirmed: AtomicBool,
 }
 
 impl Inner {

@@ -103,6 +103,10 @@ pub(super) async fn settle_before_leaving(inner: &Inner, conn: &mut PgConnection
     let settled = async {
         move_failed(inner, conn).await?;
         let ids = dealt_with_rows(inner);
+        if !ids.is_empty() {
+            // Before the delete: a reading that follows must check what it reads again.
+            inner.left_unconfirmed.store(true, Ordering::SeqCst);
+        }
         delete_published(inner, conn, &ids).await
     };
     if let Err(e) = settled.await {

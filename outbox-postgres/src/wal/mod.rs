@@ -23,8 +23,8 @@
 //! - **Confirms.** The slot's confirmed position moves past a transaction only once each of its
 //!   events is published or in the held table (and, with `wal.delete_published`, its outbox rows
 //!   deleted): a crash replays from there (at least once). A replayed event already in the held
-//!   table is not moved twice, and a replayed row event whose row is gone (published, or moved by a
-//!   fallback) is skipped (the `replay` module). A reading that fails first waits for the batches
+//!   table is not moved twice; after a fallback, or a reading that ended early, a replayed row event
+//!   whose row is gone (published, or moved by the fallback) is skipped (the `replay` module). A reading that fails first waits for the batches
 //!   in flight and deletes the rows of what it published (`confirm`).
 //! - **A slot that cannot be streamed** (missing, invalidated, its publication without the table):
 //!   the reader moves the outbox table's unpublished rows to the held table, makes the slot again

@@ -313,7 +313,8 @@ async fn read_slot(
     // finished (this relay's or another's that stopped) moves the rows before the fence first.
     let check = check_slot(inner, conn).await?;
     let mark = FallbackMark::load(conn, inner.held.table()).await?;
-    let identity = if check.problem.is_some() || mark.is_some() {
+    let fell_back = check.problem.is_some() || mark.is_some();
+    let identity = if fell_back {
         match fall_back(inner, conn, check.problem, mark, stop).await? {
             Some(identity) => identity,
             None => return Ok(()),
@@ -323,7 +324,7 @@ async fn read_slot(
     };
     let origin = origin(conn).await?;
     // After every move of the fallback: what the stream hands over again is told by its row.
-    let guard = ReplayGuard::at_start(inner, conn).await?;
+    let guard = ReplayGuard::at_start(inner, conn, fell_back).await?;
     let mut stream = open_stream(inner, origin).await?;
     // However this ends (a panic, the task dropped), readiness stops counting this stream.
     let _streaming = inner.replication_health.streaming();

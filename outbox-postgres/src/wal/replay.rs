@@ -4,9 +4,11 @@
 //! table. The outbox table tells: with `wal.delete_published` the WAL source deletes a row only once
 //! its event is published or in the held table (or marks it processed where the database refuses
 //! the delete). So a row event of a transaction committed before the reading started whose row is
-//! gone (or processed) is not taken in again.
+//! gone (or processed) is not taken in again. Checked after a fallback and after a reading that
+//! ended early: those publish nothing twice without a crash.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -25,13 +27,22 @@ pub(super) struct ReplayGuard {
 }
 
 impl ReplayGuard {
-    /// Reads the server's WAL insert position: every transaction that committed before this call
-    /// (every row a fallback moved) ends at or before it. Read before the stream starts.
+    /// The guard of a reading about to stream: after a fallback (`fell_back`, this relay's or one
+    /// it finished for another), or once a reading of this relay ended after deleting rows it had
+    /// not confirmed, the server's WAL insert position now (every transaction that committed
+    /// before this call, every row a fallback moved, ends at or before it); otherwise none (a
+    /// relay starting afresh reads what it reads again as a crash leaves it, and a backlog in the
+    /// slot costs no check).
     ///
     /// # Errors
     /// A database error.
-    pub(super) async fn at_start(inner: &Inner, conn: &mut PgConnection) -> Result<Self, Error> {
-        if !inner.settings.delete_published {
+    pub(super) async fn at_start(
+        inner: &Inner,
+        conn: &mut PgConnection,
+        fell_back: bool,
+    ) -> Result<Self, Error> {
+        let needed = fell_back || inner.left_unconfirmed.load(Ordering::SeqCst);
+        if !inner.settings.delete_published || !needed {
             return Ok(ReplayGuard::default());
         }
         let until: i64 = sqlx::query_scalar(

@@ -3,7 +3,7 @@
 //! the `wal` module's documentation.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -135,6 +135,7 @@ impl WalStore {
                 tableless_gaps: AtomicU64::new(0),
                 tableless_gap_bytes: AtomicU64::new(0),
                 last_claim: Mutex::new(Instant::now()),
+                left_unconfirmed: AtomicBool::new(false),
             }),
         })
     }
