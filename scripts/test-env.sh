@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Ensures what the test suite needs, idempotently (safe to run any number of times):
-# - the README's build prerequisites (build-essential, cmake, pkg-config, libssl-dev), and iptables
+# - the README's build prerequisites (build-essential, cmake, pkg-config, libssl-dev,
+#   libcurl4-openssl-dev), and iptables
 #   (a test cuts a connection without a reset), installed if missing;
 # - PostgreSQL (started if down; wal_level = logical for the WAL source, one restart when it is not;
 #   database created if missing);
@@ -218,6 +219,7 @@ ensure_build_deps() {
   # tests/tests/lease.rs cuts one loopback connection without a reset (iptables DROP rules).
   command -v iptables >/dev/null 2>&1 || missing+=(iptables)
   dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
+  dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
   # PgBouncer's build (ensure_pgbouncer), the test CA (ensure_tls_certs) and its checks.
   dpkg -s libevent-dev >/dev/null 2>&1 || missing+=(libevent-dev)
   command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)

@@ -231,7 +231,7 @@ async fn wait_for_grants(
                 liveness.progressed();
                 let text = e.to_string();
                 if logged.as_deref() != Some(text.as_str()) {
-                    error!(error = %e, "the relay's role lacks a privilege it needs: nothing is claimed until it is granted (looked at again every 5 s)");
+                    error!(error = %e, retry_s = GRANT_RETRY.as_secs(), "the relay's role lacks a privilege it needs: nothing is claimed until it is granted (looked at again every retry_s)");
                     logged = Some(text);
                 }
             }

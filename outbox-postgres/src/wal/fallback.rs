@@ -22,6 +22,7 @@ use txoutbox_core::{Error, ErrorKind};
 use super::buffer::Inner;
 use super::confirm::{delete_published, refusal};
 use super::held::held_changed;
+use super::mark::Mark;
 use crate::error::map_sqlx;
 use crate::row::INSERT_COLUMNS;
 use crate::table::OutboxTable;
@@ -349,7 +350,7 @@ pub(super) async fn fall_back(
                 Err(e) => {
                     let message = e.to_string();
                     if last_failure.as_deref() != Some(message.as_str()) {
-                        error!(error = %e, slot = inner.reader.slot().slot(), "the relay cannot make the slot again; it keeps publishing from the outbox table and tries again every 10 s");
+                        error!(error = %e, slot = inner.reader.slot().slot(), retry_s = REPAIR_RETRY.as_secs(), "the relay cannot make the slot again; it keeps publishing from the outbox table and tries again every retry_s");
                         last_failure = Some(message);
                     }
                     next_repair = Instant::now() + REPAIR_RETRY;
@@ -716,29 +717,18 @@ pub(super) struct FallbackMark {
     pub(super) fence: Option<i64>,
 }
 
-/// The id of the held table's [`FallbackMark`] row.
-const FALLBACK_MARK_ID: Uuid = Uuid::from_u128(0x6f75_7462_6f78_2d77_616c_2d66_656e_6365);
-
-/// The aggregate and event type of the held table's fallback mark row (a fallback not finished).
-pub const FALLBACK_MARK_TYPE: &str = "(wal fallback mark)";
-
 impl FallbackMark {
     /// The held table's mark, if any.
     pub(super) async fn load(
         conn: &mut PgConnection,
         held: &OutboxTable,
     ) -> Result<Option<FallbackMark>, Error> {
-        let payload: Option<serde_json::Value> = sqlx::query_scalar(&format!(
-            "SELECT payload FROM {} WHERE id = $1",
-            held.qualified()
-        ))
-        .bind(FALLBACK_MARK_ID)
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(|e| map_sqlx("wal read", e))?;
-        Ok(payload.map(|p| FallbackMark {
-            fence: p.get("fence").and_then(serde_json::Value::as_i64),
-        }))
+        Ok(Mark::Fallback
+            .load(conn, held)
+            .await?
+            .map(|p| FallbackMark {
+                fence: p.get("fence").and_then(serde_json::Value::as_i64),
+            }))
     }
 
     async fn save(
@@ -747,29 +737,13 @@ impl FallbackMark {
         held: &OutboxTable,
         slot: &str,
     ) -> Result<(), Error> {
-        sqlx::query(&format!(
-            "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, processed_at)
-             VALUES ($1, $2, $3, $2, $4, now())
-             ON CONFLICT (id) DO UPDATE SET payload = EXCLUDED.payload, processed_at = now()",
-            held.qualified()
-        ))
-        .bind(FALLBACK_MARK_ID)
-        .bind(FALLBACK_MARK_TYPE)
-        .bind(slot)
-        .bind(serde_json::json!({ "fence": self.fence }))
-        .execute(&mut *conn)
-        .await
-        .map_err(|e| map_sqlx("wal fallback mark", e))?;
-        Ok(())
+        Mark::Fallback
+            .save(conn, held, slot, serde_json::json!({ "fence": self.fence }))
+            .await
     }
 
     async fn clear(conn: &mut PgConnection, held: &OutboxTable) -> Result<(), Error> {
-        sqlx::query(&format!("DELETE FROM {} WHERE id = $1", held.qualified()))
-            .bind(FALLBACK_MARK_ID)
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| map_sqlx("wal fallback mark", e))?;
-        Ok(())
+        Mark::Fallback.clear(conn, held).await
     }
 }
 
@@ -805,23 +779,4 @@ pub async fn mark_new_slot(
     FallbackMark { fence: Some(fence) }
         .save(&mut conn, held, slot)
         .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_marks_of_the_held_table_are_what_cleanup_leaves() {
-        let (prefix, suffix) = crate::row::MARK_TYPES
-            .split_once('%')
-            .expect("a LIKE pattern");
-        for mark in [FALLBACK_MARK_TYPE, super::super::SPILL_MARK_TYPE] {
-            assert!(mark.starts_with(prefix) && mark.ends_with(suffix), "{mark}");
-        }
-        assert!(
-            !crate::row::MARK_TYPES.contains('_'),
-            "no single-character wildcard"
-        );
-    }
 }

@@ -14,6 +14,7 @@ use txoutbox_core::{Action, Error, Event};
 use super::buffer::{aggregate_key, Entry, EntryState, Inner, Txn};
 use super::confirm::delete_published;
 use super::decode::{Piece, WalItem, WalTransaction};
+use super::mark::Mark;
 use super::replay::ReplayGuard;
 use crate::error::map_sqlx;
 use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED};
@@ -257,20 +258,10 @@ pub(super) struct SpillMark {
     handed: u64,
 }
 
-/// The id of the held table's [`SpillMark`] row.
-const SPILL_MARK_ID: Uuid = Uuid::from_u128(0x6f75_7462_6f78_2d77_616c_2d73_7069_6c6c);
-
 impl SpillMark {
     /// The mark of the held table (a mark of another transaction counts nothing for this one).
     async fn load(inner: &Inner, conn: &mut PgConnection, commit_lsn: u64) -> Result<u64, Error> {
-        let mark: Option<serde_json::Value> = sqlx::query_scalar(&format!(
-            "SELECT payload FROM {} WHERE id = $1",
-            inner.held.table().qualified()
-        ))
-        .bind(SPILL_MARK_ID)
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(|e| map_sqlx("wal read", e))?;
+        let mark = Mark::Spill.load(conn, inner.held.table()).await?;
         let field = |m: &serde_json::Value, k: &str| m.get(k).and_then(serde_json::Value::as_u64);
         Ok(match mark {
             Some(m) if field(&m, "commit_lsn") == Some(commit_lsn) => {
@@ -281,25 +272,16 @@ impl SpillMark {
     }
 
     async fn save(&self, inner: &Inner, conn: &mut PgConnection) -> Result<(), Error> {
-        sqlx::query(&format!(
-            "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, processed_at)
-             VALUES ($1, $2, $3, $2, $4, now())
-             ON CONFLICT (id) DO UPDATE SET payload = EXCLUDED.payload, processed_at = now()",
-            inner.held.table().qualified()
-        ))
-        .bind(SPILL_MARK_ID)
-        .bind(SPILL_MARK_TYPE)
-        .bind(inner.reader.slot().slot())
-        .bind(serde_json::json!({"commit_lsn": self.commit_lsn, "handed": self.handed}))
-        .execute(&mut *conn)
-        .await
-        .map_err(|e| map_sqlx("wal move to the held table", e))?;
-        Ok(())
+        Mark::Spill
+            .save(
+                conn,
+                inner.held.table(),
+                inner.reader.slot().slot(),
+                serde_json::json!({"commit_lsn": self.commit_lsn, "handed": self.handed}),
+            )
+            .await
     }
 }
-
-/// The aggregate and event type of the held table's spill mark row (a large transaction being handed over).
-pub const SPILL_MARK_TYPE: &str = "(wal spill mark)";
 
 /// The reader's count of the transaction being handed over in parts.
 #[derive(Debug, Default)]

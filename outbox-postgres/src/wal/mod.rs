@@ -47,7 +47,8 @@
 //! - `decode`: the slot's pgoutput messages as whole transactions of events; [`WalReader`].
 //! - `store`: [`WalStore`] and its leases; `reader`: the reader task (lock, standby, reading
 //!   loop); `stream`: the replication stream; `buffer`: the transactions read and each event's
-//!   state; `held`: the hand-over to the held table; `confirm`: confirming settled transactions;
+//!   state; `held`: the hand-over to the held table; `mark`: the held table's marks of unfinished
+//!   work; `confirm`: confirming settled transactions;
 //!   `replay`: what a reading hands over again; `fallback`: publishing from the outbox table while
 //!   the slot cannot be streamed.
 
@@ -58,6 +59,7 @@ mod conninfo;
 mod decode;
 mod fallback;
 mod held;
+mod mark;
 mod reader;
 mod replay;
 mod replication;
@@ -72,10 +74,9 @@ pub use config::{WalConfig, DEFAULT_RETAINED_WAL_WARNING};
 pub use decode::{
     postgres_time, Piece, WalItem, WalPeek, WalReader, WalTransaction, PROTO_VERSION,
 };
-pub use fallback::{mark_new_slot, FallbackReason, FALLBACK_MARK_TYPE, FALLBACK_REASONS};
-pub use held::{
-    held_events_left, refuse_polling_over_held_events, SPILL_MARK_TYPE, UNDECODABLE_AGGREGATE_TYPE,
-};
+pub use fallback::{mark_new_slot, FallbackReason, FALLBACK_REASONS};
+pub use held::{held_events_left, refuse_polling_over_held_events, UNDECODABLE_AGGREGATE_TYPE};
+pub use mark::{FALLBACK_MARK_TYPE, SPILL_MARK_TYPE};
 pub use reader::STANDBY_RETRY;
 pub use slot::{check_wal_level, wal_level, WalSetup, WalSlot};
 pub use status::{SlotPositions, WalStatus, STATUS_PEEK};

@@ -65,7 +65,7 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
             Ok(c) => c,
             Err(e) => {
                 if failures.should_log(&e.to_string()) {
-                    warn!(error = %e, slot = %slot, "the WAL reader cannot connect; trying again (a failure that repeats is logged once a minute)");
+                    warn!(error = %e, slot = %slot, repeat_logged_after_s = REPEAT_AFTER.as_secs(), "the WAL reader cannot connect; trying again (a failure that repeats is logged again after repeat_logged_after_s)");
                 }
                 if pause(&stop, RECONNECT_PAUSE).await {
                     return;
@@ -132,7 +132,7 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
             }
             Err(e) => {
                 if failures.should_log(&e.to_string()) {
-                    warn!(error = %e, slot = %slot, "the WAL reader stopped reading; what it held is read again once it holds the slot (a failure that repeats is logged once a minute)");
+                    warn!(error = %e, slot = %slot, repeat_logged_after_s = REPEAT_AFTER.as_secs(), "the WAL reader stopped reading; what it held is read again once it holds the slot (a failure that repeats is logged again after repeat_logged_after_s)");
                 }
                 drop(conn);
                 if pause(&stop, RECONNECT_PAUSE).await {
@@ -155,7 +155,10 @@ pub(super) fn runtime_supported() -> Result<(), Error> {
     }
 }
 
-/// Logs a failure that repeats once a minute rather than at every retry.
+/// How often a failure that repeats is logged again.
+const REPEAT_AFTER: Duration = Duration::from_secs(60);
+
+/// Logs a failure that repeats once per [`REPEAT_AFTER`] rather than at every retry.
 #[derive(Default)]
 struct RepeatedWarning {
     last: Option<(String, Instant)>,
@@ -164,7 +167,7 @@ struct RepeatedWarning {
 impl RepeatedWarning {
     fn should_log(&mut self, message: &str) -> bool {
         match &self.last {
-            Some((m, at)) if m == message && at.elapsed() < Duration::from_secs(60) => false,
+            Some((m, at)) if m == message && at.elapsed() < REPEAT_AFTER => false,
             _ => {
                 self.last = Some((message.to_string(), Instant::now()));
                 true
