@@ -7,7 +7,7 @@ use tokio::task::JoinHandle;
 use txoutbox_core::{CancellationToken, Publisher, Relay, RelayConfig, RelaySummary, Wake};
 use txoutbox_postgres::testing::pool;
 use txoutbox_postgres::wal::{ReaderHandle, WalConfig, WalSlot, WalStore};
-use txoutbox_postgres::{migrate, OutboxTable, PostgresStore};
+use txoutbox_postgres::{OutboxTable, PostgresStore};
 
 use crate::harness::{committed_in_db, wait_until, Load, RelayProcess, Sink};
 use crate::Verdict;
@@ -42,9 +42,10 @@ impl WalSource {
             ..WalConfig::default()
         };
         let slot = config.slot(table).unwrap();
-        slot.setup(&pool).await.unwrap();
-        let held = config.held_table(table).unwrap();
-        migrate(&pool, &held).await.unwrap();
+        let held = txoutbox_postgres::wal::setup(&pool, table, &config)
+            .await
+            .unwrap()
+            .held;
         WalSource {
             slot,
             held,

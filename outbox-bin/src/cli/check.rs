@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use txoutbox_core::{Error, ErrorKind, Store};
 use txoutbox_postgres::pooler::{probe, Pooling, SessionUse};
-use txoutbox_postgres::wal::{check_wal_level, wal_level, WalStore};
+use txoutbox_postgres::wal::WalStore;
 use txoutbox_postgres::{OutboxTable, PostgresStore, Source};
 
-use super::{build_publisher, held_table_exists, store, Failure};
+use super::{build_publisher, exit_code, store, Failure};
 use crate::config::Config;
 
 /// How long the broker check waits: as long as the relay's at start.
@@ -21,7 +21,8 @@ const BROKER_CHECK: Duration = super::relay::BROKER_CHECK_AT_START;
 /// The checks' outcomes, printed as they come.
 #[derive(Default)]
 struct Report {
-    failed: Vec<ErrorKind>,
+    /// The exit code of each failed check ([`exit_code`]).
+    failed: Vec<u8>,
 }
 
 impl Report {
@@ -30,12 +31,7 @@ impl Report {
             Ok(detail) => println!("ok    {name:<13} {detail}"),
             Err(e) => {
                 println!("FAIL  {name:<13} {e}");
-                self.failed
-                    .push(if txoutbox_core::tls::is_certificate_error(&e) {
-                        ErrorKind::Config
-                    } else {
-                        e.kind()
-                    });
+                self.failed.push(exit_code(&e));
             }
         }
     }
@@ -86,11 +82,7 @@ pub(super) async fn cmd_check(config: &Config, table: OutboxTable) -> Result<(),
     match store(config, kept.clone()).await {
         Err(f) => {
             println!("FAIL  {:<13} {}", "database", f.message);
-            report.failed.push(if f.code == 2 {
-                ErrorKind::Config
-            } else {
-                ErrorKind::Connection
-            });
+            report.failed.push(f.code);
             Report::skipped("schema", "no database connection");
             Report::skipped("privileges", "no database connection");
         }
@@ -116,14 +108,11 @@ pub(super) async fn cmd_check(config: &Config, table: OutboxTable) -> Result<(),
         }
     }
     report.line("broker", broker(config).await);
-    match report
-        .failed
-        .iter()
-        .max_by_key(|k| **k == ErrorKind::Config)
-    {
+    // A setting to fix (2) outweighs a server that does not answer (1).
+    match report.failed.iter().max() {
         None => Ok(()),
-        Some(kind) => Err(Failure {
-            code: if *kind == ErrorKind::Config { 2 } else { 1 },
+        Some(code) => Err(Failure {
+            code: *code,
             message: format!("{} check(s) failed", report.failed.len()),
         }),
     }
@@ -150,12 +139,7 @@ async fn database(pg: &PostgresStore) -> Result<String, Error> {
 
 /// What `database.url` reaches, and `database.direct_url` when something needs it.
 async fn pooler(config: &Config, pg: &PostgresStore) -> Result<String, Error> {
-    let mut uses = Vec::new();
-    if config.database.source == Source::Wal {
-        uses.push(SessionUse::WalSource);
-    } else if config.database.notify {
-        uses.push(SessionUse::Listen);
-    }
+    let uses = config.database.session_uses();
     let main = probe(&pg.pool().connect_options(), "database.url").await?;
     // The pool itself when nothing needs a session of its own: dropped, not closed.
     let _session =
@@ -205,10 +189,7 @@ async fn wal_prerequisites(
     table: &OutboxTable,
     held: &PostgresStore,
 ) -> Result<String, Error> {
-    check_wal_level(&wal_level(held.pool()).await?)?;
-    held_table_exists(held.pool(), held.table())
-        .await
-        .map_err(|f| Error::config(f.message))?;
+    txoutbox_postgres::wal::preflight(held.pool(), held.table()).await?;
     let slot = config.wal.slot(table)?;
     let name = slot.slot().to_string();
     // The pool the relay reads the slot with (database.direct_url when set): the replication

@@ -152,21 +152,23 @@ pub struct Failure {
     pub message: String,
 }
 
+/// The exit code of a command that failed with `e`: 2 for a setting to fix, 1 otherwise. The
+/// settings to fix are what the configuration's checks find (a bad value, a publisher not built in)
+/// and a server's certificate refused (the CA, the host name: at run time a connection error,
+/// retried, since a certificate can change under a relay). What the servers report otherwise, a
+/// missing table included (`ErrorKind::Schema`), is a runtime failure.
+pub(crate) fn exit_code(e: &Error) -> u8 {
+    if e.kind() == ErrorKind::Config || txoutbox_core::tls::is_certificate_error(e) {
+        2
+    } else {
+        1
+    }
+}
+
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
-        // Configuration errors are the ones the configuration's checks find (a bad value, a publisher
-        // not built in) and a server's certificate refused; what the servers report otherwise, a
-        // missing table included (`ErrorKind::Schema`), is a runtime failure.
-        // A certificate refused is a setting to fix too (the CA, the host name), though at run
-        // time it is a connection error, retried (a certificate can change under a relay).
-        let code = if e.kind() == ErrorKind::Config || txoutbox_core::tls::is_certificate_error(&e)
-        {
-            2
-        } else {
-            1
-        };
         Failure {
-            code,
+            code: exit_code(&e),
             message: e.to_string(),
         }
     }
@@ -278,7 +280,7 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
     ) && config.database.source == Source::Wal
     {
         let pool = connect_config(&config.database).await?;
-        held_table_exists(&pool, &kept).await?;
+        txoutbox_postgres::wal::held_table_exists(&pool, &kept).await?;
         pool.close().await;
     }
     match command {
@@ -309,24 +311,6 @@ async fn dispatch(command: Command, config: Config) -> Result<(), Failure> {
         Command::Check => cmd_check(&config, table).await,
         Command::Bench(args) => cmd_bench(&config, args).await,
     }
-}
-
-/// Under the WAL source the relay, `status`, `dead-letters` and `cleanup` work on the held table,
-/// which `outbox wal setup` makes: said so when it is missing (not "run `outbox migrate`").
-async fn held_table_exists(pool: &sqlx::PgPool, held: &OutboxTable) -> Result<(), Failure> {
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-        .bind(held.qualified())
-        .fetch_one(pool)
-        .await
-        .map_err(|e| txoutbox_postgres::map_sqlx("held table check", e))?;
-    if exists {
-        return Ok(());
-    }
-    Err(Error::config(format!(
-        "database.source = \"wal\" but the held table {} does not exist: run `outbox wal setup` (after `outbox migrate`; it makes the publication, the slot and that table)",
-        held.qualified()
-    ))
-    .into())
 }
 
 async fn store(config: &Config, table: OutboxTable) -> Result<PostgresStore, Failure> {

@@ -8,8 +8,8 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 use txoutbox_core::{CancellationToken, Relay, Store};
-use txoutbox_postgres::pooler::{session_pool, SessionUse};
-use txoutbox_postgres::wal::{check_wal_level, wal_level, WalStore};
+use txoutbox_postgres::pooler::session_pool;
+use txoutbox_postgres::wal::WalStore;
 use txoutbox_postgres::{notify, OutboxTable, PostgresStore, Source};
 
 use super::signals::{watch_signals, Signals};
@@ -58,13 +58,8 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         };
         // Behind a transaction-mode pooler, what needs a session of its own goes to
         // database.direct_url.
-        let mut uses = Vec::new();
-        if wal_source {
-            uses.push(SessionUse::WalSource);
-        } else if config.database.notify {
-            uses.push(SessionUse::Listen);
-        }
-        let session = session_pool(&config.database, pg.pool(), &uses).await?;
+        let session =
+            session_pool(&config.database, pg.pool(), &config.database.session_uses()).await?;
         if wal_source {
             wal_preflight(&config, &pg).await?;
         } else {
@@ -252,8 +247,7 @@ async fn wait_for_grants(
 /// Before the WAL source starts: the server can decode, the held table is there.
 async fn wal_preflight(config: &Config, held: &PostgresStore) -> Result<(), Failure> {
     config.wal.validate()?;
-    check_wal_level(&wal_level(held.pool()).await?)?;
-    super::held_table_exists(held.pool(), held.table()).await
+    Ok(txoutbox_postgres::wal::preflight(held.pool(), held.table()).await?)
 }
 
 /// The WAL source's gauges, refreshed every `every`; a loud warning while the slot keeps more

@@ -4,7 +4,7 @@
 use clap::Subcommand;
 use tracing::{info, warn};
 
-use txoutbox_postgres::{connect_config, migrate, OutboxTable};
+use txoutbox_postgres::{connect_config, OutboxTable};
 
 use super::{usage, Failure};
 use crate::config::Config;
@@ -41,14 +41,11 @@ pub(super) async fn cmd_wal(
     let pool = connect_config(&config.database).await?;
     match command {
         WalCommand::Setup => {
-            let created = slot.setup(&pool).await?;
-            let held = config.wal.held_table(&table)?;
-            let applied = migrate(&pool, &held).await?;
-            if created.slot && config.wal.delete_published {
-                // Unpublished rows committed before the slot's consistent point are not in it: the
-                // relay moves them to the held table before it streams.
-                txoutbox_postgres::wal::mark_new_slot(&pool, &table, &held, slot.slot()).await?;
-            }
+            let txoutbox_postgres::wal::Setup {
+                made: created,
+                held,
+                held_migrations: applied,
+            } = txoutbox_postgres::wal::setup(&pool, &table, &config.wal).await?;
             let said = |made: bool| if made { "created" } else { "exists" };
             println!(
                 "publication {}: {}\nslot {}: {}\nheld table {}: {}",

@@ -758,7 +758,8 @@ pub(super) async fn mark_unfinished(inner: &Inner, conn: &mut PgConnection) -> R
 /// After `outbox wal setup` made `slot` (none existed): rows of `source` still unpublished that
 /// committed before the slot's consistent point are not in it, so the relay moves every row up to
 /// the table's largest `seq` now to the held table `held` before it streams (for example rows
-/// written while no slot existed, or before a switch from the polling source).
+/// written while no slot existed, or before a switch from the polling source). An empty table needs
+/// no mark.
 ///
 /// # Errors
 /// A database error.
@@ -776,6 +777,10 @@ pub async fn mark_new_slot(
     .fetch_one(&mut *conn)
     .await
     .map_err(|e| map_sqlx("wal setup", e))?;
+    if fence == 0 {
+        // An empty table: nothing to move.
+        return Ok(());
+    }
     FallbackMark { fence: Some(fence) }
         .save(&mut conn, held, slot)
         .await

@@ -42,7 +42,8 @@
 //! for the relay, which streams it.
 //!
 //! # Where things are
-//! - `slot`: the publication and the slot, their setup and removal; `status`: where the slot
+//! - `setup`: what `outbox wal setup` makes; `slot`: the publication and the slot, their setup and
+//!   removal; `status`: where the slot
 //!   stands; `config`: the `[wal]` settings ([`WalConfig`]).
 //! - `decode`: the slot's pgoutput messages as whole transactions of events; [`WalReader`].
 //! - `store`: [`WalStore`] and its leases; `reader`: the reader task (lock, standby, reading
@@ -63,6 +64,7 @@ mod mark;
 mod reader;
 mod replay;
 mod replication;
+mod setup;
 mod slot;
 mod status;
 mod store;
@@ -78,6 +80,7 @@ pub use fallback::{mark_new_slot, FallbackReason, FALLBACK_REASONS};
 pub use held::{held_events_left, refuse_polling_over_held_events, UNDECODABLE_AGGREGATE_TYPE};
 pub use mark::{FALLBACK_MARK_TYPE, SPILL_MARK_TYPE};
 pub use reader::STANDBY_RETRY;
-pub use slot::{check_wal_level, wal_level, WalSetup, WalSlot};
+pub use setup::{setup, Setup};
+pub use slot::{check_wal_level, held_table_exists, preflight, wal_level, WalSetup, WalSlot};
 pub use status::{SlotPositions, WalStatus, STATUS_PEEK};
 pub use store::{ReaderHandle, WalProgress, WalStore};

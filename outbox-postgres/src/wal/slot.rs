@@ -359,6 +359,36 @@ pub fn check_wal_level(wal_level: &str) -> Result<(), Error> {
     )))
 }
 
+/// A config error naming the fix unless the held table `held` exists (`outbox wal setup` makes it,
+/// with the publication and the slot).
+///
+/// # Errors
+/// As said; a database error.
+pub async fn held_table_exists(pool: &PgPool, held: &OutboxTable) -> Result<(), Error> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(held.qualified())
+        .fetch_one(pool)
+        .await
+        .map_err(|e| map_sqlx("held table check", e))?;
+    if exists {
+        return Ok(());
+    }
+    Err(Error::config(format!(
+        "database.source = \"wal\" but the held table {} does not exist: run `outbox wal setup` (after `outbox migrate`; it makes the publication, the slot and that table)",
+        held.qualified()
+    )))
+}
+
+/// The WAL source's pre-flight, before a relay reads or a check reports: the server's `wal_level`
+/// is `logical` and the held table `held` exists; a config error naming the fix otherwise.
+///
+/// # Errors
+/// As said; a database error.
+pub async fn preflight(pool: &PgPool, held: &OutboxTable) -> Result<(), Error> {
+    check_wal_level(&wal_level(pool).await?)?;
+    held_table_exists(pool, held).await
+}
+
 /// What [`WalSlot::setup`] created or [`WalSlot::drop`] dropped.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct WalSetup {
