@@ -143,6 +143,18 @@ fn prepared_statements_refused(e: sqlx::Error, setting: &str) -> Error {
     }
 }
 
+/// What [`session_pool`] gives: the pool for what needs a server session of its own, and what it
+/// found on the way.
+#[derive(Debug, Clone)]
+pub struct SessionPool {
+    /// `database.direct_url`'s pool, or `database.url`'s when nothing needs another.
+    pub pool: PgPool,
+    /// What `database.url` reaches.
+    pub url_reaches: Pooling,
+    /// Whether `pool` is `database.direct_url`'s.
+    pub direct: bool,
+}
+
 /// The pool for what needs a server session of its own (`uses`; none: `pool` itself).
 /// `database.direct_url` when set (it must not reach a transaction-mode pooler), else `pool`,
 /// which then must not either. `pool` (of `database.url`) is probed in any case, so that a pooler
@@ -155,8 +167,13 @@ pub async fn session_pool(
     config: &DatabaseConfig,
     pool: &PgPool,
     uses: &[SessionUse],
-) -> Result<PgPool, Error> {
+) -> Result<SessionPool, Error> {
     let main = probe(&pool.connect_options(), "database.url").await?;
+    let same = |pool: &PgPool| SessionPool {
+        pool: pool.clone(),
+        url_reaches: main,
+        direct: false,
+    };
     if main == Pooling::Transaction {
         tracing::info!("database.url reaches a connection pooler in transaction mode");
     }
@@ -176,13 +193,13 @@ pub async fn session_pool(
                 ),
             ));
         }
-        return Ok(pool.clone());
+        return Ok(same(pool));
     };
     if uses.is_empty() {
         tracing::info!(
             "database.direct_url is set but unused: only the WAL source and database.notify need a session of their own"
         );
-        return Ok(pool.clone());
+        return Ok(same(pool));
     }
     let direct = crate::pool::connect_url(
         direct,
@@ -216,7 +233,11 @@ pub async fn session_pool(
         direct.close().await;
         return Err(e);
     }
-    Ok(direct)
+    Ok(SessionPool {
+        pool: direct,
+        url_reaches: main,
+        direct: true,
+    })
 }
 
 /// The server (its system identifier) and the database a pool reaches.

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use txoutbox_core::{Error, ErrorKind, Store};
-use txoutbox_postgres::pooler::{probe, Pooling, SessionUse};
+use txoutbox_postgres::pooler::{Pooling, SessionUse};
 use txoutbox_postgres::wal::WalStore;
 use txoutbox_postgres::{OutboxTable, PostgresStore, Source};
 
@@ -139,13 +139,13 @@ async fn database(pg: &PostgresStore) -> Result<String, Error> {
 
 /// What `database.url` reaches, and `database.direct_url` when something needs it.
 async fn pooler(config: &Config, pg: &PostgresStore) -> Result<String, Error> {
-    let uses = config.database.session_uses();
-    let main = probe(&pg.pool().connect_options(), "database.url").await?;
-    // The pool itself when nothing needs a session of its own: dropped, not closed.
-    let _session =
-        txoutbox_postgres::pooler::session_pool(&config.database, pg.pool(), &uses).await?;
-    let direct = config.database.direct_url.is_some() && !uses.is_empty();
-    Ok(match (main, direct) {
+    let found = txoutbox_postgres::pooler::session_pool(
+        &config.database,
+        pg.pool(),
+        &config.database.session_uses(),
+    )
+    .await?;
+    Ok(match (found.url_reaches, found.direct) {
         (Pooling::Session, false) => {
             "database.url reaches the server (or a session-mode pool)".into()
         }
@@ -199,7 +199,8 @@ async fn wal_prerequisites(
         held.pool(),
         &[SessionUse::WalSource],
     )
-    .await?;
+    .await?
+    .pool;
     let source = WalStore::new(session, slot, held.clone(), &config.wal)?;
     source.check().await?;
     Ok(format!(

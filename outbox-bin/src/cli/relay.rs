@@ -58,8 +58,9 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         };
         // Behind a transaction-mode pooler, what needs a session of its own goes to
         // database.direct_url.
-        let session =
-            session_pool(&config.database, pg.pool(), &config.database.session_uses()).await?;
+        let session = session_pool(&config.database, pg.pool(), &config.database.session_uses())
+            .await?
+            .pool;
         if wal_source {
             wal_preflight(&config, &pg).await?;
         } else {
