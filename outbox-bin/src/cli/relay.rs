@@ -263,24 +263,9 @@ async fn watch_wal(
     let mut warned_missing = false;
     loop {
         let progress = wal.progress();
-        let mut figures = crate::metrics::WalFigures {
-            active: progress.active,
-            unsettled: progress.unsettled as u64,
-            lag_seconds: progress.lag_seconds,
-            retained_warning: warning,
-            fallback: progress.fallback.is_some(),
-            fallbacks: progress.fallbacks_by_reason.clone(),
-            fallback_moved: progress.fallback_moved,
-            tableless_gaps: progress.tableless_gaps,
-            tableless_gap_bytes: progress.tableless_gap_bytes,
-            ..Default::default()
-        };
-        match wal.slot().positions(wal.held().pool()).await {
+        let positions = match wal.slot().positions(wal.held().pool()).await {
             Ok(Some(p)) => {
                 warned_missing = false;
-                figures.slot_present = true;
-                figures.lag_bytes = p.lag_bytes;
-                figures.retained_bytes = p.retained_bytes;
                 if p.retains_too_much(warning) {
                     warn!(
                         slot = wal.slot().slot(),
@@ -290,6 +275,7 @@ async fn watch_wal(
                         "the slot keeps more WAL than wal.retained_wal_warning (or is losing WAL): the relay is not keeping up, or the slot is not read; the database's disk fills until it is"
                     );
                 }
+                Some(p)
             }
             Ok(None) => {
                 if !warned_missing {
@@ -299,10 +285,14 @@ async fn watch_wal(
                     );
                     warned_missing = true;
                 }
+                None
             }
-            Err(e) => warn!(error = %e, "cannot read the slot's positions for metrics"),
-        }
-        metrics.record_wal(&figures);
+            Err(e) => {
+                warn!(error = %e, "cannot read the slot's positions for metrics");
+                None
+            }
+        };
+        metrics.record_wal(&progress, positions.as_ref(), warning);
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
             _ = shutdown.cancelled() => return,

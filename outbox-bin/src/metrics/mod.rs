@@ -16,8 +16,8 @@ use txoutbox_core::{BatchReport, Error, Event, FailureDecision, RelayObserver, S
 
 mod wal;
 
+pub use wal::ReasonLabel;
 use wal::WalGauges;
-pub use wal::{ReasonLabel, WalFigures};
 
 /// Label set of per-event-type metrics.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -393,9 +393,15 @@ impl Metrics {
         *shown = series.keys().map(|t| t.to_string()).collect();
     }
 
-    /// Updates the WAL source's gauges.
-    pub fn record_wal(&self, wal: &WalFigures) {
-        self.wal.record(wal);
+    /// Updates the WAL source's gauges from the reader's `progress`, the slot's `positions`
+    /// (`None`: missing, or not read) and `wal.retained_wal_warning`.
+    pub fn record_wal(
+        &self,
+        progress: &txoutbox_postgres::wal::WalProgress,
+        positions: Option<&txoutbox_postgres::wal::SlotPositions>,
+        retained_warning: u64,
+    ) {
+        self.wal.record(progress, positions, retained_warning);
     }
 
     /// `rows` expired rows were removed by the automatic cleanup.
@@ -520,6 +526,60 @@ impl RelayObserver for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_wal_gauges_read_the_readers_progress_and_the_slot() {
+        let m = Metrics::default();
+        let mut progress = txoutbox_postgres::wal::WalProgress {
+            active: true,
+            unsettled: 12,
+            in_flight: 3,
+            lag_seconds: 0.25,
+            confirmed_lsn: 42,
+            fallback: Some("the publication lacks the table".into()),
+            fallbacks: 2,
+            fallbacks_by_reason: vec![("slot_missing", 0), ("table_not_published", 2)],
+            fallback_moved: 150,
+            tableless_gaps: 1,
+            tableless_gap_bytes: 4096,
+        };
+        let positions = txoutbox_postgres::wal::SlotPositions {
+            lag_bytes: 800,
+            retained_bytes: 9000,
+            wal_status: Some("reserved".into()),
+        };
+        m.record_wal(&progress, Some(&positions), 1 << 30);
+        let text = m.render();
+        for needle in [
+            "outbox_wal_reader_active 1",
+            "outbox_wal_unsettled_events 12",
+            "outbox_wal_lag_seconds 0.25",
+            "outbox_wal_slot_present 1",
+            "outbox_wal_slot_lag_bytes 800",
+            "outbox_wal_slot_retained_bytes 9000",
+            "outbox_wal_retained_warning_bytes 1073741824",
+            "outbox_wal_fallback 1",
+            "outbox_wal_fallbacks_total{reason=\"table_not_published\"} 2",
+            "outbox_wal_fallback_moved_events_total 150",
+            "outbox_wal_tableless_gaps_total 1",
+            "outbox_wal_tableless_gap_bytes_total 4096",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from:\n{text}");
+        }
+        // Totals only grow by what was added; a missing slot reads as absent.
+        progress.fallback = None;
+        progress.fallbacks_by_reason = vec![("slot_missing", 1), ("table_not_published", 2)];
+        m.record_wal(&progress, None, 1 << 30);
+        let text = m.render();
+        for needle in [
+            "outbox_wal_fallback 0",
+            "outbox_wal_slot_present 0",
+            "outbox_wal_fallbacks_total{reason=\"slot_missing\"} 1",
+            "outbox_wal_fallbacks_total{reason=\"table_not_published\"} 2",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from:\n{text}");
+        }
+    }
 
     #[test]
     fn renders_the_required_metrics() {

@@ -9,40 +9,13 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use txoutbox_postgres::wal::{SlotPositions, WalProgress};
+
 /// Label set of the WAL source's fallbacks.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     /// Why the reader fell back to the outbox table (one of `txoutbox_postgres::wal::FALLBACK_REASONS`).
     pub reason: String,
-}
-
-/// The WAL source's figures for [`Metrics::record_wal`].
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct WalFigures {
-    /// This relay reads the slot (not a standby).
-    pub active: bool,
-    /// Events read from the slot, not yet published nor held.
-    pub unsettled: u64,
-    /// Seconds since the commit of the oldest transaction read and not yet confirmed.
-    pub lag_seconds: f64,
-    /// The slot exists.
-    pub slot_present: bool,
-    /// Bytes of WAL written since the slot's confirmed position.
-    pub lag_bytes: i64,
-    /// Bytes of WAL the slot keeps on disk.
-    pub retained_bytes: i64,
-    /// `wal.retained_wal_warning`.
-    pub retained_warning: u64,
-    /// This relay publishes from the outbox table: the slot cannot be streamed.
-    pub fallback: bool,
-    /// Times this relay fell back to the outbox table, by reason (totals).
-    pub fallbacks: Vec<(&'static str, u64)>,
-    /// Rows this relay moved from the outbox table to the held table while falling back (a total).
-    pub fallback_moved: u64,
-    /// Times a slot was made again after one was lost (a total).
-    pub tableless_gaps: u64,
-    /// The WAL bytes no slot read, where known (a total).
-    pub tableless_gap_bytes: u64,
 }
 
 /// The WAL source's gauges (0 under the polling source).
@@ -62,20 +35,28 @@ pub(super) struct WalGauges {
 }
 
 impl WalGauges {
-    /// Sets the gauges and advances the counters to `wal`'s figures.
-    pub(super) fn record(&self, wal: &WalFigures) {
+    /// Sets the gauges and advances the counters to the reader's `progress`, the slot's
+    /// `positions` (`None`: the slot is missing, or could not be read) and `wal.retained_wal_warning`.
+    pub(super) fn record(
+        &self,
+        wal: &WalProgress,
+        positions: Option<&SlotPositions>,
+        retained_warning: u64,
+    ) {
         let g = self;
         g.active.set(i64::from(wal.active));
-        g.unsettled.set(wal.unsettled.min(i64::MAX as u64) as i64);
+        g.unsettled
+            .set(i64::try_from(wal.unsettled).unwrap_or(i64::MAX));
         g.lag_seconds.set(wal.lag_seconds);
-        g.slot_present.set(i64::from(wal.slot_present));
-        g.lag_bytes.set(wal.lag_bytes);
-        g.retained_bytes.set(wal.retained_bytes);
+        g.slot_present.set(i64::from(positions.is_some()));
+        g.lag_bytes.set(positions.map_or(0, |p| p.lag_bytes));
+        g.retained_bytes
+            .set(positions.map_or(0, |p| p.retained_bytes));
         g.retained_warning
-            .set(wal.retained_warning.min(i64::MAX as u64) as i64);
-        g.fallback.set(i64::from(wal.fallback));
+            .set(i64::try_from(retained_warning).unwrap_or(i64::MAX));
+        g.fallback.set(i64::from(wal.fallback.is_some()));
         // Counters of the reader's own totals: what was added since the last refresh.
-        for (reason, total) in &wal.fallbacks {
+        for (reason, total) in &wal.fallbacks_by_reason {
             let counter = g.fallbacks.get_or_create(&ReasonLabel {
                 reason: (*reason).to_string(),
             });
