@@ -803,7 +803,7 @@ async fn a_transaction_open_across_the_publications_repair_loses_nothing() {
         .await
         .unwrap();
     wait_until(Duration::from_secs(30), "the relay falls back", || async {
-        store.progress().fallback.is_some()
+        store.progress().fallback.reason.is_some()
     })
     .await;
     sqlx::query(&format!(
@@ -828,7 +828,7 @@ async fn a_transaction_open_across_the_publications_repair_loses_nothing() {
     )
     .await;
     assert!(
-        store.progress().fallback.is_some(),
+        store.progress().fallback.reason.is_some(),
         "the relay does not stream again while the transaction runs"
     );
     long.commit().await.unwrap();
@@ -838,7 +838,7 @@ async fn a_transaction_open_across_the_publications_repair_loses_nothing() {
     wait_until(
         Duration::from_secs(30),
         "the relay streams again",
-        || async { store.progress().fallback.is_none() },
+        || async { store.progress().fallback.reason.is_none() },
     )
     .await;
     let verdict = judged(

@@ -121,7 +121,8 @@ async fn drop_the_slot(pool: &sqlx::PgPool, wal: &WalSource) {
 fn fallbacks_for(store: &WalStore, reason: &str) -> u64 {
     store
         .progress()
-        .fallbacks_by_reason
+        .fallback
+        .by_reason
         .iter()
         .find(|(r, _)| *r == reason)
         .map_or(0, |(_, n)| *n)
@@ -205,7 +206,7 @@ async fn operator_makes_it_again(fault: Fault) {
     }
     delivered(&publisher, &during).await;
     rows.extend(during);
-    let reason = store.progress().fallback.expect("in fallback");
+    let reason = store.progress().fallback.reason.expect("in fallback");
     let e = store.check().await.expect_err("not ready in fallback");
     assert!(
         e.message().contains("outbox wal setup") && e.message().contains("auto_recreate"),
@@ -221,7 +222,7 @@ async fn operator_makes_it_again(fault: Fault) {
     // The operator makes it again.
     wal.slot.setup(&pool).await.unwrap();
     wait_until(Duration::from_secs(60), "streaming again", || async {
-        store.progress().fallback.is_none() && store.check().await.is_ok()
+        store.progress().fallback.reason.is_none() && store.check().await.is_ok()
     })
     .await;
     for round in 6..9 {
@@ -235,8 +236,8 @@ async fn operator_makes_it_again(fault: Fault) {
     assert_clean_verdict(&verdict(&publisher, &[rows, messages].concat()));
     let progress = store.progress();
     // One fallback (counted again should the reader reconnect in the middle).
-    assert!(progress.fallbacks >= 1, "{progress:?}");
-    assert!(progress.fallback_moved >= 15, "{progress:?}");
+    assert!(progress.fallback.total >= 1, "{progress:?}");
+    assert!(progress.fallback.moved >= 15, "{progress:?}");
     let reason = match fault {
         Fault::SlotDropped => "slot_missing",
         Fault::TableUnpublished | Fault::TableRecreated => "table_not_published",
@@ -244,13 +245,13 @@ async fn operator_makes_it_again(fault: Fault) {
     assert!(fallbacks_for(&store, reason) >= 1, "{progress:?}");
     match unread {
         Some(_) => {
-            assert_eq!(progress.tableless_gaps, 1, "{progress:?}");
+            assert_eq!(progress.fallback.tableless_gaps, 1, "{progress:?}");
             assert!(
-                progress.tableless_gap_bytes >= unread_span,
+                progress.fallback.tableless_gap_bytes >= unread_span,
                 "the gap's range covers the unread message ({unread_span} bytes at least): {progress:?}"
             );
         }
-        None => assert_eq!(progress.tableless_gaps, 0, "{progress:?}"),
+        None => assert_eq!(progress.fallback.tableless_gaps, 0, "{progress:?}"),
     }
 }
 
@@ -284,7 +285,7 @@ async fn without_deleting_published_rows(fault: Fault) {
     // Not published: no slot decodes them, and the table's published rows look the same.
     let _unpublished = write_rows(&pool, &table, 1).await;
     wait_until(Duration::from_secs(30), "the reader falls back", || async {
-        store.progress().fallback.is_some()
+        store.progress().fallback.reason.is_some()
     })
     .await;
     // Held while the slot is missing (a reader that gave up and tried again every second would
@@ -292,7 +293,7 @@ async fn without_deleting_published_rows(fault: Fault) {
     let until = std::time::Instant::now() + Duration::from_secs(3);
     while std::time::Instant::now() < until {
         let progress = store.progress();
-        assert!(progress.fallback.is_some(), "{progress:?}");
+        assert!(progress.fallback.reason.is_some(), "{progress:?}");
         let e = store.check().await.expect_err("not ready without the slot");
         assert!(e.message().contains("outbox wal setup"), "{e}");
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -300,7 +301,7 @@ async fn without_deleting_published_rows(fault: Fault) {
     assert_eq!(fallbacks_for(&store, reason), 1);
     wal.slot.setup(&pool).await.unwrap();
     wait_until(Duration::from_secs(60), "streaming again", || async {
-        store.progress().fallback.is_none() && store.check().await.is_ok()
+        store.progress().fallback.reason.is_none() && store.check().await.is_ok()
     })
     .await;
     // No fallback mark is left: one would make a relay that deletes published rows (after a change
@@ -384,7 +385,7 @@ async fn table_removed_and_added_again_at_once_loses_no_row() {
     }
     delivered(&publisher, &rows).await;
     wait_until(Duration::from_secs(30), "streaming again", || async {
-        store.progress().fallback.is_none() && store.progress().fallbacks >= 1
+        store.progress().fallback.reason.is_none() && store.progress().fallback.total >= 1
     })
     .await;
     shutdown.cancel();
@@ -393,7 +394,7 @@ async fn table_removed_and_added_again_at_once_loses_no_row() {
     // once all the same.
     assert_clean_verdict(&verdict(&publisher, &rows));
     assert!(
-        store.progress().fallback_moved >= 15,
+        store.progress().fallback.moved >= 15,
         "{:?}",
         store.progress()
     );
@@ -438,7 +439,7 @@ async fn writers_racing_the_fallback(unpublish: bool) {
         if unpublish {
             wal.unpublish(&pool, &table).await;
             wait_until(Duration::from_secs(60), "the reader falls back", || async {
-                store.progress().fallbacks >= n
+                store.progress().fallback.total >= n
             })
             .await;
             sqlx::query(&format!(
@@ -454,7 +455,7 @@ async fn writers_racing_the_fallback(unpublish: bool) {
         }
         wait_until(Duration::from_secs(120), "streaming again", || async {
             let p = store.progress();
-            p.fallbacks >= n && p.fallback.is_none() && store.check().await.is_ok()
+            p.fallback.total >= n && p.fallback.reason.is_none() && store.check().await.is_ok()
         })
         .await;
     }
@@ -465,7 +466,7 @@ async fn writers_racing_the_fallback(unpublish: bool) {
     task.await.unwrap();
     assert_clean_verdict(&verdict(&publisher, &rows));
     assert!(
-        store.progress().fallback_moved > 0,
+        store.progress().fallback.moved > 0,
         "{:?}",
         store.progress()
     );
@@ -509,14 +510,14 @@ async fn rows_written_before_the_slot_was_made_are_published() {
     }
     delivered(&publisher, &rows).await;
     wait_until(Duration::from_secs(30), "streaming", || async {
-        store.progress().fallback.is_none() && store.check().await.is_ok()
+        store.progress().fallback.reason.is_none() && store.check().await.is_ok()
     })
     .await;
     shutdown.cancel();
     task.await.unwrap();
     assert_clean_verdict(&verdict(&publisher, &rows));
     assert_eq!(
-        store.progress().fallback_moved,
+        store.progress().fallback.moved,
         15,
         "the rows before the slot"
     );

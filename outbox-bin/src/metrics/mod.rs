@@ -536,12 +536,14 @@ mod tests {
             in_flight: 3,
             lag_seconds: 0.25,
             confirmed_lsn: 42,
-            fallback: Some("the publication lacks the table".into()),
-            fallbacks: 2,
-            fallbacks_by_reason: vec![("slot_missing", 0), ("table_not_published", 2)],
-            fallback_moved: 150,
-            tableless_gaps: 1,
-            tableless_gap_bytes: 4096,
+            fallback: txoutbox_postgres::wal::FallbackProgress {
+                reason: Some("the publication lacks the table".into()),
+                total: 2,
+                by_reason: vec![("slot_missing", 0), ("table_not_published", 2)],
+                moved: 150,
+                tableless_gaps: 1,
+                tableless_gap_bytes: 4096,
+            },
         };
         let positions = txoutbox_postgres::wal::SlotPositions {
             lag_bytes: 800,
@@ -567,8 +569,8 @@ mod tests {
             assert!(text.contains(needle), "{needle} missing from:\n{text}");
         }
         // Totals only grow by what was added; a missing slot reads as absent.
-        progress.fallback = None;
-        progress.fallbacks_by_reason = vec![("slot_missing", 1), ("table_not_published", 2)];
+        progress.fallback.reason = None;
+        progress.fallback.by_reason = vec![("slot_missing", 1), ("table_not_published", 2)];
         m.record_wal(&progress, None, 1 << 30);
         let text = m.render();
         for needle in [

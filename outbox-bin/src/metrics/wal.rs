@@ -9,7 +9,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use txoutbox_postgres::wal::{SlotPositions, WalProgress};
+use txoutbox_postgres::wal::{FallbackProgress, SlotPositions, WalProgress};
 
 /// Label set of the WAL source's fallbacks.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -29,9 +29,8 @@ pub(super) struct WalGauges {
     retained_warning: Gauge,
     fallback: Gauge,
     fallbacks: Family<ReasonLabel, Counter>,
-    fallback_moved: Counter,
-    tableless_gaps: Counter,
-    tableless_gap_bytes: Counter,
+    /// [`FallbackProgress::COUNTERS`], in that order.
+    counters: Vec<Counter>,
 }
 
 impl WalGauges {
@@ -54,19 +53,15 @@ impl WalGauges {
             .set(positions.map_or(0, |p| p.retained_bytes));
         g.retained_warning
             .set(i64::try_from(retained_warning).unwrap_or(i64::MAX));
-        g.fallback.set(i64::from(wal.fallback.is_some()));
+        g.fallback.set(i64::from(wal.fallback.reason.is_some()));
         // Counters of the reader's own totals: what was added since the last refresh.
-        for (reason, total) in &wal.fallbacks_by_reason {
+        for (reason, total) in &wal.fallback.by_reason {
             let counter = g.fallbacks.get_or_create(&ReasonLabel {
                 reason: (*reason).to_string(),
             });
             counter.inc_by(total.saturating_sub(counter.get()));
         }
-        for (counter, total) in [
-            (&g.fallback_moved, wal.fallback_moved),
-            (&g.tableless_gaps, wal.tableless_gaps),
-            (&g.tableless_gap_bytes, wal.tableless_gap_bytes),
-        ] {
+        for (counter, total) in g.counters.iter().zip(wal.fallback.counter_values()) {
             counter.inc_by(total.saturating_sub(counter.get()));
         }
     }
@@ -82,9 +77,10 @@ impl WalGauges {
             retained_warning: Gauge::default(),
             fallback: Gauge::default(),
             fallbacks: Family::default(),
-            fallback_moved: Counter::default(),
-            tableless_gaps: Counter::default(),
-            tableless_gap_bytes: Counter::default(),
+            counters: FallbackProgress::COUNTERS
+                .iter()
+                .map(|_| Counter::default())
+                .collect(),
         };
         registry.register(
             "outbox_wal_reader_active",
@@ -138,21 +134,9 @@ impl WalGauges {
             "Times this relay fell back to publishing from the outbox table, by reason: slot_missing, slot_lost (invalidated), no_publication, table_not_published (removed from the publication, or dropped and made again), rows_before_slot (rows written before the slot was made)",
             g.fallbacks.clone(),
         );
-        registry.register(
-            "outbox_wal_fallback_moved_events",
-            "Rows this relay moved from the outbox table to the held table while falling back",
-            g.fallback_moved.clone(),
-        );
-        registry.register(
-            "outbox_wal_tableless_gaps",
-            "Times a replication slot was made again after one this relay read was lost: table-less events committed in between were not read by any slot",
-            g.tableless_gaps.clone(),
-        );
-        registry.register(
-            "outbox_wal_tableless_gap_bytes",
-            "Bytes of WAL in which table-less events were not read by any slot (where the old slot's position was known)",
-            g.tableless_gap_bytes.clone(),
-        );
+        for ((name, help), counter) in FallbackProgress::COUNTERS.iter().zip(&g.counters) {
+            registry.register(*name, *help, counter.clone());
+        }
         g
     }
 }

@@ -2,9 +2,9 @@
 //! state (ready, in a lease, failed, moving to the held table, done), and what the store, its
 //! leases and the reader task share ([`Inner`]).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,7 @@ use txoutbox_core::{Action, Event, Wake};
 
 use super::conninfo::{ReplicationHealth, ReplicationTarget};
 use super::decode::WalReader;
+use super::progress::Fallbacks;
 use crate::store::PostgresStore;
 use crate::table::OutboxTable;
 
@@ -176,19 +177,8 @@ pub(super) struct Inner {
     /// Wakes the reader (a batch was settled; new events may be there).
     pub(super) reader_wake: Arc<Notify>,
     pub(super) relay_wake: Mutex<Option<Wake>>,
-    /// Why the reader publishes from the outbox table instead of the slot (`None`: it does not).
-    pub(super) fallback: Mutex<Option<String>>,
-    /// Times the reader fell back to the outbox table, by reason ([`super::FALLBACK_REASONS`]).
-    pub(super) fallbacks: Mutex<BTreeMap<&'static str, u64>>,
-    /// Rows moved from the outbox table to the held table while falling back.
-    pub(super) fallback_moved: AtomicU64,
-    /// The slot's confirmed position as last seen readable (the start of the WAL no slot read,
-    /// should it be lost).
-    pub(super) slot_confirmed: AtomicU64,
-    /// Times table-less events may have gone unread (a slot made again), and the WAL bytes of
-    /// those ranges that are known.
-    pub(super) tableless_gaps: AtomicU64,
-    pub(super) tableless_gap_bytes: AtomicU64,
+    /// The fallbacks to the outbox table: now, and counted.
+    pub(super) fallbacks: Fallbacks,
     /// When the relay last asked for events.
     pub(super) last_claim: Mutex<Instant>,
     /// A reading of this relay ended after deleting rows of events it had not confirmed yet:
@@ -199,36 +189,6 @@ pub(super) struct Inner {
 impl Inner {
     pub(super) fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Marks the reader as publishing from the outbox table, for `reason` (counted under `kind`,
-    /// one of [`super::FALLBACK_REASONS`]); true when it was not.
-    pub(super) fn enter_fallback(&self, kind: &'static str, reason: &str) -> bool {
-        let mut f = self.fallback.lock().unwrap_or_else(|p| p.into_inner());
-        let entered = f.is_none();
-        if entered {
-            *self
-                .fallbacks
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(kind)
-                .or_default() += 1;
-        }
-        *f = Some(reason.to_string());
-        entered
-    }
-
-    /// Marks the reader as streaming the slot again.
-    pub(super) fn leave_fallback(&self) {
-        *self.fallback.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    }
-
-    /// Why the reader publishes from the outbox table, if it does.
-    pub(super) fn fallback_reason(&self) -> Option<String> {
-        self.fallback
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
     }
 
     pub(super) fn wake_relay(&self) {

@@ -213,7 +213,10 @@ pub(super) async fn check_slot(inner: &Inner, conn: &mut PgConnection) -> Result
     let confirmed = row.confirmed.and_then(|c| u64::try_from(c).ok());
     if problem.is_none() {
         if let Some(c) = confirmed {
-            inner.slot_confirmed.fetch_max(c, Ordering::SeqCst);
+            inner
+                .fallbacks
+                .slot_confirmed
+                .fetch_max(c, Ordering::SeqCst);
         }
     }
     Ok(SlotCheck {
@@ -268,10 +271,8 @@ pub(super) async fn fall_back(
         );
         return Ok(Some(check_slot(inner, conn).await?.identity));
     }
-    let kind = problem
-        .map_or(FallbackReason::RowsBeforeSlot, SlotProblem::reason)
-        .label();
-    let entered = inner.enter_fallback(kind, &format!("{reason}: {fix}"));
+    let kind = problem.map_or(FallbackReason::RowsBeforeSlot, SlotProblem::reason);
+    let entered = inner.fallbacks.enter(kind, &format!("{reason}: {fix}"));
     // With wal.delete_published = false the table keeps published rows: the reader cannot tell
     // which wait, publishes none of them, and only waits for the slot to be readable again.
     let from_table = inner.settings.delete_published;
@@ -312,7 +313,7 @@ pub(super) async fn fall_back(
     }
     // The slot's last confirmed position before it was lost: the start of the WAL whose table-less
     // events no slot read.
-    let lost_from = match inner.slot_confirmed.load(Ordering::SeqCst) {
+    let lost_from = match inner.fallbacks.slot_confirmed.load(Ordering::SeqCst) {
         0 => None,
         c => Some(c),
     };
@@ -375,7 +376,7 @@ pub(super) async fn fall_back(
                 Some(i) => i,
                 None => check_slot(inner, conn).await?.identity,
             };
-            inner.leave_fallback();
+            inner.fallbacks.leave();
             if from_table {
                 FallbackMark::clear(conn, inner.held.table()).await?;
                 info!(
@@ -486,7 +487,7 @@ async fn restore(
     let made_at = slot_lost.then_some(check.confirmed).flatten();
     if let Some(c) = made_at {
         // The new slot's position replaces the old one's.
-        inner.slot_confirmed.store(c, Ordering::SeqCst);
+        inner.fallbacks.slot_confirmed.store(c, Ordering::SeqCst);
     }
     Ok(Restored::Ready {
         fence,
@@ -579,8 +580,9 @@ fn report_gap(inner: &Inner, from: Option<u64>, to: u64) {
     let lsn = |l: u64| format!("{:X}/{:X}", l >> 32, l & 0xFFFF_FFFF);
     match (from, to) {
         (Some(from), to) if to >= from => {
-            inner.tableless_gaps.fetch_add(1, Ordering::SeqCst);
+            inner.fallbacks.tableless_gaps.fetch_add(1, Ordering::SeqCst);
             inner
+                .fallbacks
                 .tableless_gap_bytes
                 .fetch_add(to - from, Ordering::SeqCst);
             error!(
@@ -661,7 +663,8 @@ async fn move_rows(
     };
     if !ids.is_empty() {
         inner
-            .fallback_moved
+            .fallbacks
+            .moved
             .fetch_add(ids.len() as u64, Ordering::SeqCst);
     }
     Ok(ids.len())

@@ -50,7 +50,7 @@
 //!   loop); `stream`: the replication stream; `buffer`: the transactions read and each event's
 //!   state; `held`: the hand-over to the held table; `mark`: the held table's marks of unfinished
 //!   work; `confirm`: confirming settled transactions;
-//!   `replay`: what a reading hands over again; `fallback`: publishing from the outbox table while
+//!   `replay`: what a reading hands over again; `progress`: what the fallbacks count; `fallback`: publishing from the outbox table while
 //!   the slot cannot be streamed.
 
 mod buffer;
@@ -61,6 +61,7 @@ mod decode;
 mod fallback;
 mod held;
 mod mark;
+mod progress;
 mod reader;
 mod replay;
 mod replication;
@@ -79,6 +80,7 @@ pub use decode::{
 pub use fallback::{mark_new_slot, FallbackReason, FALLBACK_REASONS};
 pub use held::{held_events_left, refuse_polling_over_held_events, UNDECODABLE_AGGREGATE_TYPE};
 pub use mark::{FALLBACK_MARK_TYPE, SPILL_MARK_TYPE};
+pub use progress::FallbackProgress;
 pub use reader::STANDBY_RETRY;
 pub use setup::{setup, Setup};
 pub use slot::{check_wal_level, held_table_exists, preflight, wal_level, WalSetup, WalSlot};

@@ -113,7 +113,7 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
         info!(slot = %slot, "reading the slot");
         let result = read_slot(&inner, &mut conn, &stop).await;
         // An unfinished fallback is the held table's mark's: whichever relay reads next goes on.
-        inner.leave_fallback();
+        inner.fallbacks.leave();
         {
             let mut st = inner.state();
             *st = State {

@@ -3,7 +3,7 @@
 //! the `wal` module's documentation.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,7 @@ use super::confirm::check_reader_privileges;
 use super::conninfo::{ReplicationHealth, ReplicationTarget};
 use super::decode::WalReader;
 use super::fallback::{check_slot, not_ready};
+use super::progress::{FallbackProgress, Fallbacks};
 use super::reader::{run_reader, runtime_supported};
 use super::slot::WalSlot;
 use crate::error::map_sqlx;
@@ -45,20 +46,8 @@ pub struct WalProgress {
     pub lag_seconds: f64,
     /// The position this reader last confirmed (0: none yet).
     pub confirmed_lsn: u64,
-    /// Why this relay publishes from the outbox table instead of the slot (`None`: it streams
-    /// the slot, or stands by); see [`WalConfig::auto_recreate`].
-    pub fallback: Option<String>,
-    /// Times this relay fell back to the outbox table.
-    pub fallbacks: u64,
-    /// Those times by reason (each of [`super::FALLBACK_REASONS`], in that order).
-    pub fallbacks_by_reason: Vec<(&'static str, u64)>,
-    /// Rows this relay moved from the outbox table to the held table while falling back.
-    pub fallback_moved: u64,
-    /// Times a slot was made again after one was lost: table-less events committed in between were
-    /// not read by any slot.
-    pub tableless_gaps: u64,
-    /// The WAL bytes of those ranges, where this relay knew where the old slot stood.
-    pub tableless_gap_bytes: u64,
+    /// The fallbacks to the outbox table: now, and counted.
+    pub fallback: FallbackProgress,
 }
 
 /// The WAL source: a [`Store`] over a replication slot, with its held table (see the module's
@@ -128,12 +117,7 @@ impl WalStore {
                 }),
                 reader_wake: Arc::new(Notify::new()),
                 relay_wake: Mutex::new(None),
-                fallback: Mutex::new(None),
-                fallbacks: Mutex::default(),
-                fallback_moved: AtomicU64::new(0),
-                slot_confirmed: AtomicU64::new(0),
-                tableless_gaps: AtomicU64::new(0),
-                tableless_gap_bytes: AtomicU64::new(0),
+                fallbacks: Fallbacks::default(),
                 last_claim: Mutex::new(Instant::now()),
                 left_unconfirmed: AtomicBool::new(false),
             }),
@@ -178,17 +162,6 @@ impl WalStore {
 
     /// What the reader has in hand.
     pub fn progress(&self) -> WalProgress {
-        let by_reason: Vec<(&'static str, u64)> = {
-            let counts = self
-                .inner
-                .fallbacks
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            super::FALLBACK_REASONS
-                .iter()
-                .map(|r| (*r, counts.get(r).copied().unwrap_or(0)))
-                .collect()
-        };
         let st = self.inner.state();
         let oldest = st.txns.iter().find(|t| !t.settled()).map(|t| t.commit_time);
         WalProgress {
@@ -199,12 +172,7 @@ impl WalStore {
                 (Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0
             }),
             confirmed_lsn: st.confirmed,
-            fallback: self.inner.fallback_reason(),
-            fallbacks: by_reason.iter().map(|(_, n)| n).sum(),
-            fallbacks_by_reason: by_reason,
-            fallback_moved: self.inner.fallback_moved.load(Ordering::SeqCst),
-            tableless_gaps: self.inner.tableless_gaps.load(Ordering::SeqCst),
-            tableless_gap_bytes: self.inner.tableless_gap_bytes.load(Ordering::SeqCst),
+            fallback: self.inner.fallbacks.progress(),
         }
     }
 
@@ -443,7 +411,7 @@ impl Store for WalStore {
         if let Some(problem) = check_slot(&self.inner, &mut conn).await?.problem {
             return Err(not_ready(&self.inner, problem));
         }
-        if let Some(reason) = self.inner.fallback_reason() {
+        if let Some(reason) = self.inner.fallbacks.reason() {
             return Err(Error::new(
                 txoutbox_core::ErrorKind::Connection,
                 format!("the relay publishes from the outbox table until every row written before the slot's position is in the held table: {reason}"),
