@@ -2,19 +2,17 @@
 //! rows deleted first, with `wal.delete_published`), and the stream reports the position to the
 //! server.
 
-use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use sqlx::PgConnection;
 
-use tracing::{debug, error, warn};
+use tracing::error;
 use uuid::Uuid;
 
 use txoutbox_core::Error;
 
-use super::buffer::{EntryState, Inner};
-use super::held::move_failed;
+use super::shared::Inner;
 use super::stream::{Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
 
@@ -66,68 +64,6 @@ pub(super) async fn confirm_settled(
     drop(st);
     stream.settled.fetch_add(count, Ordering::SeqCst);
     Ok(())
-}
-
-/// How long a reading that fails waits for the batches in flight before it ends (see
-/// [`settle_before_leaving`]).
-const LEAVE_WAIT: Duration = Duration::from_secs(30);
-
-/// Before a reading that failed ends (the publication changed, the slot went, the stream broke):
-/// no more batches are handed out of the buffer, those in flight are waited for (at most
-/// [`LEAVE_WAIT`]), failed events go to the held table, and the rows of every event published or
-/// in the held table are deleted. The fallback that may follow moves only rows not yet dealt with,
-/// and the next reading skips those it reads again ([`super::replay`]): without this, events
-/// published since the last confirm would be published a second time. A database that does not
-/// answer leaves it undone (a reconnection is a crash's case).
-pub(super) async fn settle_before_leaving(inner: &Inner, conn: &mut PgConnection) {
-    inner.state().active = false;
-    let deadline = Instant::now() + LEAVE_WAIT;
-    loop {
-        let in_flight = inner.state().in_flight;
-        if in_flight == 0 {
-            break;
-        }
-        if Instant::now() >= deadline {
-            warn!(
-                in_flight,
-                waited_s = LEAVE_WAIT.as_secs(),
-                "the WAL reader stops reading with batches still in flight: their events are read again, and published again if those batches succeed"
-            );
-            break;
-        }
-        tokio::select! {
-            _ = inner.reader_wake.notified() => {}
-            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-        }
-    }
-    let settled = async {
-        move_failed(inner, conn).await?;
-        let ids = dealt_with_rows(inner);
-        if !ids.is_empty() {
-            // Before the delete: a reading that follows must check what it reads again.
-            inner.left_unconfirmed.store(true, Ordering::SeqCst);
-        }
-        delete_published(inner, conn, &ids).await
-    };
-    if let Err(e) = settled.await {
-        debug!(error = %e, "the rows of events published before the reading failed are not deleted: they are read again");
-    }
-}
-
-/// The rows of the buffer's events that are published or in the held table.
-fn dealt_with_rows(inner: &Inner) -> Vec<Uuid> {
-    let st = inner.state();
-    let mut ids = Vec::new();
-    for t in &st.txns {
-        let open: HashSet<Uuid> = t
-            .entries
-            .iter()
-            .filter(|e| e.state != EntryState::Done)
-            .map(|e| e.event.id)
-            .collect();
-        ids.extend(t.row_ids.iter().filter(|id| !open.contains(id)));
-    }
-    ids
 }
 
 /// Deletes the outbox rows `ids` (their events published or in the held table) when

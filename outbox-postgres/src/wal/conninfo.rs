@@ -13,7 +13,7 @@ use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_AL
 use sqlx::postgres::{PgConnectOptions, PgSslMode};
 use sqlx::ConnectOptions;
 
-use txoutbox_core::{Error, ErrorKind};
+use txoutbox_core::Error;
 
 /// How long opening the replication connection may take.
 const CONNECT_TIMEOUT_SECS: u64 = 30;
@@ -36,7 +36,7 @@ pub(crate) struct ReplicationTarget {
     conninfo: String,
     application_name: Option<String>,
     /// Where it connects, without the password: `user@host:port/database sslmode=...`.
-    shown: String,
+    pub(super) shown: String,
 }
 
 impl fmt::Debug for ReplicationTarget {
@@ -299,38 +299,11 @@ impl Drop for Streaming<'_> {
     }
 }
 
-impl ReplicationTarget {
-    /// Opens a replication connection with these settings and asks the server who it is
-    /// (`IDENTIFY_SYSTEM`), then closes it.
-    ///
-    /// # Errors
-    /// Why it does not open, naming where it tried to connect.
-    pub(crate) async fn probe(&self) -> Result<(), Error> {
-        let target = self.clone();
-        let answer = tokio::task::spawn_blocking(move || super::replication::probe(&target))
-            .await
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Connection,
-                    format!("the replication probe did not finish: {e}"),
-                )
-            })?;
-        answer.map_err(|e| {
-            Error::new(
-                ErrorKind::Connection,
-                format!(
-                    "the WAL source's replication connection to {} does not open: {e}",
-                    self.shown
-                ),
-            )
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use txoutbox_core::ErrorKind;
 
     fn target(url: &str) -> Result<ReplicationTarget, Error> {
         let options: PgConnectOptions = url.parse().unwrap();

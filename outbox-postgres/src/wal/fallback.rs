@@ -19,10 +19,11 @@ use uuid::Uuid;
 
 use txoutbox_core::{Error, ErrorKind};
 
-use super::buffer::Inner;
 use super::confirm::{delete_published, refusal};
 use super::held::held_changed;
 use super::mark::Mark;
+use super::progress::FallbackReason;
+use super::shared::Inner;
 use crate::error::map_sqlx;
 use crate::row::INSERT_COLUMNS;
 use crate::table::OutboxTable;
@@ -50,53 +51,6 @@ pub(super) enum SlotProblem {
     /// made again): its inserts are not decoded.
     TableNotPublished,
 }
-
-/// Why a reader falls back to the outbox table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum FallbackReason {
-    /// The slot is missing (dropped, or not made after a failover).
-    SlotMissing,
-    /// The slot lost WAL it needed (invalidated by `max_slot_wal_keep_size`).
-    SlotLost,
-    /// The publication is missing.
-    NoPublication,
-    /// The publication does not hold the outbox table.
-    TableNotPublished,
-    /// Rows were written before the slot was made (after `outbox wal setup`, or a fallback another
-    /// relay did not finish).
-    RowsBeforeSlot,
-}
-
-impl FallbackReason {
-    /// Every reason, in the order the metrics list them.
-    pub const ALL: [FallbackReason; 5] = [
-        FallbackReason::SlotMissing,
-        FallbackReason::SlotLost,
-        FallbackReason::NoPublication,
-        FallbackReason::TableNotPublished,
-        FallbackReason::RowsBeforeSlot,
-    ];
-
-    /// Its label, as the metrics (`reason`) and the alerts name it.
-    pub const fn label(self) -> &'static str {
-        match self {
-            FallbackReason::SlotMissing => "slot_missing",
-            FallbackReason::SlotLost => "slot_lost",
-            FallbackReason::NoPublication => "no_publication",
-            FallbackReason::TableNotPublished => "table_not_published",
-            FallbackReason::RowsBeforeSlot => "rows_before_slot",
-        }
-    }
-}
-
-/// The labels of [`FallbackReason::ALL`], in that order.
-pub const FALLBACK_REASONS: [&str; 5] = [
-    FallbackReason::SlotMissing.label(),
-    FallbackReason::SlotLost.label(),
-    FallbackReason::NoPublication.label(),
-    FallbackReason::TableNotPublished.label(),
-    FallbackReason::RowsBeforeSlot.label(),
-];
 
 impl SlotProblem {
     /// Whether the slot's WAL from its last confirmed position on is gone (table-less events of

@@ -11,11 +11,12 @@ use uuid::Uuid;
 
 use txoutbox_core::{Action, Error, Event};
 
-use super::buffer::{aggregate_key, Entry, EntryState, Inner, Txn};
+use super::buffer::{aggregate_key, Entry, EntryState, Txn};
 use super::confirm::delete_published;
 use super::decode::{Piece, WalItem, WalTransaction};
 use super::mark::Mark;
 use super::replay::ReplayGuard;
+use super::shared::Inner;
 use crate::error::map_sqlx;
 use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED};
 

@@ -23,9 +23,10 @@
 //! - **Confirms.** The slot's confirmed position moves past a transaction only once each of its
 //!   events is published or in the held table (and, with `wal.delete_published`, its outbox rows
 //!   deleted): a crash replays from there (at least once). A replayed event already in the held
-//!   table is not moved twice; after a fallback, or a reading that ended early, a replayed row event
-//!   whose row is gone (published, or moved by the fallback) is skipped (the `replay` module). A reading that fails first waits for the batches
-//!   in flight and deletes the rows of what it published (`confirm`).
+//!   table is not moved twice; after a fallback, or a reading that ended early, a replayed row
+//!   event whose row is gone (published, or moved by the fallback) is skipped (`replay`). A
+//!   reading that fails first waits for the batches in flight and deletes the rows of what it
+//!   published (`reader`).
 //! - **A slot that cannot be streamed** (missing, invalidated, its publication without the table):
 //!   the reader moves the outbox table's unpublished rows to the held table, makes the slot again
 //!   with `wal.auto_recreate`, and streams again once every row written before the new slot's
@@ -43,15 +44,19 @@
 //!
 //! # Where things are
 //! - `setup`: what `outbox wal setup` makes; `slot`: the publication and the slot, their setup and
-//!   removal; `status`: where the slot
-//!   stands; `config`: the `[wal]` settings ([`WalConfig`]).
+//!   removal; `status`: where the slot stands; `config`: the `[wal]` settings ([`WalConfig`]).
 //! - `decode`: the slot's pgoutput messages as whole transactions of events; [`WalReader`].
-//! - `store`: [`WalStore`] and its leases; `reader`: the reader task (lock, standby, reading
-//!   loop); `stream`: the replication stream; `buffer`: the transactions read and each event's
-//!   state; `held`: the hand-over to the held table; `mark`: the held table's marks of unfinished
-//!   work; `confirm`: confirming settled transactions;
-//!   `replay`: what a reading hands over again; `progress`: what the fallbacks count; `fallback`: publishing from the outbox table while
-//!   the slot cannot be streamed.
+//! - `conninfo`: the replication connection's settings and readiness; `replication`: that
+//!   connection; `stream`: the replication stream.
+//! - `store`: [`WalStore`] and its leases; `shared`: what the store, its leases and the reader
+//!   share; `reader`: the reader task (lock, standby, reading loop, leaving a reading); `buffer`:
+//!   the transactions read and each event's state; `held`: the hand-over to the held table;
+//!   `mark`: the held table's marks of unfinished work; `confirm`: confirming settled
+//!   transactions; `replay`: what a reading hands over again.
+//! - `fallback`: publishing from the outbox table while the slot cannot be streamed; `progress`:
+//!   what the fallbacks count, and why they happen ([`FallbackReason`]).
+//!
+//! Imports between these run one way: no module imports one that imports it back.
 
 mod buffer;
 mod config;
@@ -66,23 +71,24 @@ mod reader;
 mod replay;
 mod replication;
 mod setup;
+mod shared;
 mod slot;
 mod status;
 mod store;
 mod stream;
 
 pub use crate::writer::message::{MessageWriter, DEFAULT_MESSAGE_PREFIX};
-pub use buffer::CLAIMS_PAUSED_AFTER;
 pub use config::{WalConfig, DEFAULT_RETAINED_WAL_WARNING};
 pub use decode::{
     postgres_time, Piece, WalItem, WalPeek, WalReader, WalTransaction, PROTO_VERSION,
 };
-pub use fallback::{mark_new_slot, FallbackReason, FALLBACK_REASONS};
+pub use fallback::mark_new_slot;
 pub use held::{held_events_left, refuse_polling_over_held_events, UNDECODABLE_AGGREGATE_TYPE};
 pub use mark::{FALLBACK_MARK_TYPE, SPILL_MARK_TYPE};
-pub use progress::FallbackProgress;
+pub use progress::{FallbackProgress, FallbackReason, FALLBACK_REASONS};
 pub use reader::STANDBY_RETRY;
 pub use setup::{setup, Setup};
+pub use shared::CLAIMS_PAUSED_AFTER;
 pub use slot::{check_wal_level, held_table_exists, preflight, wal_level, WalSetup, WalSlot};
 pub use status::{SlotPositions, WalStatus, STATUS_PEEK};
 pub use store::{ReaderHandle, WalProgress, WalStore};

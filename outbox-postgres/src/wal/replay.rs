@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use txoutbox_core::Error;
 
-use super::buffer::Inner;
+use super::shared::Inner;
 use crate::error::map_sqlx;
 
 /// The WAL position at which a reading started: transactions that committed before it may have

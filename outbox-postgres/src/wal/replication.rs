@@ -20,6 +20,7 @@ use pg_walstream::{ReplicationError, XLogRecPtr};
 
 use super::conninfo::ReplicationTarget;
 use super::decode::PROTO_VERSION;
+use txoutbox_core::{Error, ErrorKind};
 
 /// The output settings every reading session of the slot runs with (name, value): columns come as
 /// the decoder reads them whatever the database's or role's defaults.
@@ -181,6 +182,34 @@ fn pin_settings_sql(application_name: Option<&str>) -> String {
         })
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+impl ReplicationTarget {
+    /// Opens a replication connection with these settings and asks the server who it is
+    /// (`IDENTIFY_SYSTEM`), then closes it.
+    ///
+    /// # Errors
+    /// Why it does not open, naming where it tried to connect.
+    pub(crate) async fn probe(&self) -> Result<(), Error> {
+        let target = self.clone();
+        let answer = tokio::task::spawn_blocking(move || probe(&target))
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Connection,
+                    format!("the replication probe did not finish: {e}"),
+                )
+            })?;
+        answer.map_err(|e| {
+            Error::new(
+                ErrorKind::Connection,
+                format!(
+                    "the WAL source's replication connection to {} does not open: {e}",
+                    self.shown
+                ),
+            )
+        })
+    }
 }
 
 #[cfg(test)]

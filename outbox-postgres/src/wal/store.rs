@@ -21,7 +21,7 @@ use txoutbox_core::{
     StoreStats, Wake,
 };
 
-use super::buffer::{EntryState, HeldPoll, Inner, Settings, State};
+use super::buffer::{EntryState, State};
 use super::config::WalConfig;
 use super::confirm::check_reader_privileges;
 use super::conninfo::{ReplicationHealth, ReplicationTarget};
@@ -29,6 +29,7 @@ use super::decode::WalReader;
 use super::fallback::{check_slot, not_ready};
 use super::progress::{FallbackProgress, Fallbacks};
 use super::reader::{run_reader, runtime_supported};
+use super::shared::{HeldPoll, Inner, Settings};
 use super::slot::WalSlot;
 use crate::error::map_sqlx;
 use crate::store::{EmptyLease, PostgresStore};

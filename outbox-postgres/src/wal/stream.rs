@@ -12,9 +12,9 @@ use tokio_util::sync::CancellationToken;
 
 use txoutbox_core::Error;
 
-use super::buffer::Inner;
 use super::decode::{item_bytes, Decoder, Origin, Piece, WalTransaction};
 use super::replication::Replication;
+use super::shared::Inner;
 
 /// The longest the reader waits to confirm settled transactions (see `confirm::confirm_settled`);
 /// the stream sends the server its confirmed position within this too while data flows.
