@@ -291,6 +291,22 @@ impl WalSource {
         .await
         .unwrap();
     }
+
+    /// Puts `table` back into the slot's publication (what `outbox wal setup` would do).
+    ///
+    /// # Panics
+    /// When the statement fails (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn republish(&self, pg: &sqlx::PgPool, table: &OutboxTable) {
+        sqlx::query(&format!(
+            "ALTER PUBLICATION {} ADD TABLE {}",
+            self.slot.publication(),
+            table.qualified()
+        ))
+        .execute(pg)
+        .await
+        .unwrap();
+    }
 }
 
 /// `(key, value)` pairs borrowed, as `RelayProcess::start` takes them.

@@ -806,14 +806,7 @@ async fn a_transaction_open_across_the_publications_repair_loses_nothing() {
         store.progress().fallback.reason.is_some()
     })
     .await;
-    sqlx::query(&format!(
-        "ALTER PUBLICATION {} ADD TABLE {}",
-        wal.slot.publication(),
-        table.qualified()
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    wal.republish(&pool, &table).await;
     // Meanwhile other writers go on, and their events are published from the table.
     let during = write_rounds(&table, 3, 2).await;
     committed.extend(during.iter().cloned());

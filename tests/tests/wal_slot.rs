@@ -402,9 +402,10 @@ async fn table_removed_and_added_again_at_once_loses_no_row() {
 
 /// Writers never stop while the slot is taken from the reader three times (dropped with its
 /// session and made again by the reader, or the table taken out of the publication and put back
-/// by the operator): the reader falls back, makes the slot or waits for the publication, moves the table's rows and streams again, each time with
-/// rows committing between the new stream's start and the last move, and with batches in flight
-/// when the stream ends. Nothing crashed: each event once, in order.
+/// by the operator). The reader falls back, makes the slot or waits for the publication, moves
+/// the table's rows and streams again: each time rows commit between the new stream's start and
+/// the last move, and batches are in flight when the stream ends. Nothing crashed: each event
+/// once, in order.
 async fn writers_racing_the_fallback(unpublish: bool) {
     let Running {
         pool,
@@ -442,14 +443,7 @@ async fn writers_racing_the_fallback(unpublish: bool) {
                 store.progress().fallback.total >= n
             })
             .await;
-            sqlx::query(&format!(
-                "ALTER PUBLICATION {} ADD TABLE {}",
-                wal.slot.publication(),
-                table.qualified()
-            ))
-            .execute(&pool)
-            .await
-            .unwrap();
+            wal.republish(&pool, &table).await;
         } else {
             drop_the_slot(&pool, &wal).await;
         }
