@@ -6,7 +6,6 @@ use serde::{Deserialize, Serialize};
 
 use txoutbox_core::{duration, Error};
 
-use crate::pooler::SessionUse;
 use crate::store::Retention;
 use crate::table::{OutboxTable, DEFAULT_SCHEMA, DEFAULT_TABLE};
 
@@ -129,19 +128,6 @@ impl std::fmt::Debug for DatabaseConfig {
 }
 
 impl DatabaseConfig {
-    /// What a relay on these settings needs a server session of its own for (the WAL source's
-    /// reader, or the NOTIFY listener): behind a transaction-mode pooler, those go to
-    /// `database.direct_url` ([`crate::pooler::session_pool`]).
-    pub fn session_uses(&self) -> Vec<SessionUse> {
-        if self.source == Source::Wal {
-            vec![SessionUse::WalSource]
-        } else if self.notify {
-            vec![SessionUse::Listen]
-        } else {
-            Vec::new()
-        }
-    }
-
     /// Checks the values; returns the validated table.
     ///
     /// # Errors
@@ -214,17 +200,6 @@ impl DatabaseConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_sessions_of_their_own_follow_the_source_and_notify() {
-        let mut c = DatabaseConfig::default();
-        assert!(c.session_uses().is_empty());
-        c.notify = true;
-        assert_eq!(c.session_uses(), [SessionUse::Listen]);
-        // The WAL source wakes the relay itself: no listener.
-        c.source = Source::Wal;
-        assert_eq!(c.session_uses(), [SessionUse::WalSource]);
-    }
 
     #[test]
     fn defaults_validate_and_secrets_are_redacted() {

@@ -16,7 +16,7 @@ use sqlx::Connection;
 
 use txoutbox_core::{Error, ErrorKind};
 
-use crate::config::DatabaseConfig;
+use crate::config::{DatabaseConfig, Source};
 use crate::error::map_sqlx;
 
 /// How a URL's connections reach the server's sessions.
@@ -143,6 +143,21 @@ fn prepared_statements_refused(e: sqlx::Error, setting: &str) -> Error {
     }
 }
 
+impl DatabaseConfig {
+    /// What a relay on these settings needs a server session of its own for (the WAL source's
+    /// reader, or the NOTIFY listener): behind a transaction-mode pooler, those go to
+    /// `database.direct_url` ([`crate::pooler::session_pool`]).
+    pub fn session_uses(&self) -> Vec<SessionUse> {
+        if self.source == Source::Wal {
+            vec![SessionUse::WalSource]
+        } else if self.notify {
+            vec![SessionUse::Listen]
+        } else {
+            Vec::new()
+        }
+    }
+}
+
 /// What [`session_pool`] gives: the pool for what needs a server session of its own, and what it
 /// found on the way.
 #[derive(Debug, Clone)]
@@ -246,4 +261,20 @@ async fn server_of(pool: &PgPool) -> Result<(i64, String), Error> {
         .fetch_one(pool)
         .await
         .map_err(|e| map_sqlx("connection pooler check", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sessions_of_their_own_follow_the_source_and_notify() {
+        let mut c = DatabaseConfig::default();
+        assert!(c.session_uses().is_empty());
+        c.notify = true;
+        assert_eq!(c.session_uses(), [SessionUse::Listen]);
+        // The WAL source wakes the relay itself: no listener.
+        c.source = Source::Wal;
+        assert_eq!(c.session_uses(), [SessionUse::WalSource]);
+    }
 }
