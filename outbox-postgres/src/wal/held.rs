@@ -428,6 +428,7 @@ pub(super) fn held_changed(inner: &Inner) {
 
 /// Takes newly read transactions in: events of aggregates with events in the held table go there
 /// (after them), so do changes that are not events (as dead letters); the rest wait in memory.
+/// Returns whether some went to the held table.
 pub(super) async fn take_in(
     inner: &Inner,
     conn: &mut PgConnection,
@@ -441,91 +442,15 @@ pub(super) async fn take_in(
         .filter(|t| guard.covers(t.end_lsn))
         .flat_map(|t| t.row_ids.iter().copied())
         .collect();
-    let dealt_with = guard.dealt_with(inner, conn, &replayed).await?;
-    let mut keys_t = Vec::new();
-    let mut keys_i = Vec::new();
-    let mut seen = HashSet::new();
-    let mut ids = Vec::new();
-    for t in &new {
-        for item in &t.items {
-            if let WalItem::Event(e) = item {
-                ids.push(e.id);
-                if seen.insert((e.aggregate_type.as_str(), e.aggregate_id.as_str())) {
-                    keys_t.push(e.aggregate_type.clone());
-                    keys_i.push(e.aggregate_id.clone());
-                }
-            }
-        }
-    }
-    let held = inner.held.table().qualified();
-    let found: Vec<(String, String)> = if ids.is_empty() || !check_held {
-        Vec::new()
+    let mut skip = guard.dealt_with(inner, conn, &replayed).await?;
+    let in_held = if check_held {
+        InHeld::of(inner, conn, &new).await?
     } else {
-        sqlx::query_as(&format!(
-            "SELECT 'a', k.t || chr(31) || k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)
-             WHERE EXISTS (SELECT 1 FROM {held} h
-                           WHERE h.aggregate_type = k.t AND h.aggregate_id = k.i AND h.processed_at IS NULL)
-             UNION ALL
-             SELECT 'i', h.id::text FROM {held} h WHERE h.id = ANY($3)"
-        ))
-        .bind(&keys_t)
-        .bind(&keys_i)
-        .bind(&ids)
-        .fetch_all(&mut *conn)
-        .await
-        .map_err(|e| map_sqlx("wal read", e))?
+        InHeld::default()
     };
-    let mut held_aggs: HashSet<String> = HashSet::new();
-    let mut held_ids: HashSet<Uuid> = HashSet::new();
-    for (kind, value) in found {
-        if kind == "a" {
-            held_aggs.insert(value);
-        } else if let Ok(id) = value.parse() {
-            held_ids.insert(id);
-        }
-    }
-    let mut to_held = Vec::new();
-    let mut txns = Vec::with_capacity(new.len());
-    for t in new {
-        let mut entries = Vec::with_capacity(t.items.len());
-        for item in t.items {
-            let event = match item {
-                WalItem::Event(e) => e,
-                WalItem::Undecodable {
-                    id,
-                    lsn,
-                    error,
-                    raw,
-                } => {
-                    if !held_ids.contains(&id) && !dealt_with.contains(&id) {
-                        to_held.push(HeldRow::undecodable(id, lsn, error, raw, t.commit_time));
-                    }
-                    continue;
-                }
-            };
-            if held_ids.contains(&event.id) || dealt_with.contains(&event.id) {
-                // Moved there before a restart (its fate is the held table's), or its row is gone:
-                // published, or moved by a fallback.
-                continue;
-            }
-            let agg = format!("{}\u{1f}{}", event.aggregate_type, event.aggregate_id);
-            if held_aggs.contains(&agg) {
-                to_held.push(HeldRow::waiting(event));
-                continue;
-            }
-            entries.push(Entry {
-                key: aggregate_key(&event.aggregate_type, &event.aggregate_id),
-                event,
-                state: EntryState::Ready,
-            });
-        }
-        txns.push(Txn {
-            end_lsn: t.end_lsn,
-            commit_time: t.commit_time,
-            entries,
-            row_ids: t.row_ids,
-        });
-    }
+    // Moved there before a restart: their fate is the held table's.
+    skip.extend(&in_held.ids);
+    let (txns, to_held) = sort_in(new, &in_held.aggregates, &skip);
     // Into the held table first: a transaction is confirmed only once it is in hand.
     insert_held(inner, conn, &to_held, None).await?;
     if !to_held.is_empty() {
@@ -550,6 +475,114 @@ pub(super) async fn take_in(
         inner.wake_relay();
     }
     Ok(!to_held.is_empty())
+}
+
+/// What the held table holds of some transactions: the aggregates with unpublished events there
+/// (as `type \u{1f} id`), and the events already there.
+#[derive(Debug, Default)]
+struct InHeld {
+    aggregates: HashSet<String>,
+    ids: HashSet<Uuid>,
+}
+
+impl InHeld {
+    /// Looks up the aggregates and the events of `new` in the held table, in one statement.
+    async fn of(
+        inner: &Inner,
+        conn: &mut PgConnection,
+        new: &[WalTransaction],
+    ) -> Result<InHeld, Error> {
+        let mut keys_t = Vec::new();
+        let mut keys_i = Vec::new();
+        let mut seen = HashSet::new();
+        let mut ids = Vec::new();
+        for item in new.iter().flat_map(|t| &t.items) {
+            if let WalItem::Event(e) = item {
+                ids.push(e.id);
+                if seen.insert((e.aggregate_type.as_str(), e.aggregate_id.as_str())) {
+                    keys_t.push(e.aggregate_type.clone());
+                    keys_i.push(e.aggregate_id.clone());
+                }
+            }
+        }
+        if ids.is_empty() {
+            return Ok(InHeld::default());
+        }
+        let held = inner.held.table().qualified();
+        let found: Vec<(String, String)> = sqlx::query_as(&format!(
+            "SELECT 'a', k.t || chr(31) || k.i FROM unnest($1::text[], $2::text[]) AS k(t, i)
+             WHERE EXISTS (SELECT 1 FROM {held} h
+                           WHERE h.aggregate_type = k.t AND h.aggregate_id = k.i AND h.processed_at IS NULL)
+             UNION ALL
+             SELECT 'i', h.id::text FROM {held} h WHERE h.id = ANY($3)"
+        ))
+        .bind(&keys_t)
+        .bind(&keys_i)
+        .bind(&ids)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| map_sqlx("wal read", e))?;
+        let mut in_held = InHeld::default();
+        for (kind, value) in found {
+            if kind == "a" {
+                in_held.aggregates.insert(value);
+            } else if let Ok(id) = value.parse() {
+                in_held.ids.insert(id);
+            }
+        }
+        Ok(in_held)
+    }
+}
+
+/// Sorts the items of `new`: those in `skip` are left out; changes that are not events, and events
+/// of aggregates in `held_aggregates`, go to the held table (in order); the rest become the
+/// buffer's transactions.
+fn sort_in(
+    new: Vec<WalTransaction>,
+    held_aggregates: &HashSet<String>,
+    skip: &HashSet<Uuid>,
+) -> (Vec<Txn>, Vec<HeldRow>) {
+    let mut to_held = Vec::new();
+    let mut txns = Vec::with_capacity(new.len());
+    for t in new {
+        let mut entries = Vec::with_capacity(t.items.len());
+        for item in t.items {
+            let event = match item {
+                WalItem::Event(e) => e,
+                WalItem::Undecodable {
+                    id,
+                    lsn,
+                    error,
+                    raw,
+                } => {
+                    if !skip.contains(&id) {
+                        to_held.push(HeldRow::undecodable(id, lsn, error, raw, t.commit_time));
+                    }
+                    continue;
+                }
+            };
+            if skip.contains(&event.id) {
+                continue;
+            }
+            let agg = format!("{}\u{1f}{}", event.aggregate_type, event.aggregate_id);
+            if held_aggregates.contains(&agg) {
+                to_held.push(HeldRow::waiting(event));
+                continue;
+            }
+            entries.push(Entry {
+                key: aggregate_key(&event.aggregate_type, &event.aggregate_id),
+                event,
+                state: EntryState::Ready,
+            });
+        }
+        txns.push(Txn {
+            end_lsn: t.end_lsn,
+            commit_time: t.commit_time,
+            entries,
+            row_ids: t.row_ids,
+        });
+    }
+    (txns, to_held)
 }
 
 /// The dead letter of a change that is not an event.
