@@ -404,6 +404,9 @@ async fn read_slot(
     result
 }
 
+/// Streams the slot into the buffer until `stop` (after a last confirm) or an error: moves failed
+/// events to the held table, confirms what is settled, hands over parts of large transactions,
+/// takes the periodic looks, and takes in what is decoded while there is room.
 async fn read_stream(
     inner: &Inner,
     conn: &mut PgConnection,
@@ -413,18 +416,13 @@ async fn read_stream(
     stop: &CancellationToken,
 ) -> Result<(), Error> {
     let mut last_confirm = Instant::now();
-    // Whether the held table may hold unpublished events: until it is seen empty, every event
-    // read is checked against it (its aggregate may wait there; a replayed event may be there).
-    // Only this reader adds to it.
-    let mut held_may_have_rows = true;
-    let mut held_checked = Instant::now();
-    let mut slot_checked = Instant::now();
+    let mut looks = Looks::new();
     // A part of a transaction too large to hold whole, waiting to go to the held table.
     let mut part: Option<WalTransaction> = None;
     let mut spilling = Spilling::default();
     loop {
         if move_failed(inner, conn).await? {
-            held_may_have_rows = true;
+            looks.held_may_have_rows = true;
         }
         let stopping = stop.is_cancelled();
         confirm_settled(inner, conn, stream, &mut last_confirm, stopping).await?;
@@ -433,84 +431,26 @@ async fn read_stream(
         }
         if let Some(p) = part.take() {
             if spill(inner, conn, &p, &mut spilling, guard).await? {
-                held_may_have_rows = true;
+                looks.held_may_have_rows = true;
                 continue;
             }
             // A batch holds events of the buffer: the part goes after them once it is settled.
             part = Some(p);
-            tokio::select! {
-                _ = inner.reader_wake.notified() => {}
-                _ = tokio::time::sleep(PAUSED_WAIT) => {}
-                _ = stop.cancelled() => {}
-            }
+            pause_for_a_settle(inner, stop).await;
             continue;
         }
-        if (held_may_have_rows && held_checked.elapsed() >= HELD_EMPTY_CHECK)
-            || held_checked.elapsed() >= LOCK_PING
-        {
-            // Also proves the lock's session alive now and then (a reader of table-less events
-            // only may run no other statement on it).
-            held_checked = Instant::now();
-            held_may_have_rows = sqlx::query_scalar(&format!(
-                "SELECT EXISTS (SELECT 1 FROM {} WHERE processed_at IS NULL)",
-                inner.held.table().qualified()
-            ))
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(|e| map_sqlx("wal read", e))?;
-        }
-        if slot_checked.elapsed() >= SLOT_CHECK {
-            // A slot dropped or invalidated under the stream ends it; a publication that lost the
-            // table does not: its rows are not decoded, and the reader publishes them from the
-            // table instead.
-            slot_checked = Instant::now();
-            same_session(inner, conn).await?;
-            verify_publication(inner, conn, identity).await?;
-        }
+        looks.take(inner, conn, identity).await?;
         // Take in while fewer than `read_ahead` events wait to be claimed: a relay that does not
         // claim (its broker is down) stops the reading, and the server waits.
-        let room = {
-            let st = inner.state();
-            let claiming = inner
-                .last_claim
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .elapsed()
-                < inner.settings.claims_paused_after();
-            claiming
-                && st.unsettled - st.in_flight < inner.settings.read_ahead
-                && st.unsettled_bytes < inner.settings.read_ahead_bytes
+        let room = has_room(inner);
+        let new = if room {
+            take_ready(inner, conn, stream, identity, &mut part).await?
+        } else {
+            Vec::new()
         };
-        let mut new = Vec::new();
-        if room {
-            // Whatever is decoded already, without waiting, within the read-ahead.
-            let (mut events, mut bytes) = {
-                let st = inner.state();
-                (st.unsettled - st.in_flight, st.unsettled_bytes)
-            };
-            while events < inner.settings.read_ahead && bytes < inner.settings.read_ahead_bytes {
-                match stream.rx.try_recv() {
-                    Ok(t) => {
-                        let t = taken(inner, conn, stream, t, identity).await?;
-                        if t.piece != Piece::Whole {
-                            part = Some(t);
-                            break;
-                        }
-                        for item in &t.items {
-                            if let WalItem::Event(e) = item {
-                                events += 1;
-                                bytes += e.payload.len();
-                            }
-                        }
-                        new.push(t);
-                    }
-                    Err(_) => break,
-                }
-            }
-        }
         if !new.is_empty() {
-            if take_in(inner, conn, new, held_may_have_rows, guard).await? {
-                held_may_have_rows = true;
+            if take_in(inner, conn, new, looks.held_may_have_rows, guard).await? {
+                looks.held_may_have_rows = true;
             }
             continue;
         }
@@ -520,38 +460,146 @@ async fn read_stream(
         // Nothing in hand: wait for a transaction, a settled batch, a confirm due (only while a
         // settled transaction waits for it), or the stop.
         let settled_waiting = inner.state().txns.front().is_some_and(|t| t.settled());
-        let wait = if !room {
-            PAUSED_WAIT
-        } else if settled_waiting {
+        let wait = if room && settled_waiting {
             CONFIRM_EVERY
                 .saturating_sub(last_confirm.elapsed())
                 .max(Duration::from_millis(1))
         } else {
             PAUSED_WAIT
         };
-        if room {
+        if !room {
             tokio::select! {
-                t = stream.rx.recv() => match t {
-                    Some(t) => {
-                        let t = taken(inner, conn, stream, t, identity).await?;
-                        if t.piece != Piece::Whole {
-                            part = Some(t);
-                        } else if take_in(inner, conn, vec![t], held_may_have_rows, guard).await? {
-                            held_may_have_rows = true;
-                        }
+                _ = inner.reader_wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+                _ = stop.cancelled() => {}
+            }
+            continue;
+        }
+        tokio::select! {
+            t = stream.rx.recv() => match t {
+                Some(t) => {
+                    let t = taken(inner, conn, stream, t, identity).await?;
+                    if t.piece != Piece::Whole {
+                        part = Some(t);
+                    } else if take_in(inner, conn, vec![t], looks.held_may_have_rows, guard).await? {
+                        looks.held_may_have_rows = true;
                     }
-                    None => return Err(Error::new(txoutbox_core::ErrorKind::Connection, "the WAL stream ended")),
-                },
-                _ = inner.reader_wake.notified() => {}
-                _ = tokio::time::sleep(wait) => {}
-                _ = stop.cancelled() => {}
-            }
-        } else {
-            tokio::select! {
-                _ = inner.reader_wake.notified() => {}
-                _ = tokio::time::sleep(wait) => {}
-                _ = stop.cancelled() => {}
-            }
+                }
+                None => return Err(Error::new(txoutbox_core::ErrorKind::Connection, "the WAL stream ended")),
+            },
+            _ = inner.reader_wake.notified() => {}
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.cancelled() => {}
         }
     }
+}
+
+/// Waits for a settled batch (or the stop) before a part goes to the held table.
+async fn pause_for_a_settle(inner: &Inner, stop: &CancellationToken) {
+    tokio::select! {
+        _ = inner.reader_wake.notified() => {}
+        _ = tokio::time::sleep(PAUSED_WAIT) => {}
+        _ = stop.cancelled() => {}
+    }
+}
+
+/// The reading's periodic looks: whether the held table may hold unpublished events, and whether
+/// the slot and the publication are still what the stream started with.
+struct Looks {
+    /// Until the held table is seen empty, every event read is checked against it (its
+    /// aggregate may wait there; a replayed event may be there). Only this reader adds to it.
+    held_may_have_rows: bool,
+    held_checked: Instant,
+    slot_checked: Instant,
+}
+
+impl Looks {
+    fn new() -> Self {
+        Looks {
+            held_may_have_rows: true,
+            held_checked: Instant::now(),
+            slot_checked: Instant::now(),
+        }
+    }
+
+    /// Takes the looks that are due.
+    async fn take(
+        &mut self,
+        inner: &Inner,
+        conn: &mut PgConnection,
+        identity: Identity,
+    ) -> Result<(), Error> {
+        if (self.held_may_have_rows && self.held_checked.elapsed() >= HELD_EMPTY_CHECK)
+            || self.held_checked.elapsed() >= LOCK_PING
+        {
+            // Also proves the lock's session alive now and then (a reader of table-less events
+            // only may run no other statement on it).
+            self.held_checked = Instant::now();
+            self.held_may_have_rows = sqlx::query_scalar(&format!(
+                "SELECT EXISTS (SELECT 1 FROM {} WHERE processed_at IS NULL)",
+                inner.held.table().qualified()
+            ))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| map_sqlx("wal read", e))?;
+        }
+        if self.slot_checked.elapsed() >= SLOT_CHECK {
+            // A slot dropped or invalidated under the stream ends it; a publication that lost the
+            // table does not: its rows are not decoded, and the reader publishes them from the
+            // table instead.
+            self.slot_checked = Instant::now();
+            same_session(inner, conn).await?;
+            verify_publication(inner, conn, identity).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether the relay claims (a relay whose broker is down does not) and fewer than the read-ahead
+/// events and bytes wait to be claimed.
+fn has_room(inner: &Inner) -> bool {
+    let claiming = inner
+        .last_claim
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .elapsed()
+        < inner.settings.claims_paused_after();
+    let st = inner.state();
+    claiming
+        && st.unsettled - st.in_flight < inner.settings.read_ahead
+        && st.unsettled_bytes < inner.settings.read_ahead_bytes
+}
+
+/// The whole transactions decoded already, without waiting, within the read-ahead; a part of one
+/// too large to hold whole ends the taking and goes to `part`.
+async fn take_ready(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    stream: &mut Stream,
+    identity: Identity,
+    part: &mut Option<WalTransaction>,
+) -> Result<Vec<WalTransaction>, Error> {
+    let mut new = Vec::new();
+    let (mut events, mut bytes) = {
+        let st = inner.state();
+        (st.unsettled - st.in_flight, st.unsettled_bytes)
+    };
+    while events < inner.settings.read_ahead && bytes < inner.settings.read_ahead_bytes {
+        let Ok(t) = stream.rx.try_recv() else {
+            break;
+        };
+        let t = taken(inner, conn, stream, t, identity).await?;
+        if t.piece != Piece::Whole {
+            *part = Some(t);
+            break;
+        }
+        for item in &t.items {
+            if let WalItem::Event(e) = item {
+                events += 1;
+                bytes += e.payload.len();
+            }
+        }
+        new.push(t);
+    }
+    Ok(new)
 }
