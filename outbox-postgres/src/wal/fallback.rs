@@ -201,21 +201,6 @@ pub(super) async fn fall_back(
     mark: Option<FallbackMark>,
     stop: &CancellationToken,
 ) -> Result<Option<Identity>, Error> {
-    let reason = match problem {
-        Some(p) => p.describe(inner),
-        None => format!(
-            "rows of {} written before the slot {} was made may not be in it (a fallback that did not finish, or a slot made by `outbox wal setup`)",
-            inner.source.qualified(),
-            inner.reader.slot().slot()
-        ),
-    };
-    let fix = if problem.is_none() {
-        "they are moved to the held table first"
-    } else if inner.settings.auto_recreate {
-        "the relay makes it again itself (wal.auto_recreate)"
-    } else {
-        "run `outbox wal setup` (wal.auto_recreate is off)"
-    };
     if problem.is_none() && !inner.settings.delete_published {
         // The table keeps published rows: rows before the slot cannot be told from the others.
         FallbackMark::clear(conn, inner.held.table()).await?;
@@ -225,30 +210,10 @@ pub(super) async fn fall_back(
         );
         return Ok(Some(check_slot(inner, conn).await?.identity));
     }
-    let kind = problem.map_or(FallbackReason::RowsBeforeSlot, SlotProblem::reason);
-    let entered = inner.fallbacks.enter(kind, &format!("{reason}: {fix}"));
+    announce(inner, problem);
     // With wal.delete_published = false the table keeps published rows: the reader cannot tell
     // which wait, publishes none of them, and only waits for the slot to be readable again.
     let from_table = inner.settings.delete_published;
-    if entered && !from_table {
-        error!(
-            slot = inner.reader.slot().slot(),
-            reason = %reason,
-            "the WAL source cannot read its slot, and with wal.delete_published = false it cannot publish from the outbox table either (the table keeps published rows too): row events written until the slot can be read again are not published, and table-less ones are not read; {fix}"
-        );
-    } else if entered && problem.is_some() {
-        error!(
-            slot = inner.reader.slot().slot(),
-            reason = %reason,
-            "the WAL source falls back to the outbox table: its unpublished rows go to the held table, in order, and are published from there; {fix}"
-        );
-    } else if entered {
-        // After `outbox wal setup` made the slot, or a fallback another relay did not finish.
-        info!(
-            slot = inner.reader.slot().slot(),
-            "moving the outbox table's rows written before the slot was made to the held table before streaming"
-        );
-    }
     // Kept in the held table until every row before the fence is moved: a relay that takes over
     // from this one finishes the move before it streams.
     // A fence is kept only for the slot it was read after: a slot lost again needs a new one.
@@ -265,50 +230,17 @@ pub(super) async fn fall_back(
             .save(conn, inner.held.table(), inner.reader.slot().slot())
             .await?;
     }
-    // The slot's last confirmed position before it was lost: the start of the WAL whose table-less
-    // events no slot read.
-    let lost_from = match inner.fallbacks.slot_confirmed.load(Ordering::SeqCst) {
-        0 => None,
-        c => Some(c),
-    };
-    // Whether the slot this relay streamed was lost (missing, invalidated, or dropped to be made
-    // again): the table-less events since its last confirmed position are then unread.
-    let mut slot_lost = problem.is_some_and(SlotProblem::loses_messages);
+    let mut repair = Repair::new(inner, problem);
     let mut identity = None;
-    let mut next_repair = Instant::now();
-    let mut last_failure: Option<String> = None;
-    let mut running = None;
     loop {
-        if fence.is_none() && Instant::now() >= next_repair {
-            match restore(inner, conn, slot_lost, &mut running).await {
-                Ok(Restored::NotYet(p)) => {
-                    slot_lost |= p.loses_messages();
-                    next_repair = Instant::now() + FALLBACK_POLL;
-                }
-                Ok(Restored::Waiting) => next_repair = Instant::now() + FALLBACK_POLL,
-                Ok(Restored::Ready {
-                    fence: f,
-                    made_at,
-                    identity: i,
-                }) => {
-                    fence = Some(f);
-                    identity = Some(i);
-                    if from_table {
-                        FallbackMark { fence }
-                            .save(conn, inner.held.table(), inner.reader.slot().slot())
-                            .await?;
-                    }
-                    if let Some(made_at) = made_at {
-                        report_gap(inner, lost_from, made_at);
-                    }
-                }
-                Err(e) => {
-                    let message = e.to_string();
-                    if last_failure.as_deref() != Some(message.as_str()) {
-                        error!(error = %e, slot = inner.reader.slot().slot(), retry_s = REPAIR_RETRY.as_secs(), "the relay cannot make the slot again; it keeps publishing from the outbox table and tries again every retry_s");
-                        last_failure = Some(message);
-                    }
-                    next_repair = Instant::now() + REPAIR_RETRY;
+        if fence.is_none() {
+            if let Some((f, i)) = repair.step(inner, conn).await? {
+                fence = Some(f);
+                identity = Some(i);
+                if from_table {
+                    FallbackMark { fence }
+                        .save(conn, inner.held.table(), inner.reader.slot().slot())
+                        .await?;
                 }
             }
         }
@@ -325,35 +257,159 @@ pub(super) async fn fall_back(
             continue;
         }
         if fence.is_some() {
-            // A fence from a mark (another relay's) comes without the identity: the one now.
-            let identity = match identity {
-                Some(i) => i,
-                None => check_slot(inner, conn).await?.identity,
-            };
-            inner.fallbacks.leave();
-            if from_table {
-                FallbackMark::clear(conn, inner.held.table()).await?;
-                info!(
-                    slot = inner.reader.slot().slot(),
-                    "the slot can be read again and every row written before it is in the held table: streaming the slot again"
-                );
-            } else {
-                // A mark left by a stream that saw the publication change: the table's rows
-                // cannot be told apart here, and one kept would make a relay that deletes
-                // published rows move every row of the table.
-                FallbackMark::clear(conn, inner.held.table()).await?;
-                warn!(
-                    slot = inner.reader.slot().slot(),
-                    table = %inner.source.qualified(),
-                    "the slot can be read again: streaming it. Row events written while it could not be read were not published (wal.delete_published = false): publish those you need yourself"
-                );
-            }
-            return Ok(Some(identity));
+            return leave(inner, conn, identity).await.map(Some);
         }
         tokio::select! {
             _ = inner.reader_wake.notified() => {}
             _ = tokio::time::sleep(FALLBACK_POLL) => {}
             _ = stop.cancelled() => return Ok(None),
+        }
+    }
+}
+
+/// Counts the fallback for `problem` (`None`: rows written before the slot) and says why it
+/// happens and what comes next, when the reader was not falling back already.
+fn announce(inner: &Inner, problem: Option<SlotProblem>) {
+    let reason = match problem {
+        Some(p) => p.describe(inner),
+        None => format!(
+            "rows of {} written before the slot {} was made may not be in it (a fallback that did not finish, or a slot made by `outbox wal setup`)",
+            inner.source.qualified(),
+            inner.reader.slot().slot()
+        ),
+    };
+    let fix = if problem.is_none() {
+        "they are moved to the held table first"
+    } else if inner.settings.auto_recreate {
+        "the relay makes it again itself (wal.auto_recreate)"
+    } else {
+        "run `outbox wal setup` (wal.auto_recreate is off)"
+    };
+    let kind = problem.map_or(FallbackReason::RowsBeforeSlot, SlotProblem::reason);
+    if !inner.fallbacks.enter(kind, &format!("{reason}: {fix}")) {
+        return;
+    }
+    let slot = inner.reader.slot().slot();
+    if !inner.settings.delete_published {
+        error!(
+            slot,
+            reason = %reason,
+            "the WAL source cannot read its slot, and with wal.delete_published = false it cannot publish from the outbox table either (the table keeps published rows too): row events written until the slot can be read again are not published, and table-less ones are not read; {fix}"
+        );
+    } else if problem.is_some() {
+        error!(
+            slot,
+            reason = %reason,
+            "the WAL source falls back to the outbox table: its unpublished rows go to the held table, in order, and are published from there; {fix}"
+        );
+    } else {
+        // After `outbox wal setup` made the slot, or a fallback another relay did not finish.
+        info!(
+            slot,
+            "moving the outbox table's rows written before the slot was made to the held table before streaming"
+        );
+    }
+}
+
+/// Ends a fallback whose rows before the fence are all in the held table: the mark goes, and the
+/// reader streams with the publication's identity as the fence found it (`None`: a fence from a
+/// mark, another relay's, which comes without it: the one now).
+async fn leave(
+    inner: &Inner,
+    conn: &mut PgConnection,
+    identity: Option<Identity>,
+) -> Result<Identity, Error> {
+    let identity = match identity {
+        Some(i) => i,
+        None => check_slot(inner, conn).await?.identity,
+    };
+    inner.fallbacks.leave();
+    // Without wal.delete_published, a mark left by a stream that saw the publication change: the
+    // table's rows cannot be told apart here, and one kept would make a relay that deletes
+    // published rows move every row of the table.
+    FallbackMark::clear(conn, inner.held.table()).await?;
+    if inner.settings.delete_published {
+        info!(
+            slot = inner.reader.slot().slot(),
+            "the slot can be read again and every row written before it is in the held table: streaming the slot again"
+        );
+    } else {
+        warn!(
+            slot = inner.reader.slot().slot(),
+            table = %inner.source.qualified(),
+            "the slot can be read again: streaming it. Row events written while it could not be read were not published (wal.delete_published = false): publish those you need yourself"
+        );
+    }
+    Ok(identity)
+}
+
+/// The fallback's tries to make the slot readable again, spaced by [`FALLBACK_POLL`] (by
+/// [`REPAIR_RETRY`] after a failure, which is logged once per message).
+struct Repair {
+    /// The slot's last confirmed position before it was lost: the start of the WAL whose
+    /// table-less events no slot read.
+    lost_from: Option<u64>,
+    /// Whether the slot this relay streamed was lost (missing, invalidated, or dropped to be made
+    /// again): the table-less events since its last confirmed position are then unread.
+    slot_lost: bool,
+    next: Instant,
+    last_failure: Option<String>,
+    running: Option<Running>,
+}
+
+impl Repair {
+    fn new(inner: &Inner, problem: Option<SlotProblem>) -> Self {
+        Repair {
+            lost_from: match inner.fallbacks.slot_confirmed.load(Ordering::SeqCst) {
+                0 => None,
+                c => Some(c),
+            },
+            slot_lost: problem.is_some_and(SlotProblem::loses_messages),
+            next: Instant::now(),
+            last_failure: None,
+            running: None,
+        }
+    }
+
+    /// Tries, when a try is due: the fence and the publication's identity once the slot is
+    /// readable (a gap of table-less events reported when a slot was made again).
+    async fn step(
+        &mut self,
+        inner: &Inner,
+        conn: &mut PgConnection,
+    ) -> Result<Option<(i64, Identity)>, Error> {
+        if Instant::now() < self.next {
+            return Ok(None);
+        }
+        match restore(inner, conn, self.slot_lost, &mut self.running).await {
+            Ok(Restored::NotYet(p)) => {
+                self.slot_lost |= p.loses_messages();
+                self.next = Instant::now() + FALLBACK_POLL;
+                Ok(None)
+            }
+            Ok(Restored::Waiting) => {
+                self.next = Instant::now() + FALLBACK_POLL;
+                Ok(None)
+            }
+            Ok(Restored::Ready {
+                fence,
+                made_at,
+                identity,
+            }) => {
+                if let Some(made_at) = made_at {
+                    report_gap(inner, self.lost_from, made_at);
+                }
+                Ok(Some((fence, identity)))
+            }
+            Err(e) => {
+                let message = e.to_string();
+                if self.last_failure.as_deref() != Some(message.as_str()) {
+                    error!(error = %e, slot = inner.reader.slot().slot(), retry_s = REPAIR_RETRY.as_secs(), "the relay cannot make the slot again; it keeps publishing from the outbox table and tries again every retry_s");
+                    self.last_failure = Some(message);
+                }
+                self.next = Instant::now() + REPAIR_RETRY;
+                Ok(None)
+            }
         }
     }
 }
