@@ -2,8 +2,9 @@
 //! failures so that it is reported as the configuration problem it is (a missing CA, a wrong host
 //! name), with the setting to fix, instead of as a server to wait for.
 //!
-//! The clients of the adapters put the verifier's verdict in their error's text: rustls (sqlx,
-//! lapin, the AWS SDK, the WAL source's replication client) and OpenSSL (librdkafka).
+//! The rustls clients (sqlx, lapin, the AWS SDK) hand over the verifier's verdict as a typed
+//! `rustls::Error`, found in the error's chain ([`certificate_problem`]); OpenSSL through
+//! librdkafka gives only its text, read in one place ([`openssl_problem_in`]).
 
 use crate::{Error, ErrorKind};
 
@@ -21,45 +22,61 @@ pub enum CertificateProblem {
     Unverified,
 }
 
-/// The certificate problem an error (or one of its causes) reports, if any.
+/// The certificate problem an error (or one of its causes) reports, if any: a `rustls::Error` of
+/// a refused certificate, in the chain or inside an `std::io::Error` of it (as tokio-rustls and
+/// hyper-rustls wrap it).
 pub fn certificate_problem(err: &(dyn std::error::Error + 'static)) -> Option<CertificateProblem> {
     let mut next = Some(err);
     while let Some(e) = next {
-        if let Some(p) = problem_in(&e.to_string()) {
+        if let Some(p) = rustls_problem(e) {
             return Some(p);
+        }
+        if let Some(inner) = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::get_ref)
+        {
+            if let Some(p) = certificate_problem(inner) {
+                return Some(p);
+            }
         }
         next = e.source();
     }
     None
 }
 
-/// The certificate problem a message reports: the texts of rustls and OpenSSL.
-pub fn problem_in(text: &str) -> Option<CertificateProblem> {
+/// The problem a `rustls::Error` reports, when `e` is one about the server's certificate (an alert
+/// is the server refusing the client's own certificate, in mutual TLS: not a CA or a host name to
+/// set here).
+fn rustls_problem(e: &(dyn std::error::Error + 'static)) -> Option<CertificateProblem> {
+    use rustls::CertificateError as C;
+    let rustls::Error::InvalidCertificate(c) = e.downcast_ref::<rustls::Error>()? else {
+        return None;
+    };
+    Some(match c {
+        C::UnknownIssuer => CertificateProblem::UnknownIssuer,
+        C::NotValidForName | C::NotValidForNameContext { .. } => CertificateProblem::WrongName,
+        C::Expired | C::ExpiredContext { .. } | C::NotValidYet | C::NotValidYetContext { .. } => {
+            CertificateProblem::Expired
+        }
+        _ => CertificateProblem::Unverified,
+    })
+}
+
+/// The certificate problem an OpenSSL message reports (librdkafka gives no more than its text).
+pub fn openssl_problem_in(text: &str) -> Option<CertificateProblem> {
     let t = text.to_ascii_lowercase();
-    // An alert is the server refusing the client's own certificate (mutual TLS): not a CA or a
-    // host name to set here.
+    // An alert is the server refusing the client's own certificate (mutual TLS).
     if t.contains(" alert ") || t.contains("alert certificate") {
         return None;
     }
-    if t.contains("not valid for name")
-        || t.contains("hostname mismatch")
-        || t.contains("notvalidforname")
-    {
+    if t.contains("hostname mismatch") {
         Some(CertificateProblem::WrongName)
-    } else if t.contains("unknownissuer")
-        || t.contains("unknown issuer")
-        || t.contains("unable to get local issuer certificate")
+    } else if t.contains("unable to get local issuer certificate")
         || t.contains("self-signed certificate")
         || t.contains("self signed certificate")
     {
         Some(CertificateProblem::UnknownIssuer)
-    } else if t.contains("invalid peer certificate: expired")
-        || t.contains("peer certificate: certificate expired")
-        || t.contains("certificate has expired")
-        || t.contains("peer certificate: certificate not valid yet")
-        || t.contains("certificate is not yet valid")
-        || t.contains("notvalidyet")
-    {
+    } else if t.contains("certificate has expired") || t.contains("certificate is not yet valid") {
         Some(CertificateProblem::Expired)
     } else if t.contains("certificate verify failed") {
         // OpenSSL's verdict as librdkafka reports it, without the reason.
@@ -186,20 +203,34 @@ mod tests {
     }
 
     #[test]
-    fn rustls_and_openssl_texts() {
+    fn rustls_verdicts_by_type_wrapped_or_not() {
+        use rustls::CertificateError as C;
         let cases = [
-            ("invalid peer certificate: UnknownIssuer", Some(CertificateProblem::UnknownIssuer)),
-            (
-                "invalid peer certificate: certificate not valid for name \"127.0.0.1\"; certificate is only valid for DnsName(\"localhost\")",
-                Some(CertificateProblem::WrongName),
-            ),
-            ("invalid peer certificate: Expired", Some(CertificateProblem::Expired)),
-            (
-                "invalid peer certificate: certificate expired: verification time 1700000000 (UNIX), but certificate is not valid after 1600000000 (UNIX)",
-                Some(CertificateProblem::Expired),
-            ),
+            (C::UnknownIssuer, CertificateProblem::UnknownIssuer),
+            (C::NotValidForName, CertificateProblem::WrongName),
+            (C::Expired, CertificateProblem::Expired),
+            (C::NotValidYet, CertificateProblem::Expired),
+            (C::BadSignature, CertificateProblem::Unverified),
+        ];
+        for (verdict, want) in cases {
+            let bare = rustls::Error::InvalidCertificate(verdict.clone());
+            assert_eq!(certificate_problem(&bare), Some(want), "{bare}");
+            // As tokio-rustls hands it over, inside an io::Error, itself the cause of another.
+            let io = std::io::Error::new(std::io::ErrorKind::InvalidData, bare);
+            let outer = Error::new(ErrorKind::Connection, "connect").with_source(io);
+            assert_eq!(certificate_problem(&outer), Some(want));
+        }
+        // The server refusing the client's certificate, and other failures: none.
+        let alert = rustls::Error::AlertReceived(rustls::AlertDescription::UnknownCA);
+        assert_eq!(certificate_problem(&alert), None);
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        assert_eq!(certificate_problem(&refused), None);
+    }
+
+    #[test]
+    fn openssl_texts() {
+        let cases = [
             // The server refused the client's certificate (mutual TLS): not a CA to configure here.
-            ("received fatal alert: tlsv1 alert unknown ca", None),
             ("ssl/tls alert certificate expired", None),
             (
                 "SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed (install ca-certificates package) (after 3ms in state SSL_HANDSHAKE): unable to get local issuer certificate",
@@ -210,10 +241,11 @@ mod tests {
                 Some(CertificateProblem::Unverified),
             ),
             ("certificate verify failed: Hostname mismatch", Some(CertificateProblem::WrongName)),
+            ("certificate verify failed: certificate has expired", Some(CertificateProblem::Expired)),
             ("connection refused", None),
         ];
         for (text, want) in cases {
-            assert_eq!(problem_in(text), want, "{text}");
+            assert_eq!(openssl_problem_in(text), want, "{text}");
         }
     }
 

@@ -106,7 +106,7 @@ impl ClientContext for Context {
 
     fn error(&self, error: KafkaError, reason: &str) {
         error!("librdkafka: {error}: {reason}");
-        if let Some(problem) = txoutbox_core::tls::problem_in(reason) {
+        if let Some(problem) = txoutbox_core::tls::openssl_problem_in(reason) {
             *self.refused() = Some((problem, std::time::Instant::now()));
         }
     }
