@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use txoutbox_core::{Action, Error, Event};
 
-use super::buffer::{aggregate_key, Entry, EntryState, Txn};
+use super::buffer::{aggregate_key, Entry, EntryState, State, Txn};
 use super::confirm::delete_published;
 use super::decode::{Piece, WalItem, WalTransaction};
 use super::mark::Mark;
@@ -159,92 +159,106 @@ async fn insert_rows(
 /// Moves each failed event, with the later events of its aggregate in hand, to the held table.
 pub(super) async fn move_failed(inner: &Inner, conn: &mut PgConnection) -> Result<bool, Error> {
     // Under the lock: pick the groups and mark them moving (claims skip them).
-    let (rows, moved, previous) = {
+    let (rows, moving) = {
         let mut st = inner.state();
         if st.failed == 0 {
             return Ok(false);
         }
-        let mut failed_aggs: Vec<(String, String)> = Vec::new();
-        for t in &st.txns {
-            for e in &t.entries {
-                if let EntryState::Failed(_) = e.state {
-                    let a = (e.event.aggregate_type.clone(), e.event.aggregate_id.clone());
-                    if !failed_aggs.contains(&a) {
-                        failed_aggs.push(a);
-                    }
-                }
-            }
-        }
-        if failed_aggs.is_empty() {
-            return Ok(false);
-        }
         let mut rows = Vec::new();
-        let mut moved = Vec::new();
-        let mut previous = Vec::new();
-        for (at, ai) in &failed_aggs {
-            let mut group = Vec::new();
-            let mut busy = false;
-            let mut started = false;
-            for t in &st.txns {
-                for (i, e) in t.entries.iter().enumerate() {
-                    if &e.event.aggregate_type != at || &e.event.aggregate_id != ai {
-                        continue;
-                    }
-                    match &e.state {
-                        EntryState::Done => {}
-                        EntryState::Failed(_) => {
-                            started = true;
-                            group.push((t.end_lsn, i));
-                        }
-                        EntryState::InFlight(_) | EntryState::Moving => busy = true,
-                        EntryState::Ready => {
-                            if started {
-                                group.push((t.end_lsn, i));
-                            }
-                        }
-                    }
-                }
-            }
-            if busy {
-                // Another batch still holds some of it: next round.
+        let mut moving = Moving::default();
+        for (end, i) in failed_groups(&st).into_iter().flatten() {
+            let Some(e) = st.entry_mut(end, i) else {
                 continue;
-            }
-            for (end, i) in group {
-                let Some(e) = st.entry_mut(end, i) else {
-                    continue;
-                };
-                let row = match &e.state {
-                    EntryState::Failed(a) => HeldRow::failed(e.event.clone(), a),
-                    _ => HeldRow::waiting(e.event.clone()),
-                };
-                previous.push(e.state.clone());
-                st.set_state(end, i, EntryState::Moving);
-                rows.push(row);
-                moved.push((end, i));
-            }
+            };
+            rows.push(match &e.state {
+                EntryState::Failed(a) => HeldRow::failed(e.event.clone(), a),
+                _ => HeldRow::waiting(e.event.clone()),
+            });
+            moving.mark(&mut st, end, i);
         }
-        (rows, moved, previous)
+        (rows, moving)
     };
     if rows.is_empty() {
         return Ok(false);
     }
     let result = insert_held(inner, conn, &rows, None).await;
-    let mut st = inner.state();
-    match result {
-        Ok(()) => {
-            for (end, i) in &moved {
-                st.set_state(*end, *i, EntryState::Done);
+    moving.finish(&mut inner.state(), result.is_ok());
+    result?;
+    debug!(events = rows.len(), "moved to the held table");
+    held_changed(inner);
+    Ok(true)
+}
+
+/// For each aggregate with a failed event in the buffer, the positions of that event and of the
+/// ready ones after it; an aggregate another batch still holds some of waits for the next round.
+fn failed_groups(st: &State) -> Vec<Vec<(u64, usize)>> {
+    let mut failed_aggs: Vec<(&str, &str)> = Vec::new();
+    for e in st.txns.iter().flat_map(|t| &t.entries) {
+        if let EntryState::Failed(_) = e.state {
+            let a = (
+                e.event.aggregate_type.as_str(),
+                e.event.aggregate_id.as_str(),
+            );
+            if !failed_aggs.contains(&a) {
+                failed_aggs.push(a);
             }
-            drop(st);
-            debug!(events = rows.len(), "moved to the held table");
-            held_changed(inner);
-            Ok(true)
         }
-        Err(e) => {
-            for ((end, i), state) in moved.iter().zip(previous) {
-                st.set_state(*end, *i, state);
+    }
+    let mut groups = Vec::new();
+    for (at, ai) in failed_aggs {
+        let mut group = Vec::new();
+        let mut busy = false;
+        let mut started = false;
+        for t in &st.txns {
+            for (i, e) in t.entries.iter().enumerate() {
+                if e.event.aggregate_type != at || e.event.aggregate_id != ai {
+                    continue;
+                }
+                match &e.state {
+                    EntryState::Done => {}
+                    EntryState::Failed(_) => {
+                        started = true;
+                        group.push((t.end_lsn, i));
+                    }
+                    EntryState::InFlight(_) | EntryState::Moving => busy = true,
+                    EntryState::Ready => {
+                        if started {
+                            group.push((t.end_lsn, i));
+                        }
+                    }
+                }
             }
-            Err(e)
+        }
+        if !busy {
+            groups.push(group);
+        }
+    }
+    groups
+}
+
+/// Entries of the buffer marked moving to the held table (claims skip them), with the states to
+/// put back should the hand-over fail.
+#[derive(Default)]
+struct Moving {
+    positions: Vec<(u64, usize)>,
+    previous: Vec<EntryState>,
+}
+
+impl Moving {
+    /// Marks the entry at (`end`, `i`) moving, keeping its state.
+    fn mark(&mut self, st: &mut State, end: u64, i: usize) {
+        let Some(e) = st.entry_mut(end, i) else {
+            return;
+        };
+        self.previous.push(e.state.clone());
+        self.positions.push((end, i));
+        st.set_state(end, i, EntryState::Moving);
+    }
+
+    /// After the hand-over: done when it went in (`handed`), else back to the states they had.
+    fn finish(self, st: &mut State, handed: bool) {
+        for ((end, i), state) in self.positions.into_iter().zip(self.previous) {
+            st.set_state(end, i, if handed { EntryState::Done } else { state });
         }
     }
 }
@@ -323,36 +337,29 @@ pub(super) async fn spill(
     } else {
         HashSet::new()
     };
-    let (mut rows, moved, previous) = {
+    // Every event of the buffer not yet settled goes first, marked moving (claims skip them).
+    let (mut rows, moving) = {
         let mut st = inner.state();
         if st.in_flight > 0 {
             return Ok(false);
         }
         let mut rows = Vec::new();
-        let mut waiting = Vec::new();
+        let mut positions = Vec::new();
         for t in &st.txns {
             for (i, e) in t.entries.iter().enumerate() {
                 match &e.state {
-                    EntryState::Done => {}
-                    EntryState::Failed(a) => {
-                        rows.push(HeldRow::failed(e.event.clone(), a));
-                        waiting.push((t.end_lsn, i, e.state.clone()));
-                    }
-                    _ => {
-                        rows.push(HeldRow::waiting(e.event.clone()));
-                        waiting.push((t.end_lsn, i, e.state.clone()));
-                    }
+                    EntryState::Done => continue,
+                    EntryState::Failed(a) => rows.push(HeldRow::failed(e.event.clone(), a)),
+                    _ => rows.push(HeldRow::waiting(e.event.clone())),
                 }
+                positions.push((t.end_lsn, i));
             }
         }
-        let mut moved = Vec::new();
-        let mut previous = Vec::new();
-        for (end, i, state) in waiting {
-            st.set_state(end, i, EntryState::Moving);
-            moved.push((end, i));
-            previous.push(state);
+        let mut moving = Moving::default();
+        for (end, i) in positions {
+            moving.mark(&mut st, end, i);
         }
-        (rows, moved, previous)
+        (rows, moving)
     };
     // The items a reading before this one handed over already.
     let skip = usize::try_from(before.saturating_sub(seen))
@@ -377,19 +384,9 @@ pub(super) async fn spill(
         handed: seen.max(before),
     };
     let inserted = insert_held(inner, conn, &rows, Some(mark)).await;
-    {
-        let mut st = inner.state();
-        if let Err(e) = inserted {
-            for ((end, i), state) in moved.iter().zip(previous) {
-                st.set_state(*end, *i, state);
-            }
-            return Err(e);
-        }
-        // In the held table now, whatever the delete below does.
-        for (end, i) in &moved {
-            st.set_state(*end, *i, EntryState::Done);
-        }
-    }
+    // In the held table now, whatever the delete below does; or back as they were.
+    moving.finish(&mut inner.state(), inserted.is_ok());
+    inserted?;
     // After the part is in the held table (a crash in between leaves rows a replay skips).
     delete_published(inner, conn, &part.row_ids).await?;
     let mut st = inner.state();
