@@ -400,13 +400,23 @@ async fn table_removed_and_added_again_at_once_loses_no_row() {
     );
 }
 
-/// Writers never stop while the slot is taken from the reader three times (dropped with its
-/// session and made again by the reader, or the table taken out of the publication and put back
-/// by the operator). The reader falls back, makes the slot or waits for the publication, moves
-/// the table's rows and streams again: each time rows commit between the new stream's start and
-/// the last move, and batches are in flight when the stream ends. Nothing crashed: each event
-/// once, in order.
-async fn writers_racing_the_fallback(unpublish: bool) {
+/// What takes the slot from its reader in [`writers_racing_the_fallback`].
+#[derive(Clone, Copy, PartialEq)]
+enum Strike {
+    /// The slot dropped with its session, made again by the reader (`wal.auto_recreate`).
+    SlotDropped,
+    /// The table taken out of the publication and put back by the operator.
+    Unpublished,
+    /// Only the replication session ended (the slot stays): the reading ends early, without a
+    /// fallback, and the same relay reads again.
+    StreamEnded,
+}
+
+/// Writers never stop while the slot is taken from the reader three times. The reader falls back
+/// (or only reads again), makes the slot or waits for the publication, moves the table's rows and
+/// streams again: each time rows commit between the new stream's start and the last move, and
+/// batches are in flight when the stream ends. Nothing crashed: each event once, in order.
+async fn writers_racing_the_fallback(strike: Strike) {
     let Running {
         pool,
         table,
@@ -415,7 +425,7 @@ async fn writers_racing_the_fallback(unpublish: bool) {
         shutdown,
         store,
         task,
-    } = Running::start(!unpublish).await;
+    } = Running::start(strike == Strike::SlotDropped).await;
     let stop_writing = CancellationToken::new();
     let writers = {
         let (pool, table, stop) = (pool.clone(), table.clone(), stop_writing.clone());
@@ -437,19 +447,28 @@ async fn writers_racing_the_fallback(unpublish: bool) {
             || async { publisher.delivered().len() >= 100 * n as usize },
         )
         .await;
-        if unpublish {
-            wal.unpublish(&pool, &table).await;
-            wait_until(Duration::from_secs(60), "the reader falls back", || async {
-                store.progress().fallback.total >= n
-            })
-            .await;
-            wal.republish(&pool, &table).await;
-        } else {
-            drop_the_slot(&pool, &wal).await;
+        match strike {
+            Strike::Unpublished => {
+                wal.unpublish(&pool, &table).await;
+                wait_until(Duration::from_secs(60), "the reader falls back", || async {
+                    store.progress().fallback.total >= n
+                })
+                .await;
+                wal.republish(&pool, &table).await;
+            }
+            Strike::SlotDropped => drop_the_slot(&pool, &wal).await,
+            Strike::StreamEnded => {
+                let ended = end_the_stream(&pool, &wal).await;
+                wait_until(Duration::from_secs(60), "a new stream", || async {
+                    slot_pid(&pool, &wal).await.is_some_and(|pid| pid != ended)
+                })
+                .await;
+            }
         }
         wait_until(Duration::from_secs(120), "streaming again", || async {
             let p = store.progress();
-            p.fallback.total >= n && p.fallback.reason.is_none() && store.check().await.is_ok()
+            let fell_back = strike == Strike::StreamEnded || p.fallback.total >= n;
+            fell_back && p.fallback.reason.is_none() && store.check().await.is_ok()
         })
         .await;
     }
@@ -459,21 +478,52 @@ async fn writers_racing_the_fallback(unpublish: bool) {
     shutdown.cancel();
     task.await.unwrap();
     assert_clean_verdict(&verdict(&publisher, &rows));
-    assert!(
-        store.progress().fallback.moved > 0,
-        "{:?}",
-        store.progress()
-    );
+    let moved = store.progress().fallback.moved;
+    if strike == Strike::StreamEnded {
+        assert_eq!(
+            store.progress().fallback.total,
+            0,
+            "no fallback: {moved} moved"
+        );
+    } else {
+        assert!(moved > 0, "{:?}", store.progress());
+    }
+}
+
+/// The server process of the slot's replication session, if one streams it.
+async fn slot_pid(pool: &sqlx::PgPool, wal: &WalSource) -> Option<i32> {
+    sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(wal.slot.slot())
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .flatten()
+}
+
+/// Ends the slot's replication session (the slot stays); the server process ended.
+async fn end_the_stream(pool: &sqlx::PgPool, wal: &WalSource) -> i32 {
+    let pid = slot_pid(pool, wal).await.expect("a stream of the slot");
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(pool)
+        .await
+        .unwrap();
+    pid
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writers_racing_a_slot_made_again_get_each_event_once() {
-    writers_racing_the_fallback(false).await;
+    writers_racing_the_fallback(Strike::SlotDropped).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writers_racing_a_publication_repair_get_each_event_once() {
-    writers_racing_the_fallback(true).await;
+    writers_racing_the_fallback(Strike::Unpublished).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_racing_a_stream_that_ends_get_each_event_once() {
+    writers_racing_the_fallback(Strike::StreamEnded).await;
 }
 
 /// Rows committed before the slot was made are not in it: with the mark `outbox wal setup` writes
