@@ -53,12 +53,14 @@
 //!   the transactions read and each event's state; `held`: the hand-over to the held table;
 //!   `mark`: the held table's marks of unfinished work; `confirm`: confirming settled
 //!   transactions; `replay`: what a reading hands over again.
-//! - `fallback`: publishing from the outbox table while the slot cannot be streamed; `progress`:
+//! - `check`: where the slot stands (its problem, position and publication's identity);
+//!   `fallback`: publishing from the outbox table while the slot cannot be streamed; `progress`:
 //!   what the fallbacks count, and why they happen ([`FallbackReason`]).
 //!
 //! Imports between these run one way: no module imports one that imports it back.
 
 mod buffer;
+mod check;
 mod config;
 mod confirm;
 mod conninfo;

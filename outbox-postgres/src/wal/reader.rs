@@ -15,11 +15,10 @@ use uuid::Uuid;
 use txoutbox_core::Error;
 
 use super::buffer::{EntryState, State};
+use super::check::{check_slot, warn_unreadable, Identity};
 use super::confirm::{check_reader_privileges, confirm_settled, delete_published};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
-use super::fallback::{
-    check_slot, fall_back, mark_unfinished, warn_unreadable, FallbackMark, Identity,
-};
+use super::fallback::{fall_back, mark_unfinished, FallbackMark};
 use super::held::{move_failed, spill, take_in, Spilling};
 use super::replay::ReplayGuard;
 use super::shared::Inner;
@@ -158,6 +157,10 @@ const LEAVE_WAIT: Duration = Duration::from_secs(30);
 /// published since the last confirm would be published a second time. A database that does not
 /// answer leaves it undone (a reconnection is a crash's case).
 async fn settle_before_leaving(inner: &Inner, conn: &mut PgConnection) {
+    // A reading that follows checks what it reads again: besides the rows deleted below, those of
+    // transactions this reading confirmed may be read again, the server not having taken the last
+    // confirm before the stream ended.
+    inner.left_unconfirmed.store(true, Ordering::SeqCst);
     inner.state().active = false;
     let deadline = Instant::now() + LEAVE_WAIT;
     loop {
@@ -181,10 +184,6 @@ async fn settle_before_leaving(inner: &Inner, conn: &mut PgConnection) {
     let settled = async {
         move_failed(inner, conn).await?;
         let ids = dealt_with_rows(inner);
-        if !ids.is_empty() {
-            // Before the delete: a reading that follows must check what it reads again.
-            inner.left_unconfirmed.store(true, Ordering::SeqCst);
-        }
         delete_published(inner, conn, &ids).await
     };
     if let Err(e) = settled.await {

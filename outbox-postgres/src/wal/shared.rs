@@ -83,8 +83,9 @@ pub(super) struct Inner {
     pub(super) fallbacks: Fallbacks,
     /// When the relay last asked for events.
     pub(super) last_claim: Mutex<Instant>,
-    /// A reading of this relay ended after deleting rows of events it had not confirmed yet:
-    /// later readings check what they read again ([`super::replay::ReplayGuard`]).
+    /// A reading of this relay failed, having deleted rows of events the server may not have
+    /// seen confirmed: later readings check what they read again
+    /// ([`super::replay::ReplayGuard`]).
     pub(super) left_unconfirmed: AtomicBool,
 }
 

@@ -22,11 +22,11 @@ use txoutbox_core::{
 };
 
 use super::buffer::{EntryState, State};
+use super::check::{check_slot, not_ready};
 use super::config::WalConfig;
 use super::confirm::check_reader_privileges;
 use super::conninfo::{ReplicationHealth, ReplicationTarget};
 use super::decode::WalReader;
-use super::fallback::{check_slot, not_ready};
 use super::progress::{FallbackProgress, Fallbacks};
 use super::reader::{run_reader, runtime_supported};
 use super::shared::{HeldPoll, Inner, Settings};
