@@ -20,3 +20,12 @@ pub const LONG_VERSION: &str = concat!(
     env!("OUTBOX_BUILD_ADAPTERS"),
     ")"
 );
+
+/// The labels of `outbox_build_info`: this build's version, commit and adapters.
+pub fn labels() -> txoutbox_postgres::ops::BuildInfo {
+    txoutbox_postgres::ops::BuildInfo {
+        version: VERSION.into(),
+        commit: COMMIT.into(),
+        adapters: ADAPTERS.into(),
+    }
+}

@@ -358,26 +358,67 @@ fn the_expression_reader_finds_metrics_and_labels() {
     );
 }
 
+/// What exports the metrics judged: the `outbox` binary's relay, or the example service that runs
+/// its relay through the library (`examples/order_service_with_relay.rs`).
+#[derive(Debug, Clone, Copy)]
+enum Exporter {
+    Binary,
+    ComposedRelay,
+}
+
+/// The example service's executable, built next to this test by `cargo test`.
+fn example_service() -> std::path::PathBuf {
+    let path = std::path::Path::new(bin())
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("order_service_with_relay");
+    assert!(
+        path.exists(),
+        "the example is not built at {}: run `cargo test --workspace --all-features` (it builds the examples)",
+        path.display()
+    );
+    path
+}
+
 /// Starts a relay that exports every series it has (a published event, a failed and dead-lettered
 /// one with an event held back behind it, pending events by type, a failed claim, cleanup rounds)
 /// and returns its `/metrics`.
-async fn scrape_of_a_relay_exporting_everything() -> String {
+async fn scrape_of_a_relay_exporting_everything(exporter: Exporter) -> String {
     let pg = pool(2).await;
     let table = fresh_table(&pg).await;
     let fx = Fixture::new().await;
     let port = free_port();
-    let mut c = outbox(&table, &["relay"]);
-    c.env("OUTBOX_PUBLISHER__TYPE", "amqp")
-        .env("OUTBOX_AMQP__URL", txoutbox_amqp::testing::amqp_url())
-        .env("OUTBOX_AMQP__EXCHANGE", &fx.exchange)
-        .env("OUTBOX_HTTP__ENABLED", "true")
-        .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
-        .env("OUTBOX_HTTP__STATS_INTERVAL", "200ms")
-        .env("OUTBOX_DATABASE__KEEP_PROCESSED_FOR", "1s")
-        .env("OUTBOX_DATABASE__CLEANUP_INTERVAL", "1s")
-        .env("OUTBOX_RELAY__POLL_INTERVAL", "100ms");
-    let relay = Running::start(c);
-    relay.wait_log("serving /metrics", Duration::from_secs(30));
+    let relay = match exporter {
+        Exporter::Binary => {
+            let mut c = outbox(&table, &["relay"]);
+            c.env("OUTBOX_PUBLISHER__TYPE", "amqp")
+                .env("OUTBOX_AMQP__URL", txoutbox_amqp::testing::amqp_url())
+                .env("OUTBOX_AMQP__EXCHANGE", &fx.exchange)
+                .env("OUTBOX_HTTP__ENABLED", "true")
+                .env("OUTBOX_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+                .env("OUTBOX_HTTP__STATS_INTERVAL", "200ms")
+                .env("OUTBOX_DATABASE__KEEP_PROCESSED_FOR", "1s")
+                .env("OUTBOX_DATABASE__CLEANUP_INTERVAL", "1s")
+                .env("OUTBOX_RELAY__POLL_INTERVAL", "100ms");
+            let relay = Running::start(c);
+            relay.wait_log("serving /metrics", Duration::from_secs(30));
+            relay
+        }
+        Exporter::ComposedRelay => {
+            assert_eq!(table.table(), "outbox_events", "the example's table");
+            let mut c = std::process::Command::new(example_service());
+            c.env("DATABASE_URL", txoutbox_postgres::testing::database_url())
+                .env("AMQP_URL", txoutbox_amqp::testing::amqp_url())
+                .env("AMQP_EXCHANGE", &fx.exchange)
+                .env("LISTEN", format!("127.0.0.1:{port}"))
+                .env("OUTBOX_SCHEMA", table.schema())
+                .env("KEEP_PROCESSED_FOR_SECS", "1");
+            let relay = Running::start(c);
+            relay.wait_output("listening on", Duration::from_secs(30));
+            relay
+        }
+    };
     // One event published; then, on aggregate o-2, one the allow-list refuses (dead-lettered) and
     // one held back behind it.
     insert_plain(&table, "o-1", 1).await;
@@ -439,7 +480,18 @@ async fn scrape_of_a_relay_exporting_everything() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rules_and_dashboard_name_only_what_a_running_relay_exports() {
-    let scrape = scrape_of_a_relay_exporting_everything().await;
+    judge_rules_and_dashboard(Exporter::Binary).await;
+}
+
+/// A relay composed in a service from the library exports what the alert rules and the dashboard
+/// read, as the binary does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_and_dashboard_name_only_what_a_composed_relay_exports() {
+    judge_rules_and_dashboard(Exporter::ComposedRelay).await;
+}
+
+async fn judge_rules_and_dashboard(exporter: Exporter) {
+    let scrape = scrape_of_a_relay_exporting_everything(exporter).await;
     let exported = samples(&scrape);
     // Every family the relay registers has samples in this scrape (so none is judged on HELP alone).
     for line in scrape.lines().filter(|l| l.starts_with("# TYPE ")) {

@@ -194,6 +194,18 @@ pub struct StoreStats {
     pub estimated: bool,
 }
 
+impl StoreStats {
+    /// These figures as a relay with `ordering` sees them: without per-aggregate order a dead letter
+    /// holds nothing back, so the held-back counts are 0.
+    pub fn under(mut self, ordering: OrderingPolicy) -> Self {
+        if ordering == OrderingPolicy::Unordered {
+            self.held_back = 0;
+            self.held_back_aggregates = 0;
+        }
+        self
+    }
+}
+
 /// The relay's view of the outbox.
 #[async_trait]
 pub trait Store: Send + Sync {
@@ -317,6 +329,27 @@ pub struct CallLimit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn without_per_aggregate_order_nothing_is_held_back() {
+        let stats = StoreStats {
+            held_back: 5,
+            held_back_aggregates: 2,
+            dead_letters: 2,
+            ..StoreStats::default()
+        };
+        let ordered = stats.clone().under(OrderingPolicy::PerAggregate);
+        assert_eq!((ordered.held_back, ordered.held_back_aggregates), (5, 2));
+        let unordered = stats.under(OrderingPolicy::Unordered);
+        assert_eq!(
+            (
+                unordered.held_back,
+                unordered.held_back_aggregates,
+                unordered.dead_letters
+            ),
+            (0, 0, 2)
+        );
+    }
 
     #[test]
     fn the_byte_budget_takes_a_first_event_of_any_size_and_later_ones_within_it() {

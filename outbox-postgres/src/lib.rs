@@ -7,6 +7,9 @@ mod grants;
 mod inbox;
 pub mod migrate;
 pub mod notify;
+#[cfg(feature = "ops")]
+#[cfg_attr(docsrs, doc(cfg(feature = "ops")))]
+pub mod ops;
 mod pool;
 pub mod pooler;
 mod row;

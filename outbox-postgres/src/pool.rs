@@ -42,9 +42,19 @@ pub async fn connect_config(config: &DatabaseConfig) -> Result<sqlx::PgPool, txo
 /// after one whose acknowledgement was lost with it), where keepalives do not apply and the
 /// kernel's retransmissions would keep the session, and its locks, for about 15 minutes.
 pub(crate) const KEEPALIVES: &str =
-    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3;
+    "SELECT set_config('tcp_keepalives_idle', '10', false), set_config('tcp_keepalives_interval', '5', false),
+            set_config('tcp_keepalives_count', '3', false);
      SELECT set_config('tcp_user_timeout', '25000', false)
-     WHERE EXISTS (SELECT 1 FROM pg_settings WHERE name = 'tcp_user_timeout')";
+     WHERE current_setting('tcp_user_timeout', true) IS NOT NULL";
+
+/// [`KEEPALIVES`] for one transaction: every claim sets them on its own connection, so a lease
+/// (the claim's transaction) is released within about 25 s of its relay vanishing whatever pool
+/// the store was given.
+pub(crate) const KEEPALIVES_LOCAL: &str =
+    "SELECT set_config('tcp_keepalives_idle', '10', true), set_config('tcp_keepalives_interval', '5', true),
+            set_config('tcp_keepalives_count', '3', true);
+     SELECT set_config('tcp_user_timeout', '25000', true)
+     WHERE current_setting('tcp_user_timeout', true) IS NOT NULL";
 
 /// The pause between two connection attempts the start waits through.
 const RETRY: std::time::Duration = std::time::Duration::from_millis(250);

@@ -321,3 +321,179 @@ async fn kafka_consumer_reads_a_failed_record_again_after_a_restart() {
     assert!(!out.iter().any(|l| l.starts_with("duplicate")), "{out:?}");
     assert_eq!(shipments(&pg, &schema).await, 3);
 }
+
+/// `POST path` with a JSON body; `None` when the service cannot be reached or the exchange breaks
+/// off (it is stopping).
+fn try_post(port: u16, path: &str, body: &str) -> Option<(u16, String)> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
+    let mut response = String::new();
+    s.read_to_string(&mut response).ok()?;
+    let code = response.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, response))
+}
+
+fn get(port: u16, path: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).unwrap();
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, response)
+}
+
+/// The order ids of the committed orders, the event rows still waiting, and the events received.
+async fn orders_events_and_messages(
+    pg: &sqlx::PgPool,
+    schema: &str,
+    got: &[txoutbox_amqp::testing::Delivered],
+) -> (Vec<String>, Vec<String>, Vec<String>) {
+    let orders: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT id::text FROM \"{schema}\".orders ORDER BY id"
+    ))
+    .fetch_all(pg)
+    .await
+    .unwrap();
+    let pending: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT aggregate_id FROM \"{schema}\".outbox_events WHERE processed_at IS NULL"
+    ))
+    .fetch_all(pg)
+    .await
+    .unwrap();
+    let received = got
+        .iter()
+        .map(|d| d.received.aggregate_id.clone().unwrap())
+        .collect();
+    (orders, pending, received)
+}
+
+/// The service that runs its own relay (`order_service_with_relay`): each order's event reaches
+/// RabbitMQ once; `/metrics`, `/healthz` and `/readyz` answer; SIGTERM while orders keep coming
+/// stops it with every batch in flight settled (an event is either received and its row gone, or
+/// still waiting, never both), and a restart publishes what waited, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn order_service_with_relay_publishes_once_and_settles_on_sigterm() {
+    let pg = pool(2).await;
+    let schema = fresh_table(&pg).await.schema().to_string();
+    let fx = txoutbox_amqp::testing::Fixture::new().await;
+    let port = txoutbox_core::testkit::free_port();
+    let command = || {
+        let mut c = Command::new(example("order_service_with_relay"));
+        c.env("DATABASE_URL", database_url())
+            .env("AMQP_URL", txoutbox_amqp::testing::amqp_url())
+            .env("AMQP_EXCHANGE", &fx.exchange)
+            .env("LISTEN", format!("127.0.0.1:{port}"))
+            .env("OUTBOX_SCHEMA", &schema);
+        c
+    };
+    let mut service = Proc::start(command());
+    service.wait_line("listening", Duration::from_secs(30));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, body) = get(port, "/readyz");
+        if code == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready: {body}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for i in 0..10 {
+        let (code, body) = post(
+            port,
+            "/orders",
+            &format!(r#"{{"customer_id":"c-{i}","total_cents":100}}"#),
+        );
+        assert_eq!(code, 201, "{body}");
+    }
+    fx.wait_for(10, Duration::from_secs(60)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, metrics) = get(port, "/metrics");
+        if metrics.contains("outbox_events_published_total 10") {
+            assert!(metrics.contains("adapters=\"amqp\""), "{metrics}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "published count:\n{metrics}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(get(port, "/healthz").0, 200);
+
+    // Orders keep coming while SIGTERM lands.
+    let accepted = Arc::new(Mutex::new(0usize));
+    let writer = {
+        let accepted = accepted.clone();
+        std::thread::spawn(move || {
+            let mut i = 0;
+            while let Some((code, _)) = try_post(
+                port,
+                "/orders",
+                &format!(r#"{{"customer_id":"w-{i}","total_cents":100}}"#),
+            ) {
+                if code == 201 {
+                    *accepted.lock().unwrap() += 1;
+                }
+                i += 1;
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while *accepted.lock().unwrap() < 30 {
+        assert!(Instant::now() < deadline, "the orders stopped coming");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid = service.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let out = service.wait_exit(Duration::from_secs(60));
+    assert!(out.iter().any(|l| l.starts_with("stopped:")), "{out:?}");
+    writer.join().unwrap();
+
+    // Every committed order: its event received once and its row gone, or its row still waiting.
+    let (orders, pending, _) = orders_events_and_messages(&pg, &schema, &[]).await;
+    assert!(orders.len() >= 40, "{} orders", orders.len());
+    eprintln!(
+        "{} orders; {} events waiting after the stop",
+        orders.len(),
+        pending.len()
+    );
+    let published = orders.len() - pending.len();
+    let got = fx.wait_for(published, Duration::from_secs(60)).await;
+    let (_, _, received) = orders_events_and_messages(&pg, &schema, &got).await;
+    let received_set: std::collections::BTreeSet<&String> = received.iter().collect();
+    assert_eq!(
+        received_set.len(),
+        received.len(),
+        "an event received twice"
+    );
+    for order in &orders {
+        let waiting = pending.contains(order);
+        assert!(
+            received_set.contains(order) != waiting,
+            "order {order}: received {}, still waiting {waiting}",
+            received_set.contains(order)
+        );
+    }
+
+    // A restart publishes what waited, and nothing twice.
+    let service = Proc::start(command());
+    service.wait_line("listening", Duration::from_secs(30));
+    let got = fx.wait_for(orders.len(), Duration::from_secs(60)).await;
+    let (_, pending, received) = orders_events_and_messages(&pg, &schema, &got).await;
+    let received_set: std::collections::BTreeSet<&String> = received.iter().collect();
+    assert_eq!(received.len(), orders.len(), "{received:?}");
+    assert_eq!(received_set.len(), orders.len(), "each order's event once");
+    drop(service);
+    assert!(pending.len() <= orders.len() - received.len() + received_set.len());
+    fx.cleanup().await;
+}

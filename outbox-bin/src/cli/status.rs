@@ -1,24 +1,10 @@
 //! `outbox status`: pending events, the oldest pending age, dead letters and what they hold back,
 //! by event type, as text or JSON.
 
-use txoutbox_core::StoreStats;
 use txoutbox_postgres::OutboxTable;
 
 use super::{store, Failure};
 use crate::config::Config;
-
-/// `stats` as the relay's ordering sees them: without per-aggregate order a dead letter holds
-/// nothing back.
-pub(super) fn held_back_under(
-    ordering: txoutbox_core::OrderingPolicy,
-    mut stats: StoreStats,
-) -> StoreStats {
-    if ordering == txoutbox_core::OrderingPolicy::Unordered {
-        stats.held_back = 0;
-        stats.held_back_aggregates = 0;
-    }
-    stats
-}
 
 pub(super) async fn cmd_status(
     config: &Config,
@@ -26,7 +12,7 @@ pub(super) async fn cmd_status(
     json: bool,
 ) -> Result<(), Failure> {
     let pg = store(config, table.clone()).await?;
-    let stats = held_back_under(config.relay.ordering, pg.stats_complete().await?);
+    let stats = pg.stats_complete().await?.under(config.relay.ordering);
     if json {
         let v = serde_json::json!({ "table": table.qualified(), "stats": stats });
         println!("{v}");
@@ -63,30 +49,4 @@ pub(super) async fn cmd_status(
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn without_per_aggregate_order_nothing_is_held_back() {
-        let stats = StoreStats {
-            held_back: 5,
-            held_back_aggregates: 2,
-            dead_letters: 2,
-            ..StoreStats::default()
-        };
-        let ordered = held_back_under(txoutbox_core::OrderingPolicy::PerAggregate, stats.clone());
-        assert_eq!((ordered.held_back, ordered.held_back_aggregates), (5, 2));
-        let unordered = held_back_under(txoutbox_core::OrderingPolicy::Unordered, stats);
-        assert_eq!(
-            (
-                unordered.held_back,
-                unordered.held_back_aggregates,
-                unordered.dead_letters
-            ),
-            (0, 0, 2)
-        );
-    }
 }

@@ -68,9 +68,27 @@ impl Config {
     /// The liveness timeout in force: `http.liveness_timeout`, or when unset the larger of 5 min and
     /// the relay's hold time + 1 min.
     pub fn liveness_timeout(&self) -> Duration {
-        self.http.liveness_timeout.unwrap_or_else(|| {
-            Duration::from_secs(300).max(self.relay.hold_for() + Duration::from_secs(60))
-        })
+        self.ops().liveness_timeout_for(&self.relay)
+    }
+
+    /// The relay's operations side as `[http]` and `[database]` set it: statistics, readiness and
+    /// liveness, the event-type label cap, the automatic cleanup, and this build's labels.
+    pub fn ops(&self) -> txoutbox_postgres::ops::OpsConfig {
+        txoutbox_postgres::ops::OpsConfig {
+            stats_interval: self.http.stats_interval,
+            ready_timeout: self.http.ready_timeout,
+            liveness_timeout: self.http.liveness_timeout,
+            max_event_type_labels: self.http.max_event_type_labels,
+            cleanup: match (self.database.keep_processed_for, self.database.auto_cleanup) {
+                (Some(older_than), true) => Some(txoutbox_postgres::ops::CleanupSchedule {
+                    older_than,
+                    interval: self.database.cleanup_interval,
+                    batch_size: self.database.cleanup_batch_size,
+                }),
+                _ => None,
+            },
+            build: crate::build_info::labels(),
+        }
     }
 
     /// Checks every section.
@@ -135,14 +153,11 @@ impl Config {
     /// statistics task, one for the readiness check, one for the NOTIFY listener when
     /// `database.notify` is on, and one for the automatic cleanup when it runs.
     pub fn pool_connections_needed(&self) -> u32 {
-        let in_flight = u32::try_from(self.relay.max_in_flight).unwrap_or(u32::MAX);
-        in_flight
-            .saturating_add(2)
+        txoutbox_postgres::ops::RelayService::connections_needed(&self.relay, &self.ops())
             // The listener's connection, unless it comes from database.direct_url's pool.
             .saturating_add(u32::from(
                 self.database.notify && self.database.direct_url.is_none(),
             ))
-            .saturating_add(u32::from(self.database.cleans_automatically()))
     }
 
     /// The configuration as TOML, secrets redacted (for `outbox config`).

@@ -100,7 +100,7 @@ impl Default for HttpConfig {
             stats_interval: Duration::from_secs(5),
             ready_timeout: Duration::from_secs(2),
             liveness_timeout: None,
-            max_event_type_labels: crate::metrics::DEFAULT_MAX_EVENT_TYPE_LABELS,
+            max_event_type_labels: txoutbox_postgres::ops::DEFAULT_MAX_EVENT_TYPE_LABELS,
         }
     }
 }

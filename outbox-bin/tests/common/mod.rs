@@ -164,6 +164,25 @@ impl Running {
         }
     }
 
+    /// Waits until a line of standard output contains `needle`.
+    pub fn wait_output(&self, needle: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self
+            .lines
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains(needle))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "no output line with {needle:?}: {:?}",
+                self.logs.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits until a log line contains `needle`.
     pub fn wait_log(&self, needle: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;

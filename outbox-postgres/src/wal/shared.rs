@@ -33,6 +33,8 @@ pub(super) struct Settings {
     pub(super) held_poll_interval: Duration,
     /// `wal.auto_recreate`: the reader makes a missing or lost slot (and publication) again.
     pub(super) auto_recreate: bool,
+    /// `wal.retained_wal_warning`: retained WAL above this many bytes is warned about.
+    pub(super) retained_wal_warning: u64,
 }
 
 impl Settings {

@@ -109,6 +109,7 @@ impl WalStore {
                     read_ahead_bytes: config.read_ahead_bytes.max(1),
                     held_poll_interval: Duration::from_millis(500),
                     auto_recreate: config.auto_recreate,
+                    retained_wal_warning: config.retained_wal_warning,
                 },
                 state: Mutex::new(State::default()),
                 held_poll: Mutex::new(HeldPoll {
@@ -143,6 +144,11 @@ impl WalStore {
             inner.settings.held_poll_interval = every;
         }
         self
+    }
+
+    /// `wal.retained_wal_warning`: the bytes of retained WAL above which the slot is warned about.
+    pub fn retained_wal_warning(&self) -> u64 {
+        self.inner.settings.retained_wal_warning
     }
 
     /// The held table's store (dead letters, statistics, cleanup).

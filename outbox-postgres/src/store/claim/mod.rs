@@ -16,6 +16,7 @@ use txoutbox_core::{Batch, ClaimRequest, Error, OrderingPolicy};
 use super::lease::{EmptyLease, PgLease};
 use super::PostgresStore;
 use crate::error::map_sqlx;
+use crate::pool::KEEPALIVES_LOCAL;
 
 /// Opens a claim's transaction (one round trip). Every statement of a claim and its settlement reads
 /// the outbox through an index; without sequential scans the planner has no plan left whose cost
@@ -32,11 +33,15 @@ use crate::error::map_sqlx;
 /// statement must see what other leases settled before it, in particular the owned read, which
 /// follows the statement that took the partitions (a snapshot kept from before the locks would
 /// show events another lease has just settled as pending, and they would be published again).
+///
+/// It sets the TCP keepalives and user timeout of its connection for its own length
+/// ([`KEEPALIVES_LOCAL`]): the release of a vanished relay's lease does not depend on how the pool
+/// was opened.
 pub(super) fn claim_begin(hold_for: std::time::Duration) -> String {
     let ms = hold_for.as_millis().clamp(1_000, i32::MAX as u128);
     format!(
         "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL enable_seqscan = off; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
-         SAVEPOINT {CLAIM_LOCKS}"
+         {KEEPALIVES_LOCAL}; SAVEPOINT {CLAIM_LOCKS}"
     )
 }
 
@@ -109,6 +114,7 @@ impl PostgresStore {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use crate::store::sql::{self, Sql};
     use crate::store::Retention;
     use crate::table::OutboxTable;
@@ -149,5 +155,51 @@ mod tests {
         assert_ne!(sql::partition_lock_key(&a), sql::partition_lock_key(&b));
         // FNV-1a of `outbox.claim "s"."events"`: relays of every version must agree on it.
         assert_eq!(sql::partition_lock_key(&a), -2_051_167_190);
+    }
+
+    /// A pool opened without the keepalives of `txoutbox_postgres::connect` (a service's own): its
+    /// claims carry them all the same, for the transaction only.
+    #[tokio::test]
+    async fn a_claim_sets_keepalives_on_its_connection_whatever_the_pool() {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&crate::testing::database_url())
+            .await
+            .expect("the test database (DATABASE_URL, over TCP): run scripts/test-env.sh");
+        async fn show(conn: &mut sqlx::PgConnection, name: &str) -> String {
+            sqlx::query_scalar(&format!("SHOW {name}"))
+                .fetch_one(conn)
+                .await
+                .unwrap()
+        }
+        let settings = [
+            ("tcp_keepalives_idle", "10"),
+            ("tcp_keepalives_interval", "5"),
+            ("tcp_keepalives_count", "3"),
+            ("tcp_user_timeout", "25000"),
+        ];
+        let mut before = Vec::new();
+        {
+            let mut conn = pool.acquire().await.unwrap();
+            for (name, _) in settings {
+                before.push(show(&mut conn, name).await);
+            }
+        }
+        assert_ne!(
+            before[0], "10",
+            "the pool's connection has its own keepalives"
+        );
+        let mut tx = pool
+            .begin_with(super::claim_begin(std::time::Duration::from_secs(30)))
+            .await
+            .unwrap();
+        for (name, value) in settings {
+            assert_eq!(show(&mut tx, name).await, value, "{name} in the claim");
+        }
+        tx.rollback().await.unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        for ((name, _), was) in settings.iter().zip(&before) {
+            assert_eq!(&show(&mut conn, name).await, was, "{name} after the claim");
+        }
     }
 }

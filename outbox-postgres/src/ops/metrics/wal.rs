@@ -9,12 +9,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use txoutbox_postgres::wal::{FallbackProgress, SlotPositions, WalProgress};
+use crate::wal::{FallbackProgress, SlotPositions, WalProgress};
 
 /// Label set of the WAL source's fallbacks.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
-    /// Why the reader fell back to the outbox table (one of `txoutbox_postgres::wal::FALLBACK_REASONS`).
+    /// Why the reader fell back to the outbox table (one of [`crate::wal::FALLBACK_REASONS`]).
     pub reason: String,
 }
 
@@ -124,7 +124,7 @@ impl WalGauges {
         );
         // Every reason from the start (0 under the polling source), so that a rate or an
         // increase sees a fallback's first one.
-        for reason in txoutbox_postgres::wal::FALLBACK_REASONS {
+        for reason in crate::wal::FALLBACK_REASONS {
             drop(g.fallbacks.get_or_create(&ReasonLabel {
                 reason: reason.to_string(),
             }));

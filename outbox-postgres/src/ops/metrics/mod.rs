@@ -44,6 +44,28 @@ pub struct BuildLabel {
     pub adapters: String,
 }
 
+/// What `outbox_build_info` says about the running build.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildInfo {
+    /// The version of what runs (the `outbox` binary's, or the service's).
+    pub version: String,
+    /// The commit it was built from, or `unknown`.
+    pub commit: String,
+    /// The publishers compiled in (the binary), or the one in use (a composed relay).
+    pub adapters: String,
+}
+
+impl Default for BuildInfo {
+    /// This library's version; commit and adapters `unknown`.
+    fn default() -> Self {
+        BuildInfo {
+            version: env!("CARGO_PKG_VERSION").into(),
+            commit: "unknown".into(),
+            adapters: "unknown".into(),
+        }
+    }
+}
+
 /// Label set of the cleanup rounds.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
@@ -116,7 +138,8 @@ pub struct Metrics {
     cleanup_runs: Family<OutcomeLabel, Counter>,
     cleanup_last_success: Gauge<f64, AtomicU64>,
     wal: WalGauges,
-    liveness: Option<std::sync::Arc<crate::health::Liveness>>,
+    build_info: Family<BuildLabel, Gauge>,
+    liveness: Option<std::sync::Arc<super::health::Liveness>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -159,17 +182,10 @@ impl Metrics {
         let cleanup_last_success = Gauge::<f64, AtomicU64>::default();
         let wal = WalGauges::register(&mut registry);
         let build_info = Family::<BuildLabel, Gauge>::default();
-        build_info
-            .get_or_create(&BuildLabel {
-                version: crate::build_info::VERSION.into(),
-                commit: crate::build_info::COMMIT.into(),
-                adapters: crate::build_info::ADAPTERS.into(),
-            })
-            .set(1);
         registry.register(
             "outbox_build_info",
             "Always 1; the labels say which build runs: version, commit, adapters compiled in",
-            build_info,
+            build_info.clone(),
         );
         registry.register(
             "outbox_events_published",
@@ -284,8 +300,9 @@ impl Metrics {
                 })
                 .inc_by(0);
         }
-        Metrics {
+        let metrics = Metrics {
             registry,
+            build_info,
             cleanup_removed,
             cleanup_runs,
             cleanup_last_success,
@@ -311,11 +328,26 @@ impl Metrics {
             publish_duration,
             claim_duration,
             batch_size,
-        }
+        };
+        metrics.set_build(&BuildInfo::default());
+        metrics
+    }
+
+    /// Sets what `outbox_build_info` says (by default [`BuildInfo::default`]: this library's
+    /// version).
+    pub fn set_build(&self, build: &BuildInfo) {
+        self.build_info.clear();
+        self.build_info
+            .get_or_create(&BuildLabel {
+                version: build.version.clone(),
+                commit: build.commit.clone(),
+                adapters: build.adapters.clone(),
+            })
+            .set(1);
     }
 
     /// Reports the relay's progress and the statistics to `liveness` too.
-    pub fn with_liveness(mut self, liveness: std::sync::Arc<crate::health::Liveness>) -> Self {
+    pub fn with_liveness(mut self, liveness: std::sync::Arc<super::health::Liveness>) -> Self {
         self.liveness = Some(liveness);
         self
     }
@@ -397,8 +429,8 @@ impl Metrics {
     /// (`None`: missing, or not read) and `wal.retained_wal_warning`.
     pub fn record_wal(
         &self,
-        progress: &txoutbox_postgres::wal::WalProgress,
-        positions: Option<&txoutbox_postgres::wal::SlotPositions>,
+        progress: &crate::wal::WalProgress,
+        positions: Option<&crate::wal::SlotPositions>,
         retained_warning: u64,
     ) {
         self.wal.record(progress, positions, retained_warning);
@@ -530,13 +562,13 @@ mod tests {
     #[test]
     fn the_wal_gauges_read_the_readers_progress_and_the_slot() {
         let m = Metrics::default();
-        let mut progress = txoutbox_postgres::wal::WalProgress {
+        let mut progress = crate::wal::WalProgress {
             active: true,
             unsettled: 12,
             in_flight: 3,
             lag_seconds: 0.25,
             confirmed_lsn: 42,
-            fallback: txoutbox_postgres::wal::FallbackProgress {
+            fallback: crate::wal::FallbackProgress {
                 reason: Some("the publication lacks the table".into()),
                 total: 2,
                 by_reason: vec![("slot_missing", 0), ("table_not_published", 2)],
@@ -545,7 +577,7 @@ mod tests {
                 tableless_gap_bytes: 4096,
             },
         };
-        let positions = txoutbox_postgres::wal::SlotPositions {
+        let positions = crate::wal::SlotPositions {
             lag_bytes: 800,
             retained_bytes: 9000,
             wal_status: Some("reserved".into()),
@@ -615,16 +647,24 @@ mod tests {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }
         let build = format!(
-            "outbox_build_info{{version=\"{}\",commit=\"{}\",adapters=\"{}\"}} 1",
-            crate::build_info::VERSION,
-            crate::build_info::COMMIT,
-            crate::build_info::ADAPTERS
+            "outbox_build_info{{version=\"{}\",commit=\"unknown\",adapters=\"unknown\"}} 1",
+            env!("CARGO_PKG_VERSION"),
         );
         assert!(text.contains(&build), "missing {build:?} in\n{text}");
-        assert_ne!(
-            crate::build_info::COMMIT,
-            "",
-            "the commit is known or `unknown`"
+        m.set_build(&BuildInfo {
+            version: "9.9.9".into(),
+            commit: "abc".into(),
+            adapters: "amqp".into(),
+        });
+        let text = m.render();
+        let builds: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("outbox_build_info{"))
+            .collect();
+        assert_eq!(
+            builds,
+            ["outbox_build_info{version=\"9.9.9\",commit=\"abc\",adapters=\"amqp\"} 1"],
+            "one series, the build set last"
         );
     }
 

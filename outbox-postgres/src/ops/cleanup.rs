@@ -1,8 +1,9 @@
-//! Automatic cleanup: with `database.keep_processed_for` set (and `database.auto_cleanup` on), the
-//! relay removes expired published rows itself, so no cron job is needed.
+//! Automatic cleanup: with [`Retention::Keep`](crate::Retention::Keep) and a [`CleanupSchedule`]
+//! (the binary's `database.keep_processed_for`), the relay removes expired published rows itself,
+//! so no cron job is needed.
 //!
-//! A round runs when the relay starts and then every `database.cleanup_interval`: batches of
-//! `database.cleanup_batch_size` rows, each its own short transaction under the table's cleanup lock
+//! A round runs when the relay starts and then every [`CleanupSchedule::interval`]: batches of
+//! [`CleanupSchedule::batch_size`] rows, each its own short transaction under the table's cleanup lock
 //! ([`PostgresStore::cleanup_batch`] with [`CleanupLock::Try`]), until none are left or the relay
 //! stops. One cleanup batch runs at a time: a relay that finds another relay (or `outbox cleanup`)
 //! deleting ends its round there (`busy`), so replicas never delete side by side (between two of
@@ -15,9 +16,9 @@ use std::time::Duration;
 use tracing::{info, warn};
 use txoutbox_core::CancellationToken;
 
-use txoutbox_postgres::{CleanupBatch, CleanupLock, PostgresStore};
+use crate::{CleanupBatch, CleanupLock, PostgresStore};
 
-use crate::metrics::{CleanupOutcome, Metrics};
+use super::metrics::{CleanupOutcome, Metrics};
 
 /// What the cleanup task needs to know.
 #[derive(Debug, Clone, Copy)]
@@ -28,6 +29,20 @@ pub struct CleanupSchedule {
     pub interval: Duration,
     /// Rows per statement.
     pub batch_size: u32,
+}
+
+impl CleanupSchedule {
+    /// Removes rows published longer ago than `older_than`, in rounds every
+    /// [`DEFAULT_CLEANUP_INTERVAL`](crate::DEFAULT_CLEANUP_INTERVAL) (or every `older_than` when
+    /// shorter), [`DEFAULT_CLEANUP_BATCH_SIZE`](crate::DEFAULT_CLEANUP_BATCH_SIZE) rows per
+    /// statement.
+    pub fn keeping(older_than: Duration) -> Self {
+        CleanupSchedule {
+            older_than,
+            interval: crate::DEFAULT_CLEANUP_INTERVAL.min(older_than.max(Duration::from_secs(1))),
+            batch_size: crate::DEFAULT_CLEANUP_BATCH_SIZE,
+        }
+    }
 }
 
 /// Runs one cleanup round: batches until no expired row is left, the lock is held by another
