@@ -376,13 +376,17 @@ fn assert_no_failure_logged(table: &OutboxTable) {
 /// A relay cut off from the database without a reset (every packet of its claim's connection
 /// dropped, both ways) while it holds a batch: the server's keepalive probes go unanswered, it ends
 /// the session, and another relay claims the aggregate within about 25 s (README, guarantee 4),
-/// not after the kernel's two hours nor the lease's own hold time (130 s on defaults).
+/// not after the kernel's two hours nor the lease's own hold time (130 s on defaults). The cut-off
+/// relay's pool is a plain one, opened without `txoutbox_postgres::connect`'s keepalives (as a
+/// service's own pool may be): the claim sets them on its connection itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_cut_off_without_a_reset_frees_its_aggregates_within_the_keepalive_bound() {
     let admin = pool(2).await;
     let table = fresh_table(&admin).await;
     let ids = write(&admin, &table, &["x", "x"]).await;
-    let relay_a = txoutbox_postgres::connect(&database_url(), 2)
+    let relay_a = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&database_url())
         .await
         .unwrap();
     let a = PostgresStore::new(relay_a, table.clone());
