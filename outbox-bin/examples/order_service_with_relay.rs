@@ -2,7 +2,8 @@
 //! the order and its `order.created` event in one transaction; the relay publishes the event to the
 //! exchange; `/metrics`, `/healthz` and `/readyz` are the `outbox` binary's (the shipped alert rules
 //! and dashboard work unchanged). SIGTERM or Ctrl-C stops it cleanly: the HTTP server stops taking
-//! requests, the batches in flight are published and settled, then the process exits.
+//! requests and finishes those in progress, then the relay publishes and settles its batches in
+//! flight, then the process exits.
 //!
 //! ```sh
 //! cargo run -p txoutbox --example order_service_with_relay
@@ -86,29 +87,20 @@ async fn create_order(
     Ok((StatusCode::CREATED, Json(Created { order_id, event_id })))
 }
 
-/// Cancels `shutdown` on SIGTERM (what Kubernetes and systemd send) or Ctrl-C.
-async fn stop_on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Resolves on SIGTERM (what Kubernetes and systemd send) or Ctrl-C. The handlers are installed
+/// when it is called, before the service says it listens.
+fn stop_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(e) => {
-                    eprintln!("cannot watch SIGTERM ({e}); Ctrl-C still stops the service");
-                    let _ = ctrl_c.await;
-                    shutdown.cancel();
-                    return;
-                }
-            };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    Ok(async move {
+        #[cfg(unix)]
         tokio::select! {
             _ = term.recv() => {}
-            _ = ctrl_c => {}
+            _ = tokio::signal::ctrl_c() => {}
         }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    shutdown.cancel();
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }
 
 #[tokio::main]
@@ -118,9 +110,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:8080".into());
     let schema = std::env::var("OUTBOX_SCHEMA").unwrap_or_else(|_| "public".into());
     let keep: Option<Duration> = match std::env::var("KEEP_PROCESSED_FOR_SECS") {
-        Ok(s) => Some(Duration::from_secs_f64(s.parse().map_err(|_| {
-            format!("KEEP_PROCESSED_FOR_SECS = {s:?} is not a number of seconds")
-        })?)),
+        Ok(s) => Some(
+            s.parse::<f64>()
+                .ok()
+                .and_then(|secs| Duration::try_from_secs_f64(secs).ok())
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| {
+                    format!("KEEP_PROCESSED_FOR_SECS = {s:?} is not a positive number of seconds")
+                })?,
+        ),
         Err(_) => None,
     };
     let amqp = AmqpConfig {
@@ -171,19 +169,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_state(app)
         .merge(relay.router());
 
-    let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
-    let relay = tokio::spawn(relay.run(shutdown.clone()));
+    // Bound first: a port taken stops the service before its relay claims anything.
     let listener = tokio::net::TcpListener::bind(&listen).await?;
+    let signal = stop_signal()?;
+    let stop_relay = CancellationToken::new();
+    let relay = tokio::spawn(relay.run(stop_relay.clone()));
     println!("order service listening on {listen}");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-        .await?;
-    // The relay settles its batches in flight before `run` returns.
+    // On SIGTERM the server stops taking requests and finishes those in progress; then the relay
+    // stops, publishing and settling its batches in flight before `run` returns. Events committed
+    // meanwhile wait in the outbox for the next start.
+    let served = axum::serve(listener, router)
+        .with_graceful_shutdown(signal)
+        .await;
+    stop_relay.cancel();
     let summary = relay.await?;
     println!(
         "stopped: {} events published, {} dead-lettered, {} batches aborted",
         summary.published, summary.dead_lettered, summary.aborted_batches
     );
+    served?;
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! consumers for RabbitMQ and Kafka. `cargo test --workspace` builds them next to the tests.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -350,35 +351,49 @@ fn get(port: u16, path: &str) -> (u16, String) {
     (code, response)
 }
 
-/// The order ids of the committed orders, the event rows still waiting, and the events received.
-async fn orders_events_and_messages(
+/// Every aggregate id written (the orders' ids, and the backlog's), the aggregate ids of the event
+/// rows still waiting, and those of the events received.
+async fn written_waiting_and_received(
     pg: &sqlx::PgPool,
     schema: &str,
+    backlog: &[String],
     got: &[txoutbox_amqp::testing::Delivered],
-) -> (Vec<String>, Vec<String>, Vec<String>) {
-    let orders: Vec<String> = sqlx::query_scalar(&format!(
-        "SELECT id::text FROM \"{schema}\".orders ORDER BY id"
-    ))
-    .fetch_all(pg)
-    .await
-    .unwrap();
-    let pending: Vec<String> = sqlx::query_scalar(&format!(
+) -> (BTreeSet<String>, BTreeSet<String>, Vec<String>) {
+    let mut written: BTreeSet<String> =
+        sqlx::query_scalar::<_, String>(&format!("SELECT id::text FROM \"{schema}\".orders"))
+            .fetch_all(pg)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    written.extend(backlog.iter().cloned());
+    let waiting = sqlx::query_scalar::<_, String>(&format!(
         "SELECT aggregate_id FROM \"{schema}\".outbox_events WHERE processed_at IS NULL"
     ))
     .fetch_all(pg)
     .await
-    .unwrap();
+    .unwrap()
+    .into_iter()
+    .collect();
     let received = got
         .iter()
         .map(|d| d.received.aggregate_id.clone().unwrap())
         .collect();
-    (orders, pending, received)
+    (written, waiting, received)
+}
+
+/// What the fixture received once nothing more came for a second.
+async fn received_when_quiet(
+    fx: &txoutbox_amqp::testing::Fixture,
+) -> Vec<txoutbox_amqp::testing::Delivered> {
+    txoutbox_core::testkit::read_until_quiet(|| async { fx.got.lock().unwrap().clone() }).await
 }
 
 /// The service that runs its own relay (`order_service_with_relay`): each order's event reaches
-/// RabbitMQ once; `/metrics`, `/healthz` and `/readyz` answer; SIGTERM while orders keep coming
-/// stops it with every batch in flight settled (an event is either received and its row gone, or
-/// still waiting, never both), and a restart publishes what waited, once.
+/// RabbitMQ once; `/metrics`, `/healthz` and `/readyz` answer. SIGTERM while orders keep coming and
+/// a backlog is being published stops it with every batch in flight settled and none aborted (an
+/// event is either received and its row gone, or still waiting, never both); a restart publishes
+/// what waited, each event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn order_service_with_relay_publishes_once_and_settles_on_sigterm() {
     let pg = pool(2).await;
@@ -426,7 +441,15 @@ async fn order_service_with_relay_publishes_once_and_settles_on_sigterm() {
     }
     assert_eq!(get(port, "/healthz").0, 200);
 
-    // Orders keep coming while SIGTERM lands.
+    // A backlog keeps the relay's batches in flight, and orders keep coming, while SIGTERM lands.
+    let backlog: Vec<String> = (0..5_000).map(|i| format!("b-{i}")).collect();
+    sqlx::query(&format!(
+        "INSERT INTO \"{schema}\".outbox_events (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'backlog', 'b-' || i, 'order.created', '{{}}' FROM generate_series(0, 4999) i"
+    ))
+    .execute(&pg)
+    .await
+    .unwrap();
     let accepted = Arc::new(Mutex::new(0usize));
     let writer = {
         let accepted = accepted.clone();
@@ -456,44 +479,69 @@ async fn order_service_with_relay_publishes_once_and_settles_on_sigterm() {
         .unwrap()
         .success());
     let out = service.wait_exit(Duration::from_secs(60));
-    assert!(out.iter().any(|l| l.starts_with("stopped:")), "{out:?}");
     writer.join().unwrap();
+    let stopped = out
+        .iter()
+        .find(|l| l.starts_with("stopped:"))
+        .unwrap_or_else(|| panic!("{out:?}"));
+    assert!(stopped.ends_with(" 0 batches aborted"), "{stopped}");
 
-    // Every committed order: its event received once and its row gone, or its row still waiting.
-    let (orders, pending, _) = orders_events_and_messages(&pg, &schema, &[]).await;
-    assert!(orders.len() >= 40, "{} orders", orders.len());
-    eprintln!(
-        "{} orders; {} events waiting after the stop",
-        orders.len(),
-        pending.len()
-    );
-    let published = orders.len() - pending.len();
-    let got = fx.wait_for(published, Duration::from_secs(60)).await;
-    let (_, _, received) = orders_events_and_messages(&pg, &schema, &got).await;
-    let received_set: std::collections::BTreeSet<&String> = received.iter().collect();
+    // Each event: received once and its row gone, or its row still waiting; never both.
+    let got = received_when_quiet(&fx).await;
+    let (written, waiting, received) =
+        written_waiting_and_received(&pg, &schema, &backlog, &got).await;
+    let received_set: BTreeSet<&String> = received.iter().collect();
     assert_eq!(
         received_set.len(),
         received.len(),
         "an event received twice"
     );
-    for order in &orders {
-        let waiting = pending.contains(order);
-        assert!(
-            received_set.contains(order) != waiting,
-            "order {order}: received {}, still waiting {waiting}",
-            received_set.contains(order)
-        );
-    }
+    let neither: Vec<&String> = written
+        .iter()
+        .filter(|a| !received_set.contains(a) && !waiting.contains(*a))
+        .collect();
+    let both: Vec<&String> = waiting
+        .iter()
+        .filter(|a| received_set.contains(a))
+        .collect();
+    assert!(neither.is_empty(), "lost: {neither:?}");
+    assert!(both.is_empty(), "published but not settled: {both:?}");
+    assert!(
+        received_set.iter().all(|a| written.contains(*a)),
+        "an event nobody wrote"
+    );
+    eprintln!(
+        "{} events written; {} received before the stop, {} waiting after it",
+        written.len(),
+        received.len(),
+        waiting.len()
+    );
 
-    // A restart publishes what waited, and nothing twice.
+    // A restart publishes what waited, each event once.
     let service = Proc::start(command());
     service.wait_line("listening", Duration::from_secs(30));
-    let got = fx.wait_for(orders.len(), Duration::from_secs(60)).await;
-    let (_, pending, received) = orders_events_and_messages(&pg, &schema, &got).await;
-    let received_set: std::collections::BTreeSet<&String> = received.iter().collect();
-    assert_eq!(received.len(), orders.len(), "{received:?}");
-    assert_eq!(received_set.len(), orders.len(), "each order's event once");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, waiting, _) = written_waiting_and_received(&pg, &schema, &backlog, &[]).await;
+        if waiting.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} events still waiting",
+            waiting.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = received_when_quiet(&fx).await;
     drop(service);
-    assert!(pending.len() <= orders.len() - received.len() + received_set.len());
+    let (written, _, received) = written_waiting_and_received(&pg, &schema, &backlog, &got).await;
+    let received_set: BTreeSet<String> = received.iter().cloned().collect();
+    assert_eq!(
+        received.len(),
+        received_set.len(),
+        "an event received twice"
+    );
+    assert_eq!(received_set, written, "every event, once");
     fx.cleanup().await;
 }

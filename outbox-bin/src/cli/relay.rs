@@ -91,7 +91,7 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
     } else {
         let service = RelayService::polling(pg, publisher.clone(), config.relay.clone(), ops)?;
         if config.database.notify {
-            service.with_notify(session)
+            service.with_notify(session)?
         } else {
             service
         }
@@ -101,7 +101,9 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
             .await
             .map_err(|e| {
                 txoutbox_core::Error::config(format!(
-                    "http.listen: {e}; or set http.enabled = false"
+                    "http.listen = {}: {}, or set http.enabled = false",
+                    config.http.listen,
+                    e.message()
                 ))
             })?;
         info!(listen = %config.http.listen, "serving /metrics, /healthz and /readyz");

@@ -67,7 +67,7 @@ pub fn router(ops: Ops) -> Router {
 /// until `shutdown`.
 ///
 /// # Errors
-/// A config error naming the address when it cannot be bound.
+/// A configuration error naming the address when it cannot be bound.
 pub async fn serve(
     listen: std::net::SocketAddr,
     ops: Ops,
@@ -76,7 +76,7 @@ pub async fn serve(
     let listener = TcpListener::bind(listen).await.map_err(|e| {
         Error::new(
             ErrorKind::Config,
-            format!("http.listen = {listen}: cannot listen there ({e}); choose a free address or set http.enabled = false"),
+            format!("cannot listen on {listen} ({e}): choose a free address"),
         )
     })?;
     let app = router(ops);

@@ -49,6 +49,9 @@ pub use cleanup::CleanupSchedule;
 pub use health::{Liveness, Readiness};
 pub use http::{router, serve, Ops};
 pub use metrics::{BuildInfo, CleanupOutcome, Metrics, DEFAULT_MAX_EVENT_TYPE_LABELS};
+/// The Prometheus client the metrics are made with, for metrics of the service's own
+/// ([`Metrics::register`]).
+pub use prometheus_client;
 
 /// The operations side of a [`RelayService`]. The defaults are the `outbox` binary's.
 #[derive(Debug, Clone)]
@@ -85,10 +88,48 @@ impl Default for OpsConfig {
 }
 
 impl OpsConfig {
+    /// Checks the settings.
+    ///
+    /// # Errors
+    /// A configuration error naming the setting: a zero statistics interval or readiness timeout
+    /// (a query loop, a probe that never waits), a zero cleanup interval or batch size.
+    pub fn validate(&self) -> Result<(), Error> {
+        let zero = |what: &str, fix: &str| {
+            Err(Error::new(ErrorKind::Config, format!("{what} is 0: {fix}")))
+        };
+        if self.stats_interval.is_zero() {
+            return zero(
+                "OpsConfig::stats_interval",
+                "the statistics would be queried without pause; 5 s is the default",
+            );
+        }
+        if self.ready_timeout.is_zero() {
+            return zero(
+                "OpsConfig::ready_timeout",
+                "a readiness probe would never wait for its checks; 2 s is the default",
+            );
+        }
+        if let Some(cleanup) = &self.cleanup {
+            if cleanup.interval.is_zero() {
+                return zero(
+                    "CleanupSchedule::interval",
+                    "the cleanup would run without pause; see CleanupSchedule::keeping",
+                );
+            }
+            if cleanup.batch_size == 0 {
+                return zero(
+                    "CleanupSchedule::batch_size",
+                    "the cleanup would remove nothing; 1000 is the default",
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The liveness timeout in force for `relay` (see [`OpsConfig::liveness_timeout`]).
     pub fn liveness_timeout_for(&self, relay: &RelayConfig) -> Duration {
         self.liveness_timeout.unwrap_or_else(|| {
-            Duration::from_secs(300).max(relay.hold_for() + Duration::from_secs(60))
+            Duration::from_secs(300).max(relay.hold_for().saturating_add(Duration::from_secs(60)))
         })
     }
 }
@@ -146,7 +187,8 @@ impl RelayService {
     ///
     /// The store sets the TCP keepalives and user timeout the lease's release time depends on, on
     /// every claim, whatever pool it was given (see `GUARANTEES.md`, "The lease lasts the
-    /// publish").
+    /// publish"; behind a pooler they guard the pooler's connection, and the pooler's own settings
+    /// the relay's).
     ///
     /// # Errors
     /// A configuration error when `relay` is not valid for `publisher`, or when the store's pool
@@ -168,7 +210,8 @@ impl RelayService {
 
     /// A relay that reads the outbox table's events from `wal`'s replication slot (see
     /// [`crate::wal`]); the reader starts with [`RelayService::run`] and is stopped (its settled
-    /// events confirmed) when the relay stops.
+    /// events confirmed) when the relay stops. The store's wake becomes the service's relay's, and
+    /// its held table is looked at every `relay.poll_interval`.
     ///
     /// # Errors
     /// As [`RelayService::polling`], for the held table's pool.
@@ -196,6 +239,7 @@ impl RelayService {
         mut ops: OpsConfig,
         wake: Wake,
     ) -> Result<Self, Error> {
+        ops.validate()?;
         let needed = Self::connections_needed(&relay, &ops);
         let has = pg.pool().options().get_max_connections();
         if has < needed {
@@ -235,13 +279,31 @@ impl RelayService {
 
     /// Wakes the relay on every NOTIFY of the outbox table's writers (see [`crate::notify`]),
     /// taking one connection of `pool` for as long as the relay runs. Ignored under the WAL source,
-    /// whose stream brings the events. When `pool` is the store's own, count one more connection
-    /// than [`RelayService::connections_needed`].
-    pub fn with_notify(mut self, pool: PgPool) -> Self {
+    /// whose stream brings the events.
+    ///
+    /// # Errors
+    /// A configuration error when `pool` is the store's own and holds fewer than
+    /// [`RelayService::connections_needed`] + 1 connections (the listener's).
+    pub fn with_notify(mut self, pool: PgPool) -> Result<Self, Error> {
         if let Source::Polling { listener, .. } = &mut self.source {
+            // Clones of one pool share its options.
+            if std::ptr::eq(pool.options(), self.pg.pool().options()) {
+                let needed =
+                    Self::connections_needed(self.relay.config(), &self.config).saturating_add(1);
+                let has = pool.options().get_max_connections();
+                if has < needed {
+                    return Err(Error::new(
+                        ErrorKind::Config,
+                        format!(
+                            "the store's pool holds {has} connections, fewer than the relay uses at once with its NOTIFY listener on the same pool ({needed}); \
+                             open it with at least {needed}, or give the listener a pool of its own"
+                        ),
+                    ));
+                }
+            }
             listener.replace(pool);
         }
-        self
+        Ok(self)
     }
 
     /// What `/metrics`, `/healthz` and `/readyz` answer from.
@@ -253,12 +315,15 @@ impl RelayService {
         }
     }
 
-    /// The axum router of `/metrics`, `/healthz` and `/readyz`, to merge into the service's own.
+    /// The axum router of `/metrics`, `/healthz` and `/readyz`, to merge into the service's own
+    /// (or to nest under a prefix, `Router::nest("/relay", ..)`, when the service has paths of
+    /// those names already).
     pub fn router(&self) -> axum::Router {
         router(self.ops())
     }
 
-    /// The metrics (to render elsewhere, or to add the service's own observations to).
+    /// The metrics: to render elsewhere, or to register metrics of the service's own
+    /// ([`Metrics::register`]) on the same `/metrics`.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
@@ -285,23 +350,33 @@ impl RelayService {
     /// while the role lacks a privilege the relay needs (readiness names it). On shutdown the
     /// batches in flight are settled, the WAL reader confirms what is settled, and the tasks end.
     pub async fn run(self, shutdown: CancellationToken) -> RelaySummary {
-        let tasks = shutdown.child_token();
-        self.spawn_stats(tasks.clone());
+        let stop_tasks = shutdown.child_token();
+        // However `run` ends (its future dropped included), the tasks are told to stop.
+        let _stop_tasks_on_drop = stop_tasks.clone().drop_guard();
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(refresh_stats(
+            self.store.clone(),
+            self.metrics.clone(),
+            self.config.stats_interval,
+            self.relay.config().ordering,
+            stop_tasks.clone(),
+        ));
         if let Some(schedule) = self.config.cleanup {
-            tokio::spawn(cleanup::run(
+            tasks.spawn(cleanup::run(
                 self.pg.clone(),
                 schedule,
                 self.metrics.clone(),
-                tasks.clone(),
+                stop_tasks.clone(),
             ));
         }
+        // Dropped with `run`'s future, the reader's handle stops it too.
         let reader = match &self.source {
             Source::Wal(wal) => {
-                tokio::spawn(watch_wal(
+                tasks.spawn(watch_wal(
                     wal.clone(),
                     self.metrics.clone(),
                     self.config.stats_interval,
-                    tasks.clone(),
+                    stop_tasks.clone(),
                 ));
                 Some(wal.start())
             }
@@ -313,9 +388,9 @@ impl RelayService {
                     self.relay.wake_handle(),
                     pool.clone(),
                     table.clone(),
-                    tasks.clone(),
+                    stop_tasks.clone(),
                 );
-                tokio::spawn(async move {
+                tasks.spawn(async move {
                     if let Err(e) = crate::notify::listen(&pool, &table, wake, stop).await {
                         warn!(error = %e, "LISTEN/NOTIFY unavailable; relying on polling");
                     }
@@ -330,34 +405,42 @@ impl RelayService {
         } else {
             RelaySummary::default()
         };
-        tasks.cancel();
+        stop_tasks.cancel();
         if let Some(reader) = reader {
             // Settled batches are confirmed before the slot is let go.
             reader.stop().await;
         }
+        // A cleanup batch or a statistics query in flight ends before `run` returns.
+        while tasks.join_next().await.is_some() {}
         summary
     }
+}
 
-    fn spawn_stats(&self, stop: CancellationToken) {
-        let (store, metrics) = (self.store.clone(), self.metrics.clone());
-        let every = self.config.stats_interval;
-        let ordering = self.relay.config().ordering;
-        tokio::spawn(async move {
-            loop {
-                metrics.stats_refreshing();
-                match store.stats().await {
-                    Ok(s) => metrics.record_stats(&s.under(ordering)),
-                    Err(e) => {
-                        metrics.stats_failed();
-                        warn!(error = %e, "cannot count the outbox for metrics");
-                    }
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(every) => {}
-                    _ = stop.cancelled() => return,
-                }
+/// Refreshes the statistics gauges every `every` until `stop`.
+async fn refresh_stats(
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    every: Duration,
+    ordering: txoutbox_core::OrderingPolicy,
+    stop: CancellationToken,
+) {
+    loop {
+        metrics.stats_refreshing();
+        let refreshed = tokio::select! {
+            r = store.stats() => r,
+            _ = stop.cancelled() => return,
+        };
+        match refreshed {
+            Ok(s) => metrics.record_stats(&s.under(ordering)),
+            Err(e) => {
+                metrics.stats_failed();
+                warn!(error = %e, "cannot count the outbox for metrics");
             }
-        });
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.cancelled() => return,
+        }
     }
 }
 

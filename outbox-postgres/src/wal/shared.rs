@@ -25,12 +25,14 @@ use crate::table::OutboxTable;
 pub const CLAIMS_PAUSED_AFTER: Duration = Duration::from_secs(1);
 
 /// The WAL source's settings the store uses (from `[wal]`).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct Settings {
     pub(super) delete_published: bool,
     pub(super) read_ahead: usize,
     pub(super) read_ahead_bytes: usize,
-    pub(super) held_poll_interval: Duration,
+    /// How often the held table is looked at for due events, in milliseconds (set after the store
+    /// is shared: [`WalStore::with_held_poll_interval`](super::WalStore::with_held_poll_interval)).
+    pub(super) held_poll_interval_ms: std::sync::atomic::AtomicU64,
     /// `wal.auto_recreate`: the reader makes a missing or lost slot (and publication) again.
     pub(super) auto_recreate: bool,
     /// `wal.retained_wal_warning`: retained WAL above this many bytes is warned about.
@@ -51,8 +53,15 @@ impl Settings {
         (self.read_ahead_bytes / 2).max(1)
     }
 
+    pub(super) fn held_poll_interval(&self) -> Duration {
+        Duration::from_millis(
+            self.held_poll_interval_ms
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
     pub(super) fn claims_paused_after(&self) -> Duration {
-        CLAIMS_PAUSED_AFTER.max(self.held_poll_interval * 2)
+        CLAIMS_PAUSED_AFTER.max(self.held_poll_interval() * 2)
     }
 }
 

@@ -59,6 +59,8 @@ pub struct WalStore {
 }
 
 /// The running reader of a [`WalStore`]; [`ReaderHandle::stop`] settles what it can and ends it.
+/// Dropping the handle tells the reader to stop as well (without waiting for it), so a reader
+/// never outlives what started it and keeps the slot's lock from a standby.
 pub struct ReaderHandle {
     stop: CancellationToken,
     task: JoinHandle<()>,
@@ -67,9 +69,15 @@ pub struct ReaderHandle {
 impl ReaderHandle {
     /// Moves failed events to the held table, confirms what is settled, and ends the reader (its
     /// lock is freed with its connection, for a standby to take over).
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
         self.stop.cancel();
-        let _ = self.task.await;
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for ReaderHandle {
+    fn drop(&mut self) {
+        self.stop.cancel();
     }
 }
 
@@ -107,7 +115,7 @@ impl WalStore {
                     delete_published: config.delete_published,
                     read_ahead: config.read_ahead.max(1),
                     read_ahead_bytes: config.read_ahead_bytes.max(1),
-                    held_poll_interval: Duration::from_millis(500),
+                    held_poll_interval_ms: std::sync::atomic::AtomicU64::new(500),
                     auto_recreate: config.auto_recreate,
                     retained_wal_warning: config.retained_wal_warning,
                 },
@@ -139,10 +147,12 @@ impl WalStore {
     /// How often the held table is looked at for due events when nothing was moved there (retry
     /// delays, dead letters retried by an operator). Default 500 ms; the `outbox` binary uses
     /// `relay.poll_interval`.
-    pub fn with_held_poll_interval(mut self, every: Duration) -> Self {
-        if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            inner.settings.held_poll_interval = every;
-        }
+    pub fn with_held_poll_interval(self, every: Duration) -> Self {
+        let ms = u64::try_from(every.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.inner
+            .settings
+            .held_poll_interval_ms
+            .store(ms, std::sync::atomic::Ordering::Relaxed);
         self
     }
 
@@ -312,7 +322,7 @@ impl WalStore {
         p.last_from_held = got_events;
         if !got_events {
             p.dirty = false;
-            p.next_check = Instant::now() + self.inner.settings.held_poll_interval;
+            p.next_check = Instant::now() + self.inner.settings.held_poll_interval();
         }
     }
 }

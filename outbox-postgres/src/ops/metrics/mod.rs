@@ -112,7 +112,7 @@ pub const DEFAULT_MAX_EVENT_TYPE_LABELS: usize = 100;
 /// pending gauge by type shows the types with the most pending events, the rest summed under
 /// `other`.
 pub struct Metrics {
-    registry: Registry,
+    registry: std::sync::Mutex<Registry>,
     max_event_type_labels: usize,
     failed_types: std::sync::Mutex<std::collections::HashSet<String>>,
     published: Counter,
@@ -301,7 +301,7 @@ impl Metrics {
                 .inc_by(0);
         }
         let metrics = Metrics {
-            registry,
+            registry: std::sync::Mutex::new(registry),
             build_info,
             cleanup_removed,
             cleanup_runs,
@@ -476,10 +476,30 @@ impl Metrics {
         OTHER_EVENT_TYPES.to_string()
     }
 
-    /// The metrics in Prometheus text format.
+    /// Registers a metric of the service's own, rendered with the relay's by [`Metrics::render`]
+    /// (and so on the same `/metrics`). `name` and `help` follow `prometheus_client`'s
+    /// [`Registry::register`]; a name the relay uses (every one starts with `outbox_`) would be
+    /// exported twice.
+    pub fn register(
+        &self,
+        name: impl Into<String>,
+        help: impl Into<String>,
+        metric: impl prometheus_client::registry::Metric,
+    ) {
+        self.registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .register(name, help, metric);
+    }
+
+    /// The metrics in the OpenMetrics text format (`/metrics`), ending with `# EOF`.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        if encode(&mut out, &self.registry).is_err() {
+        let registry = self
+            .registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if encode(&mut out, &registry).is_err() {
             out.clear();
         }
         out
@@ -666,6 +686,18 @@ mod tests {
             ["outbox_build_info{version=\"9.9.9\",commit=\"abc\",adapters=\"amqp\"} 1"],
             "one series, the build set last"
         );
+    }
+
+    #[test]
+    fn a_metric_of_the_service_is_rendered_with_the_relays() {
+        let m = Metrics::default();
+        let orders = Counter::<u64>::default();
+        m.register("shop_orders", "Orders taken", orders.clone());
+        orders.inc_by(3);
+        let text = m.render();
+        assert!(text.contains("shop_orders_total 3"), "{text}");
+        assert!(text.contains("outbox_events_published_total 0"), "{text}");
+        assert!(text.trim_end().ends_with("# EOF"), "one document: {text}");
     }
 
     #[test]

@@ -199,7 +199,17 @@ mod tests {
         tx.rollback().await.unwrap();
         let mut conn = pool.acquire().await.unwrap();
         for ((name, _), was) in settings.iter().zip(&before) {
-            assert_eq!(&show(&mut conn, name).await, was, "{name} after the claim");
+            assert_eq!(&show(&mut conn, name).await, was, "{name} after a rollback");
+        }
+        drop(conn);
+        let tx = pool
+            .begin_with(super::claim_begin(std::time::Duration::from_secs(30)))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        for ((name, _), was) in settings.iter().zip(&before) {
+            assert_eq!(&show(&mut conn, name).await, was, "{name} after a commit");
         }
     }
 }
