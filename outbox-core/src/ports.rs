@@ -235,6 +235,17 @@ pub trait Store: Send + Sync {
     /// # Behavior
     /// Returns `Ok` when a trivial query succeeds.
     async fn check(&self) -> Result<(), Error>;
+
+    /// Checks, when a relay is made ([`Relay::new`](crate::Relay::new)), that the store can hold
+    /// `batches_in_flight` leases at once (a store whose leases are connections: that its pool has
+    /// that many). Default: `Ok`.
+    ///
+    /// # Errors
+    /// A configuration error naming what is too small and how to fix it.
+    fn check_capacity(&self, batches_in_flight: usize) -> Result<(), Error> {
+        let _ = batches_in_flight;
+        Ok(())
+    }
 }
 
 /// The outcome of publishing one event.

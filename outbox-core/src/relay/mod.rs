@@ -96,13 +96,15 @@ impl Relay {
     /// A relay with the given settings and no observer.
     ///
     /// # Errors
-    /// A config error when `config` does not validate.
+    /// A config error when `config` does not validate, or the store cannot hold
+    /// `config.max_in_flight` leases at once ([`Store::check_capacity`]).
     pub fn new(
         store: Arc<dyn Store>,
         publisher: Arc<dyn Publisher>,
         config: RelayConfig,
     ) -> Result<Self, Error> {
         config.validate_with(publisher.as_ref())?;
+        store.check_capacity(config.max_in_flight)?;
         Ok(Relay {
             shared: Arc::new(Shared {
                 store,

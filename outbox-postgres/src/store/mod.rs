@@ -147,6 +147,20 @@ impl Store for PostgresStore {
         self.chunked_stats().await
     }
 
+    /// Each batch in flight holds a connection of the pool for its lease (the claim's
+    /// transaction): a pool with fewer than `batches_in_flight` connections would make claims wait
+    /// while leases age.
+    fn check_capacity(&self, batches_in_flight: usize) -> Result<(), Error> {
+        let has = self.pool.options().get_max_connections();
+        if (has as usize) < batches_in_flight {
+            return Err(Error::config(format!(
+                "the store's pool holds {has} connections, fewer than max_in_flight = {batches_in_flight}: each batch in flight holds one for its lease; \
+                 open the pool with more (txoutbox_postgres::connect(url, n)), or lower max_in_flight"
+            )));
+        }
+        Ok(())
+    }
+
     /// The table answers, and the role may do what claims and settlements do on it: SELECT and
     /// UPDATE, and DELETE when published rows are deleted ([`Retention::Delete`]). A missing
     /// privilege is an error naming the GRANT (the relay would otherwise publish events it cannot

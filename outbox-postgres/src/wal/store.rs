@@ -329,6 +329,11 @@ impl WalStore {
 
 #[async_trait]
 impl Store for WalStore {
+    /// The held table's batches hold connections of its pool, as [`PostgresStore`]'s do.
+    fn check_capacity(&self, batches_in_flight: usize) -> Result<(), Error> {
+        self.inner.held.check_capacity(batches_in_flight)
+    }
+
     async fn claim(&self, request: ClaimRequest) -> Result<Batch, Error> {
         // A probe of an unreachable broker does not keep the reader reading.
         let paused = !request.probe && {
