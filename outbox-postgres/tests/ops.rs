@@ -25,8 +25,8 @@ async fn a_relay_refuses_a_pool_with_fewer_connections_than_batches_in_flight() 
     let store = PostgresStore::new(pool(3).await, table);
     let publisher = Arc::new(JsonLinesPublisher::stdout());
     let e = Relay::new(Arc::new(store.clone()), publisher.clone(), relay_config(4))
-        .err()
-        .expect("3 connections for 4 batches in flight");
+        .map(|_| ())
+        .expect_err("3 connections for 4 batches in flight");
     assert!(
         e.to_string().contains("max_in_flight = 4"),
         "names the setting: {e}"
@@ -52,8 +52,8 @@ async fn the_service_counts_statistics_readiness_cleanup_and_the_listener() {
         relay_config(2),
         with_cleanup.clone(),
     )
-    .err()
-    .expect("one connection short");
+    .map(|_| ())
+    .expect_err("one connection short");
     assert!(e.to_string().contains("automatic cleanup"), "{e}");
     let exact_pool = pool(needed).await;
     let exact = PostgresStore::new(exact_pool.clone(), table.clone());
@@ -66,8 +66,8 @@ async fn the_service_counts_statistics_readiness_cleanup_and_the_listener() {
     .unwrap();
     let e = service
         .with_notify(exact_pool.clone())
-        .err()
-        .expect("the listener on the same pool needs one more");
+        .map(|_| ())
+        .expect_err("the listener on the same pool needs one more");
     assert!(e.to_string().contains("NOTIFY"), "{e}");
     let exact = PostgresStore::new(exact_pool, table.clone());
     let service =
@@ -82,7 +82,7 @@ async fn the_service_counts_statistics_readiness_cleanup_and_the_listener() {
     };
     let store = PostgresStore::new(pool(8).await, table);
     let e = RelayService::polling(store, publisher, relay_config(2), zero)
-        .err()
-        .expect("a zero statistics interval");
+        .map(|_| ())
+        .expect_err("a zero statistics interval");
     assert!(e.to_string().contains("stats_interval"), "{e}");
 }
