@@ -69,6 +69,93 @@ fn worth_waiting(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Why a connection to the server `options` names failed: a certificate refused (naming the
+/// setting that fixes it), or the server unreachable or refusing (naming where it was looked for).
+fn connect_failure(
+    options: &sqlx::postgres::PgConnectOptions,
+    setting: &str,
+    e: sqlx::Error,
+) -> txoutbox_core::Error {
+    let host = options.get_host().to_string();
+    if let Some(problem) = txoutbox_core::tls::certificate_problem(&e) {
+        return txoutbox_core::tls::certificate_error(
+            problem,
+            txoutbox_core::tls::TlsSettings {
+                server: "PostgreSQL",
+                host: &host,
+                address: setting,
+                ca: &format!("sslrootcert=<file> (with sslmode=verify-full) in {setting}"),
+            },
+        )
+        .with_source(map_sqlx("connect", e));
+    }
+    let base = map_sqlx("connect", e);
+    txoutbox_core::Error::new(
+        base.kind(),
+        format!(
+            "cannot connect to PostgreSQL at {}: is the server running and the database created?",
+            server_address(options)
+        ),
+    )
+    .with_source(base)
+}
+
+/// `host:port/database`, as errors name the server.
+fn server_address(options: &sqlx::postgres::PgConnectOptions) -> String {
+    format!(
+        "{}:{}/{}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("")
+    )
+}
+
+/// One connection first, on its own: the pool reports only that it timed out, hiding the cause
+/// (refused, a name that does not resolve, a password refused, a certificate refused). As the pool
+/// does, a server refusing connections, still starting (57P03) or full (53300) is tried again
+/// until `acquire_timeout`: a relay started a moment before its database waits.
+async fn first_connection(
+    options: &sqlx::postgres::PgConnectOptions,
+    setting: &str,
+    acquire_timeout: std::time::Duration,
+) -> Result<(), txoutbox_core::Error> {
+    use sqlx::{postgres::PgConnection, Connection};
+    let deadline = tokio::time::Instant::now() + acquire_timeout;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(left, PgConnection::connect_with(options)).await {
+            Err(_) => {
+                return Err(txoutbox_core::Error::new(
+                    txoutbox_core::ErrorKind::Timeout,
+                    format!(
+                        "PostgreSQL at {} did not answer within database.acquire_timeout ({}): is the address right, \
+                         and does a firewall let the connection through?",
+                        server_address(options),
+                        txoutbox_core::duration::format(acquire_timeout)
+                    ),
+                ))
+            }
+            Ok(Err(e)) if worth_waiting(&e) && tokio::time::Instant::now() + RETRY < deadline => {
+                tokio::time::sleep(RETRY).await;
+            }
+            Ok(Err(e)) if worth_waiting(&e) => {
+                return Err(connect_failure(options, setting, e).with_context(
+                    "tried for",
+                    format!(
+                        "database.acquire_timeout {}",
+                        txoutbox_core::duration::format(acquire_timeout)
+                    ),
+                ))
+            }
+            Ok(Err(e)) => return Err(connect_failure(options, setting, e)),
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+                return Ok(());
+            }
+        }
+    }
+}
+
 /// A pool of `url`, the value of the setting `setting` (named in its errors).
 pub(crate) async fn connect_url(
     url: &str,
@@ -77,7 +164,6 @@ pub(crate) async fn connect_url(
     acquire_timeout: std::time::Duration,
 ) -> Result<sqlx::PgPool, txoutbox_core::Error> {
     use sqlx::postgres::PgPoolOptions;
-    use sqlx::{postgres::PgConnection, Connection};
     let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| {
         txoutbox_core::Error::new(
             txoutbox_core::ErrorKind::Config,
@@ -89,70 +175,7 @@ pub(crate) async fn connect_url(
     // floats as text, and PgBouncer refuses a startup parameter it does not know unless told to
     // ignore it (`ignore_startup_parameters`).
     let options = options.extra_float_digits(None);
-    let host = options.get_host().to_string();
-    let where_ = format!(
-        "{}:{}/{}",
-        options.get_host(),
-        options.get_port(),
-        options.get_database().unwrap_or("")
-    );
-    // One connection first, on its own: the pool reports only that it timed out, hiding the cause
-    // (refused, a name that does not resolve, a password refused, a certificate refused).
-    let failed = |e: sqlx::Error| {
-        if let Some(problem) = txoutbox_core::tls::certificate_problem(&e) {
-            return txoutbox_core::tls::certificate_error(
-                problem,
-                txoutbox_core::tls::TlsSettings {
-                    server: "PostgreSQL",
-                    host: &host,
-                    address: setting,
-                    ca: &format!("sslrootcert=<file> (with sslmode=verify-full) in {setting}"),
-                },
-            )
-            .with_source(map_sqlx("connect", e));
-        }
-        let base = map_sqlx("connect", e);
-        txoutbox_core::Error::new(
-            base.kind(),
-            format!("cannot connect to PostgreSQL at {where_}: is the server running and the database created?"),
-        )
-        .with_source(base)
-    };
-    // As the pool does, a server refusing connections, still starting (57P03) or full (53300) is
-    // tried again until `acquire_timeout`: a relay started a moment before its database waits.
-    let deadline = tokio::time::Instant::now() + acquire_timeout;
-    loop {
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        match tokio::time::timeout(left, PgConnection::connect_with(&options)).await {
-            Err(_) => {
-                return Err(txoutbox_core::Error::new(
-                    txoutbox_core::ErrorKind::Timeout,
-                    format!(
-                        "PostgreSQL at {where_} did not answer within database.acquire_timeout ({}): is the address right, \
-                         and does a firewall let the connection through?",
-                        txoutbox_core::duration::format(acquire_timeout)
-                    ),
-                ))
-            }
-            Ok(Err(e)) if worth_waiting(&e) && tokio::time::Instant::now() + RETRY < deadline => {
-                tokio::time::sleep(RETRY).await;
-            }
-            Ok(Err(e)) if worth_waiting(&e) => {
-                return Err(failed(e).with_context(
-                    "tried for",
-                    format!(
-                        "database.acquire_timeout {}",
-                        txoutbox_core::duration::format(acquire_timeout)
-                    ),
-                ))
-            }
-            Ok(Err(e)) => return Err(failed(e)),
-            Ok(Ok(conn)) => {
-                let _ = conn.close().await;
-                break;
-            }
-        }
-    }
+    first_connection(&options, setting, acquire_timeout).await?;
     PgPoolOptions::new()
         .max_connections(max_connections.max(1))
         // Server-side TCP keepalives and user timeout: when the relay's host or network vanishes,
@@ -168,7 +191,7 @@ pub(crate) async fn connect_url(
             })
         })
         .acquire_timeout(acquire_timeout)
-        .connect_with(options)
+        .connect_with(options.clone())
         .await
-        .map_err(failed)
+        .map_err(|e| connect_failure(&options, setting, e))
 }

@@ -4,7 +4,9 @@
 
 use tracing::{info, warn};
 
-use txoutbox_core::{CancellationToken, Store};
+use std::sync::Arc;
+
+use txoutbox_core::{CancellationToken, Publisher, Store};
 use txoutbox_postgres::ops::{serve, RelayService};
 use txoutbox_postgres::pooler::session_pool;
 use txoutbox_postgres::wal::WalStore;
@@ -45,57 +47,14 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
     let shutdown = CancellationToken::new();
     tokio::spawn(watch_signals(Signals::install(), shutdown.clone()));
     let wal_source = config.database.source == Source::Wal;
-    let start = async {
-        // Under the WAL source, the polling machinery works on the held table.
-        let pg = if wal_source {
-            store(&config, config.wal.held_table(&table)?).await?
-        } else {
-            store(&config, table.clone()).await?
-        };
-        // Behind a transaction-mode pooler, what needs a session of its own goes to
-        // database.direct_url.
-        let session = session_pool(&config.database, pg.pool(), &config.database.session_uses())
-            .await?
-            .pool;
-        if wal_source {
-            wal_preflight(&config, &pg).await?;
-        } else {
-            // Back from the WAL source: what it left in its held table goes first.
-            txoutbox_postgres::wal::refuse_polling_over_held_events(
-                pg.pool(),
-                &config.wal.held_table(&table)?,
-            )
-            .await?;
-        }
-        // A missing privilege is waited for below, with readiness saying which.
-        match pg.check().await {
-            Err(e) if !txoutbox_postgres::is_missing_grant(&e) => return Err(e.into()),
-            _ => {}
-        }
-        let publisher = build_publisher(&config).await?;
-        refuse_unreachable_as_configured(publisher.as_ref()).await?;
-        Ok::<_, Failure>((pg, session, publisher))
-    };
     let (pg, session, publisher) = tokio::select! {
-        started = start => started?,
+        started = start(&config, &table, wal_source) => started?,
         _ = shutdown.cancelled() => {
             info!("shutdown requested while starting; nothing was claimed");
             return Ok(());
         }
     };
-    let ops = config.ops();
-    let service = if wal_source {
-        let slot = config.wal.slot(&table)?;
-        let wal = WalStore::new(session.clone(), slot, pg.clone(), &config.wal)?;
-        RelayService::wal(wal, publisher.clone(), config.relay.clone(), ops)?
-    } else {
-        let service = RelayService::polling(pg, publisher.clone(), config.relay.clone(), ops)?;
-        if config.database.notify {
-            service.with_notify(session)?
-        } else {
-            service
-        }
-    };
+    let service = service_of(&config, &table, wal_source, pg, session, publisher.clone())?;
     let server = if config.http.enabled {
         let serve = serve(config.http.listen, service.ops(), shutdown.clone())
             .await
@@ -125,6 +84,72 @@ pub(super) async fn cmd_relay(config: Config, table: OutboxTable) -> Result<(), 
         let _ = server.await;
     }
     Ok(())
+}
+
+/// What the relay starts from: the store (the outbox table's, or the held table's under the WAL
+/// source), the pool of the sessions of its own, and the publisher, each checked.
+async fn start(
+    config: &Config,
+    table: &OutboxTable,
+    wal_source: bool,
+) -> Result<(PostgresStore, sqlx::PgPool, Arc<dyn Publisher>), Failure> {
+    // Under the WAL source, the polling machinery works on the held table.
+    let pg = if wal_source {
+        store(config, config.wal.held_table(table)?).await?
+    } else {
+        store(config, table.clone()).await?
+    };
+    // Behind a transaction-mode pooler, what needs a session of its own goes to
+    // database.direct_url.
+    let session = session_pool(&config.database, pg.pool(), &config.database.session_uses())
+        .await?
+        .pool;
+    if wal_source {
+        wal_preflight(config, &pg).await?;
+    } else {
+        // Back from the WAL source: what it left in its held table goes first.
+        txoutbox_postgres::wal::refuse_polling_over_held_events(
+            pg.pool(),
+            &config.wal.held_table(table)?,
+        )
+        .await?;
+    }
+    // A missing privilege is waited for below, with readiness saying which.
+    match pg.check().await {
+        Err(e) if !txoutbox_postgres::is_missing_grant(&e) => return Err(e.into()),
+        _ => {}
+    }
+    let publisher = build_publisher(config).await?;
+    refuse_unreachable_as_configured(publisher.as_ref()).await?;
+    Ok((pg, session, publisher))
+}
+
+/// The relay of the configured source, with its operations side.
+fn service_of(
+    config: &Config,
+    table: &OutboxTable,
+    wal_source: bool,
+    pg: PostgresStore,
+    session: sqlx::PgPool,
+    publisher: Arc<dyn Publisher>,
+) -> Result<RelayService, Failure> {
+    let ops = config.ops();
+    if wal_source {
+        let slot = config.wal.slot(table)?;
+        let wal = WalStore::new(session, slot, pg, &config.wal)?;
+        return Ok(RelayService::wal(
+            wal,
+            publisher,
+            config.relay.clone(),
+            ops,
+        )?);
+    }
+    let service = RelayService::polling(pg, publisher, config.relay.clone(), ops)?;
+    Ok(if config.database.notify {
+        service.with_notify(session)?
+    } else {
+        service
+    })
 }
 
 /// Before the WAL source starts: the server can decode, the held table is there.

@@ -4,6 +4,7 @@
 use clap::Subcommand;
 use tracing::{info, warn};
 
+use txoutbox_postgres::wal::WalSlot;
 use txoutbox_postgres::{connect_config, OutboxTable};
 
 use super::{usage, Failure};
@@ -68,36 +69,7 @@ pub(super) async fn cmd_wal(
             );
             Ok(())
         }
-        WalCommand::Status { json } => {
-            let status = slot.status(&pool).await?;
-            let too_much = status.retains_too_much(config.wal.retained_wal_warning);
-            if json {
-                let mut value = serde_json::to_value(&status).map_err(|e| Failure {
-                    code: 1,
-                    message: format!("cannot render the status: {e}"),
-                })?;
-                value["retains_too_much"] = too_much.into();
-                println!("{value}");
-            } else {
-                print!("{}", wal_status_text(&status));
-            }
-            if too_much {
-                warn!(
-                    slot = slot.slot(),
-                    retained_bytes = status.retained_bytes,
-                    wal_status = status.wal_status.as_deref(),
-                    limit = config.wal.retained_wal_warning,
-                    "the slot keeps more WAL than wal.retained_wal_warning (or is losing WAL): read it (outbox relay with the WAL source) or drop it (outbox wal drop), before the disk fills"
-                );
-                eprintln!(
-                    "WARNING: slot {} keeps {} of WAL (wal.retained_wal_warning = {}): read it or drop it (outbox wal drop) before the disk fills",
-                    slot.slot(),
-                    status.retained_bytes.map_or("?".into(), |b| bytes_text(b.max(0) as u64)),
-                    bytes_text(config.wal.retained_wal_warning)
-                );
-            }
-            Ok(())
-        }
+        WalCommand::Status { json } => wal_status(config, &slot, &pool, json).await,
         WalCommand::Drop { yes } => {
             if !yes {
                 return Err(usage(format!(
@@ -119,6 +91,44 @@ pub(super) async fn cmd_wal(
             Ok(())
         }
     }
+}
+
+/// `outbox wal status`: where the slot stands (or as JSON), with a warning while it keeps more WAL
+/// than `wal.retained_wal_warning`.
+async fn wal_status(
+    config: &Config,
+    slot: &WalSlot,
+    pool: &sqlx::PgPool,
+    json: bool,
+) -> Result<(), Failure> {
+    let status = slot.status(pool).await?;
+    let too_much = status.retains_too_much(config.wal.retained_wal_warning);
+    if json {
+        let mut value = serde_json::to_value(&status).map_err(|e| Failure {
+            code: 1,
+            message: format!("cannot render the status: {e}"),
+        })?;
+        value["retains_too_much"] = too_much.into();
+        println!("{value}");
+    } else {
+        print!("{}", wal_status_text(&status));
+    }
+    if too_much {
+        warn!(
+            slot = slot.slot(),
+            retained_bytes = status.retained_bytes,
+            wal_status = status.wal_status.as_deref(),
+            limit = config.wal.retained_wal_warning,
+            "the slot keeps more WAL than wal.retained_wal_warning (or is losing WAL): read it (outbox relay with the WAL source) or drop it (outbox wal drop), before the disk fills"
+        );
+        eprintln!(
+            "WARNING: slot {} keeps {} of WAL (wal.retained_wal_warning = {}): read it or drop it (outbox wal drop) before the disk fills",
+            slot.slot(),
+            status.retained_bytes.map_or("?".into(), |b| bytes_text(b.max(0) as u64)),
+            bytes_text(config.wal.retained_wal_warning)
+        );
+    }
+    Ok(())
 }
 
 /// `bytes` for a person: B, KiB, MiB or GiB.

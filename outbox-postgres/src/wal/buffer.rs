@@ -69,6 +69,29 @@ pub(super) struct State {
 }
 
 impl State {
+    /// A reading starts on the lock holder `session`: a new generation, the buffer empty.
+    pub(super) fn start_reading(&mut self, session: i32) {
+        *self = State {
+            generation: self.generation + 1,
+            active: true,
+            next_lease: self.next_lease,
+            session,
+            ..State::default()
+        };
+    }
+
+    /// A reading ended: a new generation (its leases void), the buffer empty, the confirmed
+    /// position kept.
+    pub(super) fn stop_reading(&mut self) {
+        *self = State {
+            generation: self.generation + 1,
+            active: false,
+            next_lease: self.next_lease,
+            confirmed: self.confirmed,
+            ..State::default()
+        };
+    }
+
     pub(super) fn entry_mut(&mut self, end_lsn: u64, index: usize) -> Option<&mut Entry> {
         let t = self
             .txns

@@ -55,6 +55,122 @@ enum Cert {
     Inline,
 }
 
+/// A setting of the pool's the replication connection cannot honour.
+fn refuse(what: String, fix: &str) -> Result<(), Error> {
+    Err(Error::config(format!(
+        "the WAL source's replication connection cannot {what}, and {POOL_SETTINGS}: {fix}"
+    )))
+}
+
+/// Refuses what the replication client cannot connect with: a Unix socket, startup options.
+fn refuse_transport(options: &PgConnectOptions) -> Result<(), Error> {
+    let host = options.get_host();
+    if let Some(socket) = options.get_socket() {
+        return refuse(
+            format!("connect through the Unix socket {}", socket.display()),
+            "give a TCP host, such as 127.0.0.1, in the URL or PGHOST",
+        );
+    }
+    if host.starts_with('/') || host.is_empty() {
+        return refuse(
+            format!("connect through the Unix socket in {host:?}"),
+            "give a TCP host, such as 127.0.0.1, in the URL or PGHOST",
+        );
+    }
+    if let Some(startup) = options.get_options() {
+        return refuse(
+            format!("send startup options ({startup:?}, from `options` in the URL or PGOPTIONS)"),
+            "set them on the role instead (ALTER ROLE ... SET ...), or remove them",
+        );
+    }
+    Ok(())
+}
+
+/// libpq's name of `mode` (sqlx never attempts TLS under `allow`: `disable`).
+fn ssl_mode_name(mode: PgSslMode) -> &'static str {
+    match mode {
+        PgSslMode::Disable | PgSslMode::Allow => "disable",
+        PgSslMode::Prefer => "prefer",
+        PgSslMode::Require => "require",
+        PgSslMode::VerifyCa => "verify-ca",
+        PgSslMode::VerifyFull => "verify-full",
+    }
+}
+
+/// The pool's settings that have no getter, read from the URL sqlx writes for them.
+///
+/// The password and the certificate settings have no getter: sqlx writes them in a URL, whose user
+/// and host part it cannot write for every name. Written here with a plain user and host (an IPv6
+/// host, or a user name with `@` or `/`, would not parse there); only the password and the query
+/// are read from it.
+struct Written {
+    password: Option<String>,
+    query: Vec<(String, String)>,
+}
+
+impl Written {
+    fn of(options: &PgConnectOptions) -> Written {
+        let url = options.clone().username("u").host("h").to_url_lossy();
+        Written {
+            password: url
+                .password()
+                .map(|p| percent_decode_str(p).decode_utf8_lossy().into_owned()),
+            query: url
+                .query_pairs()
+                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                .collect(),
+        }
+    }
+
+    fn cert(&self, key: &str) -> Option<Cert> {
+        self.query
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| match v.strip_prefix("file: ") {
+                Some(path) => Cert::File(path.to_string()),
+                None => Cert::Inline,
+            })
+    }
+
+    fn password(&self) -> Option<String> {
+        self.password.clone()
+    }
+
+    /// Refuses a TLS client certificate (the replication client cannot present one).
+    fn refuse_client_certificate(&self, mode: PgSslMode) -> Result<(), Error> {
+        // sqlx never attempts TLS under `allow`.
+        let tls = !matches!(mode, PgSslMode::Disable | PgSslMode::Allow);
+        for (key, variable) in [("sslcert", "PGSSLCERT"), ("sslkey", "PGSSLKEY")] {
+            if tls && self.cert(key).is_some() {
+                return refuse(
+                    format!("present a TLS client certificate ({key} in the URL, or {variable})"),
+                    "authenticate the relay's role with a password, or remove them",
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The certificate authority's file, read (in sqlx as here) only by the verifying modes.
+    fn root_cert(&self, mode: PgSslMode) -> Result<Option<String>, Error> {
+        if !matches!(mode, PgSslMode::VerifyCa | PgSslMode::VerifyFull) {
+            return Ok(None);
+        }
+        match self.cert("sslrootcert") {
+            // `system` alone names the system's store to the replication client: a file of that
+            // name is given as a path.
+            Some(Cert::File(path)) if path == "system" => Ok(Some("./system".into())),
+            Some(Cert::File(path)) => Ok(Some(path)),
+            Some(Cert::Inline) => refuse(
+                "use a certificate authority given as PEM text (PGSSLROOTCERT)".into(),
+                "put it in a file and name the file",
+            )
+            .map(|()| None),
+            None => Ok(None),
+        }
+    }
+}
+
 impl ReplicationTarget {
     /// The replication connection of a pool made with `options`.
     ///
@@ -63,71 +179,13 @@ impl ReplicationTarget {
     /// Unix socket, a TLS client certificate, startup options (`options`, `PGOPTIONS`), a
     /// certificate authority given as PEM text.
     pub(crate) fn of(options: &PgConnectOptions) -> Result<ReplicationTarget, Error> {
-        let refuse = |what: String, fix: &str| {
-            Err(Error::config(format!(
-                "the WAL source's replication connection cannot {what}, and {POOL_SETTINGS}: {fix}"
-            )))
-        };
+        refuse_transport(options)?;
         let host = options.get_host();
-        if let Some(socket) = options.get_socket() {
-            return refuse(
-                format!("connect through the Unix socket {}", socket.display()),
-                "give a TCP host, such as 127.0.0.1, in the URL or PGHOST",
-            );
-        }
-        if host.starts_with('/') || host.is_empty() {
-            return refuse(
-                format!("connect through the Unix socket in {host:?}"),
-                "give a TCP host, such as 127.0.0.1, in the URL or PGHOST",
-            );
-        }
-        if let Some(startup) = options.get_options() {
-            return refuse(
-                format!(
-                    "send startup options ({startup:?}, from `options` in the URL or PGOPTIONS)"
-                ),
-                "set them on the role instead (ALTER ROLE ... SET ...), or remove them",
-            );
-        }
         let user = options.get_username();
-        // The password and the certificate settings have no getter: sqlx writes them in a URL,
-        // whose user and host part it cannot write for every name. Written here with a plain
-        // user and host (an IPv6 host, or a user name with `@` or `/`, would not parse there);
-        // only the password and the query are read from it.
-        let written = options.clone().username("u").host("h").to_url_lossy();
-        let query = |key: &str| {
-            written
-                .query_pairs()
-                .find(|(k, _)| k == key)
-                .map(|(_, v)| v.into_owned())
-        };
-        let cert = |key: &str| {
-            query(key).map(|v| match v.strip_prefix("file: ") {
-                Some(path) => Cert::File(path.to_string()),
-                None => Cert::Inline,
-            })
-        };
-        let password = written
-            .password()
-            .map(|p| percent_decode_str(p).decode_utf8_lossy().into_owned());
+        let written = Written::of(options);
         let ssl_mode = options.get_ssl_mode();
-        // sqlx never attempts TLS under `allow`.
-        let tls = !matches!(ssl_mode, PgSslMode::Disable | PgSslMode::Allow);
-        for (key, variable) in [("sslcert", "PGSSLCERT"), ("sslkey", "PGSSLKEY")] {
-            if tls && cert(key).is_some() {
-                return refuse(
-                    format!("present a TLS client certificate ({key} in the URL, or {variable})"),
-                    "authenticate the relay's role with a password, or remove them",
-                );
-            }
-        }
-        let mode = match ssl_mode {
-            PgSslMode::Disable | PgSslMode::Allow => "disable",
-            PgSslMode::Prefer => "prefer",
-            PgSslMode::Require => "require",
-            PgSslMode::VerifyCa => "verify-ca",
-            PgSslMode::VerifyFull => "verify-full",
-        };
+        written.refuse_client_certificate(ssl_mode)?;
+        let mode = ssl_mode_name(ssl_mode);
         let mut pairs: Vec<(&str, String)> = vec![
             (
                 "host",
@@ -138,33 +196,14 @@ impl ReplicationTarget {
             ("port", options.get_port().to_string()),
             ("user", user.to_string()),
         ];
-        if let Some(password) = password {
+        if let Some(password) = written.password() {
             pairs.push(("password", password));
         }
         let database = options.get_database().unwrap_or(user);
         pairs.push(("dbname", database.to_string()));
         pairs.push(("sslmode", mode.to_string()));
-        // Only the verifying modes read the certificate authority, in sqlx as here.
-        if matches!(ssl_mode, PgSslMode::VerifyCa | PgSslMode::VerifyFull) {
-            match cert("sslrootcert") {
-                Some(Cert::File(path)) => {
-                    // `system` alone names the system's store to the replication client: a file
-                    // of that name is given as a path.
-                    let path = if path == "system" {
-                        "./system".into()
-                    } else {
-                        path
-                    };
-                    pairs.push(("sslrootcert", path));
-                }
-                Some(Cert::Inline) => {
-                    return refuse(
-                        "use a certificate authority given as PEM text (PGSSLROOTCERT)".into(),
-                        "put it in a file and name the file",
-                    )
-                }
-                None => {}
-            }
+        if let Some(path) = written.root_cert(ssl_mode)? {
+            pairs.push(("sslrootcert", path));
         }
         pairs.push(("replication", "database".into()));
         pairs.push(("connect_timeout", CONNECT_TIMEOUT_SECS.to_string()));

@@ -374,7 +374,6 @@ impl Decoder {
     /// # Errors
     /// An unexpected error naming the position when the change is not a pgoutput message.
     pub(crate) fn feed(&mut self, lsn: u64, data: &[u8]) -> Result<Option<WalTransaction>, Error> {
-        let origin = self.origin;
         let message = self
             .parser
             .parse_wal_message(data)
@@ -393,13 +392,7 @@ impl Decoder {
                 timestamp,
                 final_lsn,
                 ..
-            } => {
-                self.open = Some((postgres_time(timestamp), Vec::new()));
-                self.open_commit_lsn = final_lsn;
-                self.row_ids.clear();
-                self.open_bytes = 0;
-                self.parted = false;
-            }
+            } => self.on_begin(timestamp, final_lsn),
             LogicalReplicationMessage::Relation {
                 relation_id,
                 namespace,
@@ -407,98 +400,128 @@ impl Decoder {
                 columns,
                 ..
             } => {
-                self.described = true;
-                self.relations.insert(
-                    relation_id,
-                    (
-                        namespace.to_string(),
-                        relation_name.to_string(),
-                        columns.iter().map(|c| c.name.to_string()).collect(),
-                    ),
-                );
+                let names = columns.iter().map(|c| c.name.to_string()).collect();
+                self.on_relation(relation_id, &namespace, &relation_name, names);
             }
             LogicalReplicationMessage::Insert { relation_id, tuple } => {
-                let Some((_, items)) = self.open.as_mut() else {
-                    return Ok(None);
-                };
-                // The publication holds the outbox table only (its partitions published as
-                // it): every row it carries is an event, whatever name it comes under.
-                match self.relations.get(&relation_id) {
-                    Some((_, _, names)) => {
-                        let item = row_event(lsn, names, &tuple);
-                        if let WalItem::Event(e) = &item {
-                            self.row_ids.push(e.id);
-                        }
-                        self.open_bytes += item_bytes(&item);
-                        items.push(item);
-                    }
-                    None => items.push(WalItem::Undecodable {
-                        id: Uuid::nil(),
-                        lsn,
-                        error: format!(
-                            "a row of relation {relation_id} came before its description"
-                        ),
-                        raw: String::new(),
-                    }),
-                }
+                self.on_insert(lsn, relation_id, &tuple);
             }
             LogicalReplicationMessage::Message {
                 flags,
                 lsn: message_lsn,
                 prefix,
                 content,
-            } if prefix == self.prefix => match self.open.as_mut() {
-                Some((commit_time, items)) if flags & 1 == 1 => {
-                    let item = message_event(message_lsn, &content, *commit_time, origin);
-                    self.open_bytes += item_bytes(&item);
-                    items.push(item);
-                }
-                // A non-transactional message: emitted even when its transaction rolls back,
-                // so not an event of a committed transaction.
-                _ => {
-                    return Ok(Some(WalTransaction {
-                        end_lsn: message_lsn,
-                        commit_time: Utc::now(),
-                        row_ids: Vec::new(),
-                        piece: Piece::Whole,
-                        items: vec![WalItem::Undecodable {
-                            id: derived_id(origin, message_lsn),
-                            lsn: message_lsn,
-                            error: format!(
-                                "a non-transactional message with prefix {prefix:?}: emit events with pg_logical_emit_message(true, ...), so that they exist only if their transaction commits"
-                            ),
-                            raw: String::from_utf8_lossy(&content).into_owned(),
-                        }],
-                    }))
-                }
-            },
-            LogicalReplicationMessage::Commit {
-                end_lsn, timestamp, ..
-            } => {
-                if let Some((_, mut items)) = self.open.take() {
-                    let commit_time = postgres_time(timestamp);
-                    finish(&mut items, commit_time, origin);
-                    let piece = if self.parted {
-                        Piece::Last {
-                            commit_lsn: self.open_commit_lsn,
-                        }
-                    } else {
-                        Piece::Whole
-                    };
-                    self.parted = false;
-                    self.open_bytes = 0;
-                    return Ok(Some(WalTransaction {
-                        end_lsn,
-                        commit_time,
-                        items,
-                        row_ids: std::mem::take(&mut self.row_ids),
-                        piece,
-                    }));
+            } if prefix == self.prefix => {
+                if let Some(alone) = self.on_message(flags, message_lsn, &prefix, &content) {
+                    return Ok(Some(alone));
                 }
             }
+            LogicalReplicationMessage::Commit {
+                end_lsn, timestamp, ..
+            } => return Ok(self.on_commit(end_lsn, timestamp)),
             _ => {}
         }
         Ok(self.part_due().then(|| self.take_part()))
+    }
+
+    /// A transaction opens: its commit record will be at `final_lsn`.
+    fn on_begin(&mut self, timestamp: i64, final_lsn: u64) {
+        self.open = Some((postgres_time(timestamp), Vec::new()));
+        self.open_commit_lsn = final_lsn;
+        self.row_ids.clear();
+        self.open_bytes = 0;
+        self.parted = false;
+    }
+
+    /// A table's description, which its rows' columns are read by.
+    fn on_relation(&mut self, relation_id: u32, namespace: &str, name: &str, columns: Vec<String>) {
+        self.described = true;
+        self.relations.insert(
+            relation_id,
+            (namespace.to_string(), name.to_string(), columns),
+        );
+    }
+
+    /// A row of the open transaction. The publication holds the outbox table only (its partitions
+    /// published as it): every row it carries is an event, whatever name it comes under.
+    fn on_insert(&mut self, lsn: u64, relation_id: u32, tuple: &TupleData) {
+        let Some((_, items)) = self.open.as_mut() else {
+            return;
+        };
+        match self.relations.get(&relation_id) {
+            Some((_, _, names)) => {
+                let item = row_event(lsn, names, tuple);
+                if let WalItem::Event(e) = &item {
+                    self.row_ids.push(e.id);
+                }
+                self.open_bytes += item_bytes(&item);
+                items.push(item);
+            }
+            None => items.push(WalItem::Undecodable {
+                id: Uuid::nil(),
+                lsn,
+                error: format!("a row of relation {relation_id} came before its description"),
+                raw: String::new(),
+            }),
+        }
+    }
+
+    /// A message with the outbox's prefix: an event of the open transaction, or (not
+    /// transactional: emitted even when its transaction rolls back) an undecodable one handed
+    /// over alone.
+    fn on_message(
+        &mut self,
+        flags: u8,
+        lsn: u64,
+        prefix: &str,
+        content: &[u8],
+    ) -> Option<WalTransaction> {
+        let origin = self.origin;
+        match self.open.as_mut() {
+            Some((commit_time, items)) if flags & 1 == 1 => {
+                let item = message_event(lsn, content, *commit_time, origin);
+                self.open_bytes += item_bytes(&item);
+                items.push(item);
+                None
+            }
+            _ => Some(WalTransaction {
+                end_lsn: lsn,
+                commit_time: Utc::now(),
+                row_ids: Vec::new(),
+                piece: Piece::Whole,
+                items: vec![WalItem::Undecodable {
+                    id: derived_id(origin, lsn),
+                    lsn,
+                    error: format!(
+                        "a non-transactional message with prefix {prefix:?}: emit events with pg_logical_emit_message(true, ...), so that they exist only if their transaction commits"
+                    ),
+                    raw: String::from_utf8_lossy(content).into_owned(),
+                }],
+            }),
+        }
+    }
+
+    /// The open transaction commits: what it holds, whole or as its last part.
+    fn on_commit(&mut self, end_lsn: u64, timestamp: i64) -> Option<WalTransaction> {
+        let (_, mut items) = self.open.take()?;
+        let commit_time = postgres_time(timestamp);
+        finish(&mut items, commit_time, self.origin);
+        let piece = if self.parted {
+            Piece::Last {
+                commit_lsn: self.open_commit_lsn,
+            }
+        } else {
+            Piece::Whole
+        };
+        self.parted = false;
+        self.open_bytes = 0;
+        Some(WalTransaction {
+            end_lsn,
+            commit_time,
+            items,
+            row_ids: std::mem::take(&mut self.row_ids),
+            piece,
+        })
     }
 
     /// Whether the open transaction's items not handed over reached the part limit.

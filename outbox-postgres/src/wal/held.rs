@@ -338,46 +338,14 @@ pub(super) async fn spill(
         HashSet::new()
     };
     // Every event of the buffer not yet settled goes first, marked moving (claims skip them).
-    let (mut rows, moving) = {
-        let mut st = inner.state();
-        if st.in_flight > 0 {
-            return Ok(false);
-        }
-        let mut rows = Vec::new();
-        let mut positions = Vec::new();
-        for t in &st.txns {
-            for (i, e) in t.entries.iter().enumerate() {
-                match &e.state {
-                    EntryState::Done => continue,
-                    EntryState::Failed(a) => rows.push(HeldRow::failed(e.event.clone(), a)),
-                    _ => rows.push(HeldRow::waiting(e.event.clone())),
-                }
-                positions.push((t.end_lsn, i));
-            }
-        }
-        let mut moving = Moving::default();
-        for (end, i) in positions {
-            moving.mark(&mut st, end, i);
-        }
-        (rows, moving)
+    let Some((mut rows, moving)) = unsettled_marked_moving(inner) else {
+        return Ok(false);
     };
     // The items a reading before this one handed over already.
     let skip = usize::try_from(before.saturating_sub(seen))
         .unwrap_or(usize::MAX)
         .min(part.items.len());
-    for item in &part.items[skip..] {
-        rows.push(match item {
-            WalItem::Event(e) if dealt_with.contains(&e.id) => continue,
-            WalItem::Undecodable { id, .. } if dealt_with.contains(id) => continue,
-            WalItem::Event(e) => HeldRow::waiting(e.clone()),
-            WalItem::Undecodable {
-                id,
-                lsn,
-                error,
-                raw,
-            } => HeldRow::undecodable(*id, *lsn, error.clone(), raw.clone(), part.commit_time),
-        });
-    }
+    rows.extend(part_rows(part, skip, &dealt_with));
     let seen = seen + part.items.len() as u64;
     let mark = SpillMark {
         commit_lsn,
@@ -411,6 +379,52 @@ pub(super) async fn spill(
     );
     held_changed(inner);
     Ok(true)
+}
+
+/// Every event of the buffer not yet settled, as held rows, each marked moving (claims skip
+/// them); `None` while a batch holds events of the buffer.
+fn unsettled_marked_moving(inner: &Inner) -> Option<(Vec<HeldRow>, Moving)> {
+    let mut st = inner.state();
+    if st.in_flight > 0 {
+        return None;
+    }
+    let mut rows = Vec::new();
+    let mut positions = Vec::new();
+    for t in &st.txns {
+        for (i, e) in t.entries.iter().enumerate() {
+            match &e.state {
+                EntryState::Done => continue,
+                EntryState::Failed(a) => rows.push(HeldRow::failed(e.event.clone(), a)),
+                _ => rows.push(HeldRow::waiting(e.event.clone())),
+            }
+            positions.push((t.end_lsn, i));
+        }
+    }
+    let mut moving = Moving::default();
+    for (end, i) in positions {
+        moving.mark(&mut st, end, i);
+    }
+    Some((rows, moving))
+}
+
+/// The held rows of `part`'s items from `skip` on, leaving out those a reading before this one
+/// dealt with.
+fn part_rows(part: &WalTransaction, skip: usize, dealt_with: &HashSet<Uuid>) -> Vec<HeldRow> {
+    let mut rows = Vec::new();
+    for item in &part.items[skip..] {
+        rows.push(match item {
+            WalItem::Event(e) if dealt_with.contains(&e.id) => continue,
+            WalItem::Undecodable { id, .. } if dealt_with.contains(id) => continue,
+            WalItem::Event(e) => HeldRow::waiting(e.clone()),
+            WalItem::Undecodable {
+                id,
+                lsn,
+                error,
+                raw,
+            } => HeldRow::undecodable(*id, *lsn, error.clone(), raw.clone(), part.commit_time),
+        });
+    }
+    rows
 }
 
 /// The reader moved events to the held table: the relay's next claim looks there, now.

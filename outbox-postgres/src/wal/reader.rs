@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use txoutbox_core::Error;
 
-use super::buffer::{EntryState, State};
+use super::buffer::EntryState;
 use super::check::{check_slot, warn_unreadable, Identity};
 use super::confirm::{check_reader_privileges, confirm_settled, delete_published};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
@@ -75,25 +75,10 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
                 continue;
             }
         };
-        // Standby until the lock is ours.
-        let locked = loop {
-            match try_lock(&mut conn, &slot).await {
-                Ok((true, session)) => break Ok(session),
-                Ok((false, _)) => {
-                    if !waiting_logged {
-                        info!(slot = %slot, "another relay reads the slot; standing by to take over");
-                        waiting_logged = true;
-                    }
-                    if pause(&stop, STANDBY_RETRY).await {
-                        return;
-                    }
-                }
-                Err(e) => break Err(e),
-            }
-        };
-        let session = match locked {
-            Ok(session) => session,
-            Err(e) => {
+        let session = match stand_by(&mut conn, &slot, &stop, &mut waiting_logged).await {
+            Standby::Locked(session) => session,
+            Standby::Stopped => return,
+            Standby::Lost(e) => {
                 warn!(error = %e, slot = %slot, "the WAL reader lost its connection while standing by; reconnecting");
                 if pause(&stop, RECONNECT_PAUSE).await {
                     return;
@@ -102,30 +87,12 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
             }
         };
         waiting_logged = false;
-        {
-            let mut st = inner.state();
-            *st = State {
-                generation: st.generation + 1,
-                active: true,
-                next_lease: st.next_lease,
-                session,
-                ..State::default()
-            };
-        }
+        inner.state().start_reading(session);
         info!(slot = %slot, "reading the slot");
         let result = read_slot(&inner, &mut conn, &stop).await;
         // An unfinished fallback is the held table's mark's: whichever relay reads next goes on.
         inner.fallbacks.leave();
-        {
-            let mut st = inner.state();
-            *st = State {
-                generation: st.generation + 1,
-                active: false,
-                next_lease: st.next_lease,
-                confirmed: st.confirmed,
-                ..State::default()
-            };
-        }
+        inner.state().stop_reading();
         match result {
             Ok(()) => {
                 let _ = conn.close().await;
@@ -141,6 +108,41 @@ pub(super) async fn run_reader(inner: Arc<Inner>, stop: CancellationToken) {
                     return;
                 }
             }
+        }
+    }
+}
+
+/// How a standby for the slot's reader lock ended.
+enum Standby {
+    /// The lock is this session's (its backend pid).
+    Locked(i32),
+    /// The connection failed meanwhile.
+    Lost(Error),
+    /// The reader is stopping.
+    Stopped,
+}
+
+/// Tries the slot's reader lock until it is this connection's (another relay reads meanwhile),
+/// logging the standby once.
+async fn stand_by(
+    conn: &mut PgConnection,
+    slot: &str,
+    stop: &CancellationToken,
+    waiting_logged: &mut bool,
+) -> Standby {
+    loop {
+        match try_lock(conn, slot).await {
+            Ok((true, session)) => return Standby::Locked(session),
+            Ok((false, _)) => {
+                if !*waiting_logged {
+                    info!(slot = %slot, "another relay reads the slot; standing by to take over");
+                    *waiting_logged = true;
+                }
+                if pause(stop, STANDBY_RETRY).await {
+                    return Standby::Stopped;
+                }
+            }
+            Err(e) => return Standby::Lost(e),
         }
     }
 }
@@ -456,16 +458,8 @@ async fn read_stream(
         if part.is_some() {
             continue;
         }
-        // Nothing in hand: wait for a transaction, a settled batch, a confirm due (only while a
-        // settled transaction waits for it), or the stop.
-        let settled_waiting = inner.state().txns.front().is_some_and(|t| t.settled());
-        let wait = if room && settled_waiting {
-            CONFIRM_EVERY
-                .saturating_sub(last_confirm.elapsed())
-                .max(Duration::from_millis(1))
-        } else {
-            PAUSED_WAIT
-        };
+        // Nothing in hand: wait for a transaction, a settled batch, a confirm due, or the stop.
+        let wait = idle_wait(inner, room, last_confirm);
         if !room {
             tokio::select! {
                 _ = inner.reader_wake.notified() => {}
@@ -490,6 +484,19 @@ async fn read_stream(
             _ = tokio::time::sleep(wait) => {}
             _ = stop.cancelled() => {}
         }
+    }
+}
+
+/// How long a reading with nothing in hand waits: until the next confirm is due while a settled
+/// transaction waits for it (and there is room to read), else [`PAUSED_WAIT`].
+fn idle_wait(inner: &Inner, room: bool, last_confirm: Instant) -> Duration {
+    let settled_waiting = inner.state().txns.front().is_some_and(|t| t.settled());
+    if room && settled_waiting {
+        CONFIRM_EVERY
+            .saturating_sub(last_confirm.elapsed())
+            .max(Duration::from_millis(1))
+    } else {
+        PAUSED_WAIT
     }
 }
 

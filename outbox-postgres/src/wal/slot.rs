@@ -96,7 +96,6 @@ impl WalSlot {
     pub async fn setup(&self, pool: &PgPool) -> Result<WalSetup, Error> {
         check_wal_level(&wal_level(pool).await?)?;
         let map = |e| map_sqlx("wal setup", e);
-        let mut created = WalSetup::default();
         // The slot first: a setup makes the publication before the slot, so a slot seen here has
         // its publication visible to the read after it, even while another setup is making both.
         let mut slot = self.slot_here(pool).await?;
@@ -106,8 +105,22 @@ impl WalSlot {
             self.drop_slot(pool, true).await.map_err(map)?;
             slot = None;
         }
+        let mut created = WalSetup {
+            publication: self.ensure_publication(pool, slot.is_some()).await?,
+            slot: false,
+        };
+        if self.slot_here(pool).await?.is_none() {
+            created.slot = self.create_slot(pool).await?;
+        }
+        Ok(created)
+    }
+
+    /// Makes the publication, or adds the table to it when the table was made again; true when
+    /// this call did either.
+    async fn ensure_publication(&self, pool: &PgPool, slot_exists: bool) -> Result<bool, Error> {
+        let map = |e| map_sqlx("wal setup", e);
         let has_publication = !self.publication_missing(pool).await?;
-        if !has_publication && slot.is_some() {
+        if !has_publication && slot_exists {
             // A slot older than its publication cannot decode the changes in between.
             return Err(Error::config(format!(
                 "the slot {} exists but its publication {} does not: the slot cannot decode the outbox's changes made without it; \
@@ -115,7 +128,7 @@ impl WalSlot {
                 self.slot, self.publication
             )));
         }
-        if !has_publication {
+        let statement = if !has_publication {
             let table_exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
                 .bind(self.table.qualified())
                 .fetch_one(pool)
@@ -128,37 +141,35 @@ impl WalSlot {
                 )));
             }
             // publish_via_partition_root: rows of a partitioned outbox come out as the table's.
-            let create = format!(
+            format!(
                 "CREATE PUBLICATION \"{}\" FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true)",
                 self.publication,
                 self.table.qualified()
-            );
-            match sqlx::query(&create).execute(pool).await {
-                Ok(_) => created.publication = true,
-                // Another `outbox wal setup` made it meanwhile (duplicate object, or the catalog's
-                // unique index when both inserted at once).
-                Err(e) if matches!(sqlstate(&e).as_deref(), Some("42710" | "23505")) => {}
-                Err(e) => return Err(map(e)),
-            }
+            )
         } else if !self.publication_covers_table(pool).await? {
             // The table was dropped and made again: the publication lost it.
-            let add = format!(
+            format!(
                 "ALTER PUBLICATION \"{}\" ADD TABLE {}",
                 self.publication,
                 self.table.qualified()
-            );
-            match sqlx::query(&add).execute(pool).await {
-                Ok(_) => created.publication = true,
-                // Another `outbox wal setup` added it meanwhile.
-                Err(e) if matches!(sqlstate(&e).as_deref(), Some("42710" | "23505")) => {}
-                Err(e) => return Err(map(e)),
-            }
+            )
+        } else {
+            return Ok(false);
+        };
+        match sqlx::query(&statement).execute(pool).await {
+            Ok(_) => Ok(true),
+            // Another `outbox wal setup` did it meanwhile (duplicate object, or the catalog's
+            // unique index when both inserted at once).
+            Err(e) if matches!(sqlstate(&e).as_deref(), Some("42710" | "23505")) => Ok(false),
+            Err(e) => Err(map(e)),
         }
-        if self.slot_here(pool).await?.is_some() {
-            return Ok(created);
-        }
-        // Creating a logical slot waits for the transactions running at that moment, in every
-        // database: bounded, and the error names them.
+    }
+
+    /// Makes the slot (`pgoutput`); true when this call made it. Creating a logical slot waits for
+    /// the transactions running at that moment, in every database: bounded, and the error names
+    /// them.
+    async fn create_slot(&self, pool: &PgPool) -> Result<bool, Error> {
+        let map = |e| map_sqlx("wal setup", e);
         let mut tx = pool.begin().await.map_err(map)?;
         sqlx::query("SET LOCAL statement_timeout = '60s'")
             .execute(&mut *tx)
@@ -171,10 +182,10 @@ impl WalSlot {
         match made {
             Ok(_) => {
                 tx.commit().await.map_err(map)?;
-                created.slot = true;
+                Ok(true)
             }
             // Another `outbox wal setup` made it meanwhile.
-            Err(e) if matches!(sqlstate(&e).as_deref(), Some("42710" | "23505")) => {}
+            Err(e) if matches!(sqlstate(&e).as_deref(), Some("42710" | "23505")) => Ok(false),
             Err(e) if sqlstate(&e).as_deref() == Some("57014") => {
                 let blocking: Vec<String> = sqlx::query_scalar(
                     "SELECT format('pid %s (%s, %s, since %s)', pid, datname, coalesce(application_name, ''), xact_start)
@@ -184,18 +195,17 @@ impl WalSlot {
                 .fetch_all(pool)
                 .await
                 .unwrap_or_default();
-                return Err(Error::new(
+                Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
                         "creating the slot {} waited 60 s for transactions running when it started ({}): let them end, then run `outbox wal setup` again",
                         self.slot,
                         if blocking.is_empty() { "none left now".to_string() } else { blocking.join("; ") }
                     ),
-                ));
+                ))
             }
-            Err(e) => return Err(map(e)),
+            Err(e) => Err(map(e)),
         }
-        Ok(created)
     }
 
     /// Drops this database's slot of this name, if there is one (with `only_lost`, only one that

@@ -222,51 +222,86 @@ async fn stream_task(
         if !matches!(transaction.piece, Piece::Part { .. }) {
             delivered += 1;
         }
-        let bytes = transaction_bytes(&transaction);
-        let mut transaction = Some(transaction);
-        // Wait for room (a place in the channel, and its bytes under the read-ahead unless it is
-        // empty), answering the server meanwhile (it ends a silent connection).
-        while let Some(t) = transaction.take() {
-            let full = channel_bytes.load(Ordering::SeqCst) > 0
-                && channel_bytes.load(Ordering::SeqCst) + bytes > max_bytes;
-            if full {
-                transaction = Some(t);
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(5)) => {}
-                    _ = cancel.cancelled() => {
-                        stream.confirm(confirmed.load(Ordering::SeqCst));
-                        let _ = stream.report().await;
-                        return;
-                    }
-                }
-                if last_answer.elapsed() >= Duration::from_secs(10) {
-                    last_answer = Instant::now();
-                    stream.confirm(confirmed.load(Ordering::SeqCst));
-                    let _ = stream.report().await;
-                }
-                continue;
-            }
+        let sent = send_when_room(
+            &mut stream,
+            transaction,
+            &tx,
+            Room {
+                confirmed: &confirmed,
+                channel_bytes: &channel_bytes,
+                max_bytes,
+            },
+            &cancel,
+            &mut last_answer,
+        )
+        .await;
+        if !sent {
+            return;
+        }
+    }
+}
+
+/// What the stream task checks before it hands a transaction over.
+struct Room<'a> {
+    confirmed: &'a AtomicU64,
+    channel_bytes: &'a AtomicU64,
+    max_bytes: u64,
+}
+
+/// Hands `transaction` over once there is room (a place in the channel, and its bytes under the
+/// read-ahead unless the channel is empty), answering the server meanwhile (it ends a silent
+/// connection). False when the stream task is to stop (cancelled, or the reader gone).
+async fn send_when_room(
+    stream: &mut Replication,
+    transaction: WalTransaction,
+    tx: &mpsc::Sender<Result<WalTransaction, Error>>,
+    room: Room<'_>,
+    cancel: &CancellationToken,
+    last_answer: &mut Instant,
+) -> bool {
+    let bytes = transaction_bytes(&transaction);
+    let mut transaction = Some(transaction);
+    while let Some(t) = transaction.take() {
+        let full = room.channel_bytes.load(Ordering::SeqCst) > 0
+            && room.channel_bytes.load(Ordering::SeqCst) + bytes > room.max_bytes;
+        if full {
+            transaction = Some(t);
             tokio::select! {
-                permit = tx.reserve() => match permit {
-                    Ok(p) => {
-                        channel_bytes.fetch_add(bytes, Ordering::SeqCst);
-                        p.send(Ok(t));
-                    }
-                    Err(_) => return,
-                },
-                _ = tokio::time::sleep(Duration::from_secs(10)) => {
-                    transaction = Some(t);
-                    stream.confirm(confirmed.load(Ordering::SeqCst));
-                    let _ = stream.report().await;
-                }
+                _ = tokio::time::sleep(Duration::from_millis(5)) => {}
                 _ = cancel.cancelled() => {
-                    stream.confirm(confirmed.load(Ordering::SeqCst));
+                    stream.confirm(room.confirmed.load(Ordering::SeqCst));
                     let _ = stream.report().await;
-                    return;
+                    return false;
                 }
+            }
+            if last_answer.elapsed() >= Duration::from_secs(10) {
+                *last_answer = Instant::now();
+                stream.confirm(room.confirmed.load(Ordering::SeqCst));
+                let _ = stream.report().await;
+            }
+            continue;
+        }
+        tokio::select! {
+            permit = tx.reserve() => match permit {
+                Ok(p) => {
+                    room.channel_bytes.fetch_add(bytes, Ordering::SeqCst);
+                    p.send(Ok(t));
+                }
+                Err(_) => return false,
+            },
+            _ = tokio::time::sleep(Duration::from_secs(10)) => {
+                transaction = Some(t);
+                stream.confirm(room.confirmed.load(Ordering::SeqCst));
+                let _ = stream.report().await;
+            }
+            _ = cancel.cancelled() => {
+                stream.confirm(room.confirmed.load(Ordering::SeqCst));
+                let _ = stream.report().await;
+                return false;
             }
         }
     }
+    true
 }
 
 /// Gives the reader the stream's error, unless it stops first.

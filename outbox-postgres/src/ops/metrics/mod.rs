@@ -115,31 +115,211 @@ pub struct Metrics {
     registry: std::sync::Mutex<Registry>,
     max_event_type_labels: usize,
     failed_types: std::sync::Mutex<std::collections::HashSet<String>>,
+    counters: Counters,
+    gauges: OutboxGauges,
+    /// The event types `gauges.pending_by_type` has a series of (those of the last refresh).
+    pending_types: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    timings: Timings,
+    cleanup: CleanupMetrics,
+    wal: WalGauges,
+    build_info: Family<BuildLabel, Gauge>,
+    liveness: Option<std::sync::Arc<super::health::Liveness>>,
+}
+
+/// Registers `metric` as `name` with `help`; returns it (a handle to the same series).
+fn registered<M: prometheus_client::registry::Metric + Clone>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    metric: M,
+) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// What the relay did: events published, failed, retried, pushed back, dead-lettered; store errors.
+struct Counters {
     published: Counter,
     failed: Family<EventTypeLabel, Counter>,
     retried: Counter,
     backpressured: Counter,
     dead_lettered_total: Counter,
     store_errors: Family<OperationLabel, Counter>,
+}
+
+impl Counters {
+    fn register(r: &mut Registry) -> Self {
+        Counters {
+            published: registered(
+                r,
+                "outbox_events_published",
+                "Events published (acknowledged by the broker)",
+                Counter::default(),
+            ),
+            failed: registered(
+                r,
+                "outbox_events_failed",
+                "Publish failures, by event type",
+                Family::default(),
+            ),
+            retried: registered(
+                r,
+                "outbox_events_retried",
+                "Failed events scheduled for another attempt",
+                Counter::default(),
+            ),
+            backpressured: registered(
+                r,
+                "outbox_events_backpressured",
+                "Events the publisher pushed back on (given back unchanged, no attempt counted; claims pause)",
+                Counter::default(),
+            ),
+            dead_lettered_total: registered(
+                r,
+                "outbox_events_dead_lettered",
+                "Events dead-lettered by the relay",
+                Counter::default(),
+            ),
+            store_errors: registered(
+                r,
+                "outbox_store_errors",
+                "Failed store operations, by operation",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// What the outbox holds, from the store's statistics.
+struct OutboxGauges {
     pending: Gauge,
     oldest_pending_age: Gauge<f64, AtomicU64>,
+    stats_estimated: Gauge,
     dead_letters: Gauge,
     held_back: Gauge,
     held_back_aggregates: Gauge,
-    stats_estimated: Gauge,
     pending_by_type: Family<EventTypeLabel, Gauge>,
-    /// The event types `pending_by_type` has a series of (those of the last refresh).
-    pending_types: std::sync::Mutex<std::collections::BTreeSet<String>>,
+}
+
+impl OutboxGauges {
+    fn register(r: &mut Registry) -> Self {
+        OutboxGauges {
+            pending: registered(
+                r,
+                "outbox_events_pending",
+                "Events waiting to be published (including backing off and held back)",
+                Gauge::default(),
+            ),
+            oldest_pending_age: registered(
+                r,
+                "outbox_oldest_pending_age_seconds",
+                "Age of the oldest pending event",
+                Gauge::default(),
+            ),
+            stats_estimated: registered(
+                r,
+                "outbox_stats_estimated",
+                "1 when the pending and dead-letter counts come from a count taken over several refreshes (more rows than database.stats_max_rows)",
+                Gauge::default(),
+            ),
+            dead_letters: registered(
+                r,
+                "outbox_dead_letters",
+                "Dead letters in the outbox",
+                Gauge::default(),
+            ),
+            held_back: registered(
+                r,
+                "outbox_events_held_back",
+                "Pending events behind a dead letter of their aggregate (they wait until it is retried or discarded); a lower bound when outbox_stats_estimated is 1",
+                Gauge::default(),
+            ),
+            held_back_aggregates: registered(
+                r,
+                "outbox_aggregates_held_back",
+                "Aggregates with events held back behind a dead letter",
+                Gauge::default(),
+            ),
+            pending_by_type: registered(
+                r,
+                "outbox_events_pending_by_type",
+                "Pending events, by event type",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// How long batches, publishes and claims took, and how large batches were.
+struct Timings {
     batch_duration: Histogram,
     publish_duration: Histogram,
     claim_duration: Histogram,
     batch_size: Histogram,
+}
+
+impl Timings {
+    fn register(r: &mut Registry) -> Self {
+        let seconds = || Histogram::new(exponential_buckets(0.0005, 2.0, 18));
+        Timings {
+            batch_duration: registered(
+                r,
+                "outbox_batch_duration_seconds",
+                "From claim to settlement of a batch",
+                seconds(),
+            ),
+            publish_duration: registered(
+                r,
+                "outbox_publish_duration_seconds",
+                "Time the publisher took for a batch",
+                seconds(),
+            ),
+            claim_duration: registered(
+                r,
+                "outbox_claim_duration_seconds",
+                "Time a claim took",
+                seconds(),
+            ),
+            batch_size: registered(
+                r,
+                "outbox_batch_size",
+                "Events per claimed batch",
+                Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+            ),
+        }
+    }
+}
+
+/// The automatic cleanup's rounds.
+struct CleanupMetrics {
     cleanup_removed: Counter,
     cleanup_runs: Family<OutcomeLabel, Counter>,
     cleanup_last_success: Gauge<f64, AtomicU64>,
-    wal: WalGauges,
-    build_info: Family<BuildLabel, Gauge>,
-    liveness: Option<std::sync::Arc<super::health::Liveness>>,
+}
+
+impl CleanupMetrics {
+    fn register(r: &mut Registry) -> Self {
+        CleanupMetrics {
+            cleanup_removed: registered(
+                r,
+                "outbox_cleanup_rows_removed",
+                "Expired published rows removed by this relay's automatic cleanup (database.keep_processed_for)",
+                Counter::default(),
+            ),
+            cleanup_runs: registered(
+                r,
+                "outbox_cleanup_runs",
+                "Automatic cleanup rounds, by outcome: done, busy (another relay was cleaning), failed, stopped",
+                Family::default(),
+            ),
+            cleanup_last_success: registered(
+                r,
+                "outbox_cleanup_last_success_timestamp_seconds",
+                "Unix time at which this relay last finished a cleanup round with no expired row left, or started its automatic cleanup (0: automatic cleanup is off)",
+                Gauge::default(),
+            ),
+        }
+    }
 }
 
 impl std::fmt::Debug for Metrics {
@@ -159,134 +339,16 @@ impl Metrics {
     /// (plus `other`).
     pub fn new(max_event_type_labels: usize) -> Self {
         let mut registry = Registry::default();
-        let published = Counter::default();
-        let failed = Family::<EventTypeLabel, Counter>::default();
-        let retried = Counter::default();
-        let backpressured = Counter::default();
-        let dead_lettered_total = Counter::default();
-        let store_errors = Family::<OperationLabel, Counter>::default();
-        let pending = Gauge::default();
-        let oldest_pending_age = Gauge::<f64, AtomicU64>::default();
-        let dead_letters = Gauge::default();
-        let held_back = Gauge::default();
-        let held_back_aggregates = Gauge::default();
-        let stats_estimated = Gauge::default();
-        let pending_by_type = Family::<EventTypeLabel, Gauge>::default();
-        let seconds = || Histogram::new(exponential_buckets(0.0005, 2.0, 18));
-        let batch_duration = seconds();
-        let publish_duration = seconds();
-        let claim_duration = seconds();
-        let batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
-        let cleanup_removed = Counter::default();
-        let cleanup_runs = Family::<OutcomeLabel, Counter>::default();
-        let cleanup_last_success = Gauge::<f64, AtomicU64>::default();
-        let wal = WalGauges::register(&mut registry);
-        let build_info = Family::<BuildLabel, Gauge>::default();
-        registry.register(
+        let build_info = registered(
+            &mut registry,
             "outbox_build_info",
             "Always 1; the labels say which build runs: version, commit, adapters compiled in",
-            build_info.clone(),
+            Family::<BuildLabel, Gauge>::default(),
         );
-        registry.register(
-            "outbox_events_published",
-            "Events published (acknowledged by the broker)",
-            published.clone(),
-        );
-        registry.register(
-            "outbox_events_failed",
-            "Publish failures, by event type",
-            failed.clone(),
-        );
-        registry.register(
-            "outbox_events_retried",
-            "Failed events scheduled for another attempt",
-            retried.clone(),
-        );
-        registry.register(
-            "outbox_events_backpressured",
-            "Events the publisher pushed back on (given back unchanged, no attempt counted; claims pause)",
-            backpressured.clone(),
-        );
-        registry.register(
-            "outbox_events_dead_lettered",
-            "Events dead-lettered by the relay",
-            dead_lettered_total.clone(),
-        );
-        registry.register(
-            "outbox_store_errors",
-            "Failed store operations, by operation",
-            store_errors.clone(),
-        );
-        registry.register(
-            "outbox_events_pending",
-            "Events waiting to be published (including backing off and held back)",
-            pending.clone(),
-        );
-        registry.register(
-            "outbox_oldest_pending_age_seconds",
-            "Age of the oldest pending event",
-            oldest_pending_age.clone(),
-        );
-        registry.register(
-            "outbox_stats_estimated",
-            "1 when the pending and dead-letter counts come from a count taken over several refreshes (more rows than database.stats_max_rows)",
-            stats_estimated.clone(),
-        );
-        registry.register(
-            "outbox_dead_letters",
-            "Dead letters in the outbox",
-            dead_letters.clone(),
-        );
-        registry.register(
-            "outbox_events_held_back",
-            "Pending events behind a dead letter of their aggregate (they wait until it is retried or discarded); a lower bound when outbox_stats_estimated is 1",
-            held_back.clone(),
-        );
-        registry.register(
-            "outbox_aggregates_held_back",
-            "Aggregates with events held back behind a dead letter",
-            held_back_aggregates.clone(),
-        );
-        registry.register(
-            "outbox_events_pending_by_type",
-            "Pending events, by event type",
-            pending_by_type.clone(),
-        );
-        registry.register(
-            "outbox_batch_duration_seconds",
-            "From claim to settlement of a batch",
-            batch_duration.clone(),
-        );
-        registry.register(
-            "outbox_publish_duration_seconds",
-            "Time the publisher took for a batch",
-            publish_duration.clone(),
-        );
-        registry.register(
-            "outbox_claim_duration_seconds",
-            "Time a claim took",
-            claim_duration.clone(),
-        );
-        registry.register(
-            "outbox_batch_size",
-            "Events per claimed batch",
-            batch_size.clone(),
-        );
-        registry.register(
-            "outbox_cleanup_rows_removed",
-            "Expired published rows removed by this relay's automatic cleanup (database.keep_processed_for)",
-            cleanup_removed.clone(),
-        );
-        registry.register(
-            "outbox_cleanup_runs",
-            "Automatic cleanup rounds, by outcome: done, busy (another relay was cleaning), failed, stopped",
-            cleanup_runs.clone(),
-        );
-        registry.register(
-            "outbox_cleanup_last_success_timestamp_seconds",
-            "Unix time at which this relay last finished a cleanup round with no expired row left, or started its automatic cleanup (0: automatic cleanup is off)",
-            cleanup_last_success.clone(),
-        );
+        let counters = Counters::register(&mut registry);
+        let gauges = OutboxGauges::register(&mut registry);
+        let timings = Timings::register(&mut registry);
+        let cleanup = CleanupMetrics::register(&mut registry);
         // Every outcome's series exists from the start, so that the first of each counts in rates.
         for outcome in [
             CleanupOutcome::Done,
@@ -294,40 +356,26 @@ impl Metrics {
             CleanupOutcome::Failed,
             CleanupOutcome::Stopped,
         ] {
-            cleanup_runs
+            cleanup
+                .cleanup_runs
                 .get_or_create(&OutcomeLabel {
                     outcome: outcome.label().to_string(),
                 })
                 .inc_by(0);
         }
+        let wal = WalGauges::register(&mut registry);
         let metrics = Metrics {
             registry: std::sync::Mutex::new(registry),
             build_info,
-            cleanup_removed,
-            cleanup_runs,
-            cleanup_last_success,
+            counters,
+            gauges,
+            timings,
+            cleanup,
             wal,
             max_event_type_labels,
             failed_types: Default::default(),
-            published,
-            failed,
-            retried,
-            backpressured,
-            dead_lettered_total,
-            store_errors,
-            pending,
-            oldest_pending_age,
-            dead_letters,
-            held_back,
-            held_back_aggregates,
-            stats_estimated,
-            liveness: None,
-            pending_by_type,
             pending_types: Default::default(),
-            batch_duration,
-            publish_duration,
-            claim_duration,
-            batch_size,
+            liveness: None,
         };
         metrics.set_build(&BuildInfo::default());
         metrics
@@ -377,16 +425,22 @@ impl Metrics {
         if let Some(l) = &self.liveness {
             l.saw_stats(stats.oldest_pending_age_seconds);
         }
-        self.pending.set(stats.pending.min(i64::MAX as u64) as i64);
-        self.dead_letters
+        self.gauges
+            .pending
+            .set(stats.pending.min(i64::MAX as u64) as i64);
+        self.gauges
+            .dead_letters
             .set(stats.dead_letters.min(i64::MAX as u64) as i64);
-        self.held_back
+        self.gauges
+            .held_back
             .set(stats.held_back.min(i64::MAX as u64) as i64);
-        self.held_back_aggregates
+        self.gauges
+            .held_back_aggregates
             .set(stats.held_back_aggregates.min(i64::MAX as u64) as i64);
-        self.oldest_pending_age
+        self.gauges
+            .oldest_pending_age
             .set(stats.oldest_pending_age_seconds.unwrap_or(0.0));
-        self.stats_estimated.set(i64::from(stats.estimated));
+        self.gauges.stats_estimated.set(i64::from(stats.estimated));
         let mut by_type: Vec<(&str, u64)> = stats
             .by_event_type
             .iter()
@@ -411,14 +465,15 @@ impl Metrics {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         for (event_type, pending) in &series {
-            self.pending_by_type
+            self.gauges
+                .pending_by_type
                 .get_or_create(&EventTypeLabel {
                     event_type: event_type.to_string(),
                 })
                 .set((*pending).min(i64::MAX as u64) as i64);
         }
         for gone in shown.iter().filter(|t| !series.contains_key(t.as_str())) {
-            self.pending_by_type.remove(&EventTypeLabel {
+            self.gauges.pending_by_type.remove(&EventTypeLabel {
                 event_type: gone.clone(),
             });
         }
@@ -438,24 +493,25 @@ impl Metrics {
 
     /// `rows` expired rows were removed by the automatic cleanup.
     pub fn cleanup_removed(&self, rows: u64) {
-        self.cleanup_removed.inc_by(rows);
+        self.cleanup.cleanup_removed.inc_by(rows);
     }
 
     /// The automatic cleanup starts: its last success counts from now (an alert on a cleanup that
     /// never succeeds then fires as one that stopped succeeding).
     pub fn cleanup_started(&self) {
-        self.cleanup_last_success.set(unix_now());
+        self.cleanup.cleanup_last_success.set(unix_now());
     }
 
     /// An automatic cleanup round ended.
     pub fn cleanup_ran(&self, outcome: CleanupOutcome) {
-        self.cleanup_runs
+        self.cleanup
+            .cleanup_runs
             .get_or_create(&OutcomeLabel {
                 outcome: outcome.label().to_string(),
             })
             .inc();
         if outcome == CleanupOutcome::Done {
-            self.cleanup_last_success.set(unix_now());
+            self.cleanup.cleanup_last_success.set(unix_now());
         }
     }
 
@@ -519,9 +575,9 @@ fn secs(d: Duration) -> f64 {
 
 impl RelayObserver for Metrics {
     fn claimed(&self, count: usize, duration: Duration) {
-        self.claim_duration.observe(secs(duration));
+        self.timings.claim_duration.observe(secs(duration));
         if count > 0 {
-            self.batch_size.observe(count as f64);
+            self.timings.batch_size.observe(count as f64);
         } else {
             self.progressed();
         }
@@ -530,29 +586,34 @@ impl RelayObserver for Metrics {
     fn event_failed(&self, event: &Event, _error: &Error, decision: FailureDecision) {
         // Back-pressure is a wait, not a failure: the event goes back unchanged.
         if decision == FailureDecision::Backpressure {
-            self.backpressured.inc();
+            self.counters.backpressured.inc();
             return;
         }
-        self.failed
+        self.counters
+            .failed
             .get_or_create(&EventTypeLabel {
                 event_type: self.failed_label(&event.event_type),
             })
             .inc();
         match decision {
             FailureDecision::DeadLetter => {
-                self.dead_lettered_total.inc();
+                self.counters.dead_lettered_total.inc();
             }
             FailureDecision::Retry | FailureDecision::Backpressure => {
-                self.retried.inc();
+                self.counters.retried.inc();
             }
         }
     }
 
     fn batch_settled(&self, report: &BatchReport) {
-        self.batch_duration.observe(secs(report.total_duration));
-        self.publish_duration.observe(secs(report.publish_duration));
+        self.timings
+            .batch_duration
+            .observe(secs(report.total_duration));
+        self.timings
+            .publish_duration
+            .observe(secs(report.publish_duration));
         if report.settle_error.is_none() {
-            self.published.inc_by(report.published as u64);
+            self.counters.published.inc_by(report.published as u64);
             self.progressed();
         }
     }
@@ -567,7 +628,8 @@ impl RelayObserver for Metrics {
         if error.kind() == txoutbox_core::ErrorKind::Connection {
             self.progressed();
         }
-        self.store_errors
+        self.counters
+            .store_errors
             .get_or_create(&OperationLabel {
                 operation: operation.to_string(),
             })
