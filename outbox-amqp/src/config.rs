@@ -17,6 +17,7 @@ pub const DEFAULT_ROUTING_KEY: &str = "{event_type}";
 /// The kind of exchange declared at start-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum ExchangeType {
     /// Routing keys matched against binding patterns (`order.*`, `#`). The default.
     #[default]
@@ -32,6 +33,7 @@ pub enum ExchangeType {
 /// Settings of [`crate::AmqpPublisher`].
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct AmqpConfig {
     /// Broker URL, `amqp://user:password@host:port/vhost` (`amqps://` for TLS). Default
     /// `amqp://guest:guest@127.0.0.1:5672/%2f`. The password is never logged.
@@ -63,16 +65,20 @@ pub struct AmqpConfig {
     /// 128 MiB, RabbitMQ's default `max_message_size`.
     pub max_message_bytes: usize,
     /// Time allowed to connect and open the channel. Default 10 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub connect_timeout: Duration,
     /// Time allowed for the broker to confirm a batch; unconfirmed events then fail (retryably) and
     /// the channel is reopened. Default 30 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub confirm_timeout: Duration,
     /// First pause before reconnecting after a connection failure (it doubles). Default 500 ms.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub reconnect_initial_backoff: Duration,
     /// Longest pause between reconnection attempts. Default 30 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub reconnect_max_backoff: Duration,
     /// Destinations events may name besides the configured exchange: names or patterns where `*`

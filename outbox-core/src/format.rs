@@ -33,6 +33,7 @@ use crate::{header, Error, Event};
 /// The shape of the messages a publisher sends.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum MessageFormat {
     /// The payload as the body, the event's fields as `outbox-*` headers (default).
     #[default]

@@ -15,13 +15,16 @@ use crate::error::Error;
 /// is permanent, is dead-lettered with its last error.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct RetryPolicy {
     /// Attempts before an event is dead-lettered, the first included. Default 10.
     pub max_attempts: u32,
     /// Delay after the first failed attempt. Default 1 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "crate::duration::serde_str")]
     pub initial_backoff: Duration,
     /// Upper bound of the delay. Default 5 min.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "crate::duration::serde_str")]
     pub max_backoff: Duration,
     /// Growth factor between attempts. Default 2.0.
@@ -97,6 +100,7 @@ impl RetryPolicy {
 /// Which events may be published side by side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum OrderingPolicy {
     /// Events of one aggregate are published in insertion order, across any number of relays: an event
     /// is claimed only when every earlier event of its aggregate is done, and a failure holds back the

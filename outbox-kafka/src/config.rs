@@ -17,6 +17,7 @@ pub const DEFAULT_TOPIC: &str = "outbox.event.{aggregate_type}";
 /// Settings of [`crate::KafkaPublisher`].
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(from = "Section")]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct KafkaConfig {
     /// Bootstrap servers, `host:port[,host:port]`. Default `127.0.0.1:9092`.
     pub brokers: String,
@@ -47,10 +48,12 @@ pub struct KafkaConfig {
     /// entirely, when it holds 20,000 records (or twice a call's) after a call with timeouts, or
     /// when its queue takes none of a call's records within `enqueue_timeout`. Without
     /// idempotence, this is `message.timeout.ms`.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub delivery_timeout: Duration,
     /// How long one publish call waits, in all, for room in the producer's local queue before reporting back-pressure
     /// (the relay then retries the event shortly, without counting an attempt). Default 5 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub enqueue_timeout: Duration,
     /// Any other librdkafka producer property, passed through as is: `security.protocol`,
@@ -70,6 +73,7 @@ pub struct KafkaConfig {
 /// are refused as in every section. Its fields are [`KafkaConfig`]'s: both conversions name every
 /// field, so one added to either and not to the other does not compile.
 #[derive(Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, deny_unknown_fields)]
 struct Section {
     brokers: String,
@@ -80,8 +84,10 @@ struct Section {
     compression: String,
     linger_ms: u32,
     max_message_bytes: usize,
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     delivery_timeout: Duration,
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     enqueue_timeout: Duration,
     properties: BTreeMap<String, String>,

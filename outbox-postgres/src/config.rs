@@ -21,6 +21,7 @@ pub const DEFAULT_CLEANUP_BATCH_SIZE: u32 = 1000;
 /// Settings of the database side: where the outbox is and how it is kept.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct DatabaseConfig {
     /// `postgres://user:password@host:port/database`. Default the local server as `postgres`
     /// (`DATABASE_URL` overrides the file). The password is never logged.
@@ -42,6 +43,7 @@ pub struct DatabaseConfig {
     pub table: String,
     /// Keep published rows this long instead of deleting them at once; then the relay removes them
     /// (`auto_cleanup`), or `outbox cleanup` does. Default: unset, published rows are deleted.
+    #[cfg_attr(feature = "schema", schemars(with = "Option<String>", extend("format" = "duration")))]
     #[serde(with = "duration::serde_opt", skip_serializing_if = "Option::is_none")]
     pub keep_processed_for: Option<Duration>,
     /// With `keep_processed_for` set, the relay removes expired rows itself every `cleanup_interval`,
@@ -50,6 +52,7 @@ pub struct DatabaseConfig {
     /// while it runs. Default true.
     pub auto_cleanup: bool,
     /// Time between two automatic cleanup rounds (the first runs when the relay starts). Default 5m.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub cleanup_interval: Duration,
     /// Rows deleted per cleanup statement (automatic and `outbox cleanup`'s default), 1 to 100000.
@@ -60,6 +63,7 @@ pub struct DatabaseConfig {
     /// at commit (BENCHMARKS-HISTORY.md, "Writers with NOTIFY"); polling stays on as the fallback. Default false.
     pub notify: bool,
     /// Time allowed to get a connection from the pool. Default 10 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub acquire_timeout: Duration,
     /// The most rows of each kind (pending, dead letters) one statistics refresh reads (`/metrics`
@@ -77,6 +81,7 @@ pub struct DatabaseConfig {
 /// Where the relay reads events (`database.source`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum Source {
     /// The outbox table, polled.
     #[default]

@@ -15,6 +15,7 @@ pub const SQS_MAX_BYTES: usize = 1_048_576;
 /// Settings of [`crate::SqsPublisher`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct SqsConfig {
     /// Queue: a URL, or a name resolved to its URL once (then cached); a template over
     /// `{aggregate_type}`, `{aggregate_id}`, `{event_type}`. A name ending in `.fifo` is a FIFO queue.
@@ -36,12 +37,15 @@ pub struct SqsConfig {
     /// `SendMessageBatch` requests in flight at once. Default 16.
     pub max_concurrent_requests: usize,
     /// Time a whole SDK operation may take, retries included. Default 30 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub operation_timeout: Duration,
     /// Time one attempt may take. Default 10 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub attempt_timeout: Duration,
     /// Time to connect. Default 3 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "duration::serde_str")]
     pub connect_timeout: Duration,
     /// Attempts the SDK makes per request (1 = no SDK retry; the relay retries anyway). Default 3.

@@ -62,6 +62,7 @@ pub mod sqs {
 /// Which publisher the relay uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[derive(schemars::JsonSchema)]
 pub enum PublisherType {
     /// JSON lines on standard output (the default: needs no broker).
     #[default]

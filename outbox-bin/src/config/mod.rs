@@ -37,6 +37,7 @@ pub const ENV_PREFIX: &str = "OUTBOX_";
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
 pub struct Config {
     /// `[database]`.
     pub database: DatabaseConfig,

@@ -1,10 +1,12 @@
-//! The configuration reference (`outbox config --reference`), generated from the code's own
-//! definitions: the keys are the fields the configuration's types accept (read from their
-//! deserializers), the defaults are `Config::default()` as the binary prints it, the types are what
-//! each key's deserializer takes, and the environment names follow the loader's rule
+//! The configuration reference (`outbox config --reference`), generated from the configuration's
+//! types: the keys, what each takes and its description (the field's doc comment) come from their
+//! JSON schema (`schemars`), the order from the fields' order (unset keys, which the binary does
+//! not print, after the others), the defaults from
+//! `Config::default()` as the binary prints it, and the environment names from the loader's rule
 //! (`OUTBOX_<SECTION>__<KEY>`).
 
-use serde_json::{json, Value};
+use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::Value;
 
 use super::Config;
 
@@ -18,6 +20,8 @@ pub struct Key {
     pub kind: String,
     /// Its default as the binary prints it (`None`: unset).
     pub default: Option<String>,
+    /// Its doc comment, on one line, links reduced to their text.
+    pub description: String,
 }
 
 impl Key {
@@ -29,116 +33,257 @@ impl Key {
             self.path.join("__").to_ascii_uppercase()
         )
     }
+
+    /// The description's first sentence.
+    pub fn summary(&self) -> String {
+        let text = self.description.as_str();
+        let end = text
+            .match_indices(". ")
+            .map(|(i, _)| i + 1)
+            .find(|&i| !text[..i].ends_with("e.g.") && !text[..i].ends_with("i.e."))
+            .unwrap_or(text.len());
+        let sentence = &text[..end];
+        if sentence.chars().count() <= SUMMARY_CHARS {
+            return sentence.to_string();
+        }
+        // A long first sentence: cut at a word, the rest is in the section table above.
+        let cut: String = sentence.chars().take(SUMMARY_CHARS).collect();
+        let at = cut.rfind(' ').unwrap_or(cut.len());
+        format!("{}…", cut[..at].trim_end_matches([',', ';', ':']))
+    }
 }
 
-/// Whether the configuration's deserializer takes `value` at `path` (nothing else set).
-fn takes(path: &[String], value: Value) -> Result<(), String> {
-    let mut root = value;
-    for part in path.iter().rev() {
-        root = json!({ part.as_str(): root });
-    }
-    serde_path_to_error::deserialize::<_, Config>(&root)
-        .map(|_| ())
-        .map_err(|e| e.inner().to_string())
+/// The most characters of a description the table shows.
+const SUMMARY_CHARS: usize = 240;
+
+/// The configuration's JSON schema, as it is written (the shape `outbox config` prints).
+fn schema() -> Value {
+    let generator = schemars::generate::SchemaSettings::default()
+        .for_serialize()
+        .into_generator();
+    generator.into_root_schema_for::<Config>().to_value()
 }
 
-/// The fields the table at `path` accepts, from its deserializer's answer to an unknown one.
-fn fields(path: &[String]) -> Vec<String> {
-    let probe = "(no such key)";
-    let mut at = path.to_vec();
-    at.push(probe.to_string());
-    let message = takes(&at, json!(0)).err().unwrap_or_default();
-    one_of(&message)
+/// A JSON object's keys in the order they are written (`serde_json::Value` sorts them): the
+/// order of the fields.
+#[derive(Debug, Default)]
+struct Written(Vec<(String, Written)>);
+
+impl<'de> Deserialize<'de> for Written {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Keys;
+        impl<'de> Visitor<'de> for Keys {
+            type Value = Written;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Written, A::Error> {
+                let mut keys = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Written>()? {
+                    keys.push((k, v));
+                }
+                Ok(Written(keys))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Written, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Written::default())
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Written, E> {
+                Ok(Written::default())
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Written, E> {
+                Ok(Written::default())
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Written, E> {
+                Ok(Written::default())
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Written, E> {
+                Ok(Written::default())
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Written, E> {
+                Ok(Written::default())
+            }
+            fn visit_unit<E>(self) -> Result<Written, E> {
+                Ok(Written::default())
+            }
+        }
+        d.deserialize_any(Keys)
+    }
 }
 
-/// The names in serde's "expected one of `a`, `b`" (or "expected `a`").
-fn one_of(message: &str) -> Vec<String> {
-    let Some((_, list)) = message.split_once("expected ") else {
-        return Vec::new();
-    };
-    list.split('`')
-        .skip(1)
-        .step_by(2)
-        .map(str::to_string)
-        .collect()
+impl Written {
+    /// The keys under `key`.
+    fn under(&self, key: &str) -> Option<&Written> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// Where `key` stands among the written keys (those not written come after, by name).
+    fn rank(&self, key: &str) -> usize {
+        self.0
+            .iter()
+            .position(|(k, _)| k == key)
+            .unwrap_or(usize::MAX)
+    }
 }
 
-/// What the key at `path` takes, from what its deserializer accepts.
-fn kind(path: &[String]) -> Option<String> {
-    let ok = |v: Value| takes(path, v).is_ok();
-    if ok(json!(true)) {
-        return Some("boolean".into());
+/// `schema` with a `$ref` to the root's `$defs` followed.
+fn resolved<'a>(root: &'a Value, schema: &'a Value) -> &'a Value {
+    match schema.get("$ref").and_then(Value::as_str) {
+        Some(r) => r
+            .strip_prefix("#/$defs/")
+            .and_then(|name| root["$defs"].get(name))
+            .unwrap_or(schema),
+        None => schema,
     }
-    if ok(json!(7)) {
-        return Some(if ok(json!(1.5)) { "number" } else { "integer" }.into());
+}
+
+/// The schema of a value that may also be absent: the one that is not `null`.
+fn present<'a>(root: &'a Value, schema: &'a Value) -> &'a Value {
+    let schema = resolved(root, schema);
+    if let Some(options) = schema.get("anyOf").and_then(Value::as_array) {
+        if let Some(s) = options
+            .iter()
+            .find(|o| o.get("type").and_then(Value::as_str) != Some("null"))
+        {
+            return resolved(root, s);
+        }
     }
-    if ok(json!(1.5)) {
-        return Some("number".into());
-    }
-    if ok(json!("1s")) && !ok(json!("no-unit-here")) {
+    schema
+}
+
+/// What a key of `schema` takes; `None` for a table of keys of its own (a section).
+fn kind(root: &Value, field: &Value) -> Option<String> {
+    let schema = present(root, field);
+    if field.get("format").and_then(Value::as_str) == Some("duration")
+        || schema.get("format").and_then(Value::as_str) == Some("duration")
+    {
         return Some("duration".into());
     }
-    if ok(json!(["x"])) {
-        return Some("list of strings".into());
+    if let Some(variants) = schema.get("oneOf").and_then(Value::as_array) {
+        let names: Vec<String> = variants
+            .iter()
+            .filter_map(|v| v.get("const").and_then(Value::as_str))
+            .map(|v| format!("`{v}`"))
+            .collect();
+        return Some(format!("one of {}", names.join(", ")));
     }
-    if ok(json!({ "x": "y" })) && !ok(json!("x")) {
-        return Some("table".into());
+    if let Some(values) = schema.get("enum").and_then(Value::as_array) {
+        let names: Vec<String> = values
+            .iter()
+            .filter_map(Value::as_str)
+            .map(|v| format!("`{v}`"))
+            .collect();
+        return Some(format!("one of {}", names.join(", ")));
     }
-    let refused = takes(path, json!("(no such value)")).err();
-    match refused {
-        None => Some("string".into()),
-        Some(message) if message.contains("unknown variant") => {
-            let variants = one_of(&message);
-            Some(format!(
-                "one of {}",
-                variants
-                    .iter()
-                    .map(|v| format!("`{v}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
+    let types: Vec<&str> = match schema.get("type") {
+        Some(Value::String(t)) => vec![t.as_str()],
+        Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let of = |t: &str| types.contains(&t);
+    Some(
+        if of("boolean") {
+            "boolean"
+        } else if of("integer") {
+            "integer"
+        } else if of("number") {
+            "number"
+        } else if of("string") {
+            "string"
+        } else if of("array") {
+            "list of strings"
+        } else if of("object") && schema.get("properties").is_none() {
+            "table"
+        } else if of("object") {
+            return None;
+        } else {
+            "string"
         }
-        // A text the deserializer checks (an address, a template): a string, as its default.
-        Some(_) => None,
+        .into(),
+    )
+}
+
+/// A doc comment on one line, Markdown links reduced to their text.
+fn one_line(doc: &str) -> String {
+    let joined = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut out = String::with_capacity(joined.len());
+    let mut rest = joined.as_str();
+    // `[text](target)` -> `text`.
+    while let Some(open) = rest.find('[') {
+        let Some(close) = rest[open..].find("](").map(|i| open + i) else {
+            break;
+        };
+        let Some(end) = rest[close..].find(')').map(|i| close + i) else {
+            break;
+        };
+        out.push_str(&rest[..open]);
+        out.push_str(&rest[open + 1..close]);
+        rest = &rest[end + 1..];
     }
+    out.push_str(rest);
+    out
 }
 
 /// Every key of the configuration, in the order of its sections and fields.
 pub fn keys() -> Vec<Key> {
+    let root = schema();
     let defaults = toml::Value::try_from(Config::default()).unwrap_or(toml::Value::Boolean(false));
+    let written: Written = serde_json::to_string(&Config::default())
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default();
     let mut out = Vec::new();
-    walk(&[], &defaults, &mut out);
+    walk(&root, &root, &[], &defaults, &written, &mut out);
     out
 }
 
-fn walk(path: &[String], defaults: &toml::Value, out: &mut Vec<Key>) {
-    for field in fields(path) {
+fn walk(
+    root: &Value,
+    table: &Value,
+    path: &[String],
+    defaults: &toml::Value,
+    written: &Written,
+    out: &mut Vec<Key>,
+) {
+    let Some(properties) = resolved(root, table)
+        .get("properties")
+        .and_then(Value::as_object)
+    else {
+        return;
+    };
+    let mut fields: Vec<(&String, &Value)> = properties.iter().collect();
+    fields.sort_by_key(|(name, _)| (written.rank(name), (*name).clone()));
+    let empty = Written::default();
+    for (name, field) in fields {
         let mut at = path.to_vec();
-        at.push(field.clone());
-        let default = defaults.get(&field);
+        at.push(name.clone());
+        let default = defaults.get(name.as_str());
+        let Some(kind) = kind(root, field) else {
+            // A section of its own.
+            walk(
+                root,
+                present(root, field),
+                &at,
+                default.unwrap_or(&toml::Value::Boolean(false)),
+                written.under(name).unwrap_or(&empty),
+                out,
+            );
+            continue;
+        };
         // A section of an adapter this build leaves out takes anything: not listed.
-        if path.is_empty() && fields(&at).is_empty() {
+        if path.is_empty() {
             continue;
         }
-        // A section of its own (not a table of free names, such as librdkafka's properties).
-        if let Some(table @ toml::Value::Table(_)) = default {
-            if !fields(&at).is_empty() {
-                walk(&at, table, out);
-                continue;
-            }
-        }
-        let kind = kind(&at).or_else(|| {
-            default.map(|d| match d {
-                toml::Value::String(_) => "string".into(),
-                other => other.type_str().into(),
-            })
-        });
-        // A key no value is accepted for (an old name, refused naming the new one) is not one.
-        let Some(kind) = kind else { continue };
         out.push(Key {
             path: at,
             kind,
             default: default.map(shown),
+            description: one_line(
+                field
+                    .get("description")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default(),
+            ),
         });
     }
 }
@@ -152,9 +297,12 @@ fn shown(v: &toml::Value) -> String {
     }
 }
 
-/// The reference as a Markdown table: key, type, default, environment variable.
+/// The reference as a Markdown table: key, type, default, environment variable, and the first
+/// sentence of the key's description.
 pub fn markdown() -> String {
-    let mut s = String::from("| key | type | default | environment |\n|---|---|---|---|\n");
+    let mut s = String::from(
+        "| key | type | default | environment | description |\n|---|---|---|---|---|\n",
+    );
     for k in keys() {
         let mut env = format!("`{}`", k.env());
         if k.path == ["database", "url"] {
@@ -164,11 +312,12 @@ pub fn markdown() -> String {
             env = format!("`{}__<NAME>` (`__` for each `.`)", k.env());
         }
         s.push_str(&format!(
-            "| `{}` | {} | {} | {} |\n",
+            "| `{}` | {} | {} | {} | {} |\n",
             k.path.join("."),
             k.kind,
             k.default.as_deref().unwrap_or("unset"),
-            env
+            env,
+            k.summary().replace('|', "\\|")
         ));
     }
     s
@@ -187,22 +336,66 @@ mod tests {
     }
 
     #[test]
-    fn every_section_is_read_from_its_deserializer() {
-        let sections: Vec<String> = fields(&[]);
-        for s in [
-            "database",
-            "relay",
-            "publisher",
-            "amqp",
-            "kafka",
-            "sqs",
-            "http",
-            "log",
-            "wal",
-        ] {
-            assert!(sections.contains(&s.to_string()), "{sections:?}");
-            assert!(!fields(&[s.to_string()]).is_empty(), "{s}");
+    fn every_section_is_listed_in_the_order_of_its_fields() {
+        let keys = keys();
+        let mut sections: Vec<String> = Vec::new();
+        for k in &keys {
+            if sections.last() != Some(&k.path[0]) {
+                sections.push(k.path[0].clone());
+            }
         }
+        assert_eq!(
+            sections,
+            [
+                "database",
+                "relay",
+                "publisher",
+                "amqp",
+                "kafka",
+                "sqs",
+                "http",
+                "log",
+                "wal"
+            ],
+            "each section once, in Config's order"
+        );
+        let database: Vec<String> = keys
+            .iter()
+            .filter(|k| k.path[0] == "database")
+            .take(3)
+            .map(|k| k.path[1].clone())
+            .collect();
+        assert_eq!(
+            database,
+            ["url", "pool_size", "schema"],
+            "as Config writes them"
+        );
+        let last = keys.iter().rfind(|k| k.path[0] == "database");
+        assert_eq!(
+            last.map(|k| k.path[1].as_str()),
+            Some("keep_processed_for"),
+            "unset keys after the others, by name"
+        );
+    }
+
+    #[test]
+    fn descriptions_are_the_doc_comments() {
+        let k = key("relay.batch_size");
+        assert_eq!(
+            k.description,
+            "Most events claimed and published per batch. Default 500."
+        );
+        assert_eq!(k.summary(), "Most events claimed and published per batch.");
+        let k = key("http.liveness_timeout");
+        assert!(
+            k.description.contains("(Config::liveness_timeout)") || !k.description.contains("]("),
+            "links reduced to their text: {}",
+            k.description
+        );
+        assert!(
+            keys().iter().all(|k| !k.description.is_empty()),
+            "every key has a doc comment"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use crate::adapters::PublisherType;
 /// `[publisher]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
 pub struct PublisherSection {
     /// `stdout` (default), `amqp`, `kafka` or `sqs`; the broker's own settings are in its section
     /// ([`crate::adapters`] maps each to its adapter).
@@ -62,16 +63,19 @@ impl PublisherSection {
 /// `[http]`: metrics and health endpoints.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
 pub struct HttpConfig {
     /// Serve `/metrics`, `/healthz` and `/readyz` while the relay runs. Default true.
     pub enabled: bool,
     /// Listen address. Default `127.0.0.1:9464`.
     pub listen: SocketAddr,
     /// How often the outbox is counted for the pending / age / dead-letter gauges. Default 5 s.
+    #[schemars(with = "String", extend("format" = "duration"))]
     #[serde(with = "duration::serde_str")]
     pub stats_interval: Duration,
     /// Time a `/readyz` probe waits for the readiness check (one check runs at a time, its result
     /// reused for 1 s). Default 2 s.
+    #[schemars(with = "String", extend("format" = "duration"))]
     #[serde(with = "duration::serde_str")]
     pub ready_timeout: Duration,
     /// `/healthz` answers 503 once the relay has, for this long, neither settled a batch nor found
@@ -80,6 +84,7 @@ pub struct HttpConfig {
     /// (2 x `relay.publish_timeout` + 10 s), the longest a healthy batch may take. Default (unset):
     /// the larger of 5 min and the hold time + 1 min
     /// ([`Config::liveness_timeout`](super::Config::liveness_timeout)).
+    #[schemars(with = "Option<String>", extend("format" = "duration"))]
     #[serde(
         default,
         with = "duration::serde_opt",
@@ -108,6 +113,7 @@ impl Default for HttpConfig {
 /// Log line format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[derive(schemars::JsonSchema)]
 pub enum LogFormat {
     /// Human-readable text (the default).
     #[default]
@@ -119,6 +125,7 @@ pub enum LogFormat {
 /// `[log]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
 pub struct LogConfig {
     /// `text` (default) or `json`.
     pub format: LogFormat,

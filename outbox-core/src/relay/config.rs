@@ -15,6 +15,7 @@ pub const DEFAULT_MAX_BATCH_BYTES: usize = 8 * 1024 * 1024;
 /// Settings of the relay engine. Every field has a documented default.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct RelayConfig {
     /// Most events claimed and published per batch. Default 500.
     pub batch_size: usize,
@@ -27,9 +28,11 @@ pub struct RelayConfig {
     /// Batches in flight at once (claim of the next overlaps the publish of the current). Default 2.
     pub max_in_flight: usize,
     /// Longest pause between polls of an idle outbox. Default 500 ms.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "crate::duration::serde_str")]
     pub poll_interval: Duration,
     /// Pause after a partial batch, and the first pause once the outbox is empty. Default 10 ms.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "crate::duration::serde_str")]
     pub min_poll_interval: Duration,
     /// Longest time one publish call may take; past it every event of the call fails with a
@@ -38,13 +41,16 @@ pub struct RelayConfig {
     /// and recovery act first: [`Relay::new`](super::Relay::new) refuses a shorter one, naming both
     /// settings. A batch starts no new call (see [`Publisher::keeps_order`]) once this much time has
     /// passed since its first, so a batch is held at most twice this long. Default 60 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "crate::duration::serde_str")]
     pub publish_timeout: Duration,
     /// Time in-flight batches get to finish after shutdown was asked; then they are aborted and
     /// their events released. Default 30 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "crate::duration::serde_str")]
     pub shutdown_timeout: Duration,
     /// Longest pause between attempts to reach a failing store (the pause doubles from 100 ms). Default 5 s.
+    #[cfg_attr(feature = "schema", schemars(with = "String", extend("format" = "duration")))]
     #[serde(with = "crate::duration::serde_str")]
     pub store_retry_max_backoff: Duration,
     /// Retry policy of failed publishes.

@@ -15,6 +15,7 @@ pub const DEFAULT_RETAINED_WAL_WARNING: u64 = 1 << 30;
 /// `[wal]`: the WAL source's settings.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct WalConfig {
     /// The replication slot. Default `<schema>_<table>_slot`.
     #[serde(skip_serializing_if = "Option::is_none")]
