@@ -105,16 +105,7 @@ impl Drop for Proc {
 }
 
 fn post(port: u16, path: &str, body: &str) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-    let mut response = String::new();
-    s.read_to_string(&mut response).unwrap();
-    let code = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (code, response)
+    try_post(port, path, body).expect("the service answers")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -286,6 +286,13 @@ impl Sink {
                 panic!("event {id} was received but the endpoint recorded no send of it");
             }
             v.duplicates = v.duplicates.max(sends.len() - distinct.len());
+            // Order as the endpoint accepted the events. The consumer's order would judge the
+            // endpoint's FIFO queue (moto): when a receive's answer is lost (a reset connection,
+            // retried by the SDK) and its messages come back after the visibility timeout, moto
+            // unblocks their group only once it has passed the first of them, and hands the second
+            // out before it. Each group's order at the consumer, on an endpoint without faults, is
+            // the publisher suite's (`fifo_groups_order_and_deduplication`).
+            v.order_violations = check(committed, &sends).order_violations;
         }
         v.consumer_errors = self.consumer_errors();
         v
