@@ -160,9 +160,19 @@ fn kind(root: &Value, field: &Value) -> Option<String> {
         return Some("duration".into());
     }
     if let Some(variants) = schema.get("oneOf").and_then(Value::as_array) {
+        // A documented variant is a `const`; undocumented ones come together in an `enum`.
         let names: Vec<String> = variants
             .iter()
-            .filter_map(|v| v.get("const").and_then(Value::as_str))
+            .flat_map(|v| {
+                let one = v.get("const").and_then(Value::as_str).into_iter();
+                let many = v
+                    .get("enum")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str);
+                one.chain(many)
+            })
             .map(|v| format!("`{v}`"))
             .collect();
         return Some(format!("one of {}", names.join(", ")));
@@ -191,7 +201,10 @@ fn kind(root: &Value, field: &Value) -> Option<String> {
         } else if of("string") {
             "string"
         } else if of("array") {
-            "list of strings"
+            return Some(match schema["items"].get("type").and_then(Value::as_str) {
+                Some("string") | None => "list of strings".into(),
+                Some(other) => format!("list of {other}s"),
+            });
         } else if of("object") && schema.get("properties").is_none() {
             "table"
         } else if of("object") {
@@ -228,6 +241,8 @@ fn one_line(doc: &str) -> String {
 pub fn keys() -> Vec<Key> {
     let root = schema();
     let defaults = toml::Value::try_from(Config::default()).unwrap_or(toml::Value::Boolean(false));
+    // The keys as Config::default() writes them; without them (a value this reader cannot take)
+    // the keys come by name, and the order test says so.
     let written: Written = serde_json::to_string(&Config::default())
         .ok()
         .and_then(|text| serde_json::from_str(&text).ok())
@@ -376,6 +391,20 @@ mod tests {
             Some("keep_processed_for"),
             "unset keys after the others, by name"
         );
+    }
+
+    #[test]
+    fn kinds_read_every_variant_and_the_items_type() {
+        let root = serde_json::json!({});
+        let mixed = serde_json::json!({"oneOf": [
+            {"const": "a", "description": "documented"},
+            {"type": "string", "enum": ["b", "c"]}
+        ]});
+        assert_eq!(kind(&root, &mixed).as_deref(), Some("one of `a`, `b`, `c`"));
+        let numbers = serde_json::json!({"type": "array", "items": {"type": "integer"}});
+        assert_eq!(kind(&root, &numbers).as_deref(), Some("list of integers"));
+        let section = serde_json::json!({"type": "object", "properties": {"x": {}}});
+        assert_eq!(kind(&root, &section), None, "a section of its own");
     }
 
     #[test]

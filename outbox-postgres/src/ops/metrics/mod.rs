@@ -339,6 +339,7 @@ impl Metrics {
     /// (plus `other`).
     pub fn new(max_event_type_labels: usize) -> Self {
         let mut registry = Registry::default();
+        let wal = WalGauges::register(&mut registry);
         let build_info = registered(
             &mut registry,
             "outbox_build_info",
@@ -363,7 +364,6 @@ impl Metrics {
                 })
                 .inc_by(0);
         }
-        let wal = WalGauges::register(&mut registry);
         let metrics = Metrics {
             registry: std::sync::Mutex::new(registry),
             build_info,
