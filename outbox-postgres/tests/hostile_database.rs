@@ -214,7 +214,7 @@ async fn write(
     rounds: usize,
 ) -> Vec<Written> {
     let writer = Writer::new(table.clone());
-    let messages = MessageWriter::new(prefix);
+    let messages = MessageWriter::new(prefix, table);
     let mut written = Vec::new();
     for round in 0..rounds {
         let mut tx = pg.begin().await.unwrap();

@@ -146,7 +146,7 @@ async fn committed_rows_and_messages_come_out_in_commit_order_until_confirmed() 
     let (table, slot, prefix, _guard) = table_with_slot(&pool).await;
     let reader = WalReader::new(slot.clone());
     let writer = Writer::new(table.clone());
-    let messages = MessageWriter::new(prefix.clone());
+    let messages = MessageWriter::new(prefix.clone(), &table);
     // What this outbox holds (transactions of other tests' messages come with no items).
     let ours = |peek: txoutbox_postgres::wal::WalPeek| -> Vec<_> {
         assert!(!peek.cut, "a read of everything");

@@ -162,7 +162,7 @@ async fn write_as(
     let table = roles.table.clone();
     tokio::spawn(async move {
         let writer = Writer::new(table.clone());
-        let message_writer = MessageWriter::new(table.schema());
+        let message_writer = MessageWriter::new(table.schema(), &table);
         let mut committed = Vec::new();
         let mut round = 0;
         while !stop.load(Ordering::SeqCst) || round < 20 {

@@ -264,7 +264,7 @@ async fn table_less_events_in_commit_order_and_undecodable_messages_dead_lettere
         publisher,
         shutdown,
     } = fixture().await;
-    let messages = MessageWriter::new(table.schema());
+    let messages = MessageWriter::new(table.schema(), &table);
     let writer = txoutbox_postgres::Writer::new(table.clone());
     let mut committed = Vec::new();
     for n in 0..20 {
@@ -493,7 +493,7 @@ async fn an_event_written_twice_is_published_twice_and_wedges_nothing() {
         publisher,
         shutdown,
     } = fixture().await;
-    let messages = MessageWriter::new(table.schema());
+    let messages = MessageWriter::new(table.schema(), &table);
     // A writer that retried a commit whose answer it never saw writes the same event again; both
     // copies may land in one batch.
     let twice = sample_event("dup", 0);

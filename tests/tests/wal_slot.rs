@@ -33,10 +33,20 @@ async fn write_rows(pool: &sqlx::PgPool, table: &OutboxTable, round: usize) -> V
 
 /// A table-less event, committed: its aggregate and id.
 async fn write_message(pool: &sqlx::PgPool, table: &OutboxTable, n: usize) -> (String, Uuid) {
+    write_message_of(pool, table, "message", n).await
+}
+
+/// A table-less event of `aggregate`, committed: its aggregate and id.
+async fn write_message_of(
+    pool: &sqlx::PgPool,
+    table: &OutboxTable,
+    aggregate: &str,
+    n: usize,
+) -> (String, Uuid) {
     let mut tx = pool.begin().await.unwrap();
-    let e = sample_event("message", n);
+    let e = sample_event(aggregate, n);
     let aggregate = e.aggregate_id.clone();
-    let id = MessageWriter::new(table.schema())
+    let id = MessageWriter::new(table.schema(), table)
         .emit(&mut tx, e)
         .await
         .unwrap();
@@ -347,6 +357,53 @@ async fn table_out_of_the_publication_fails_readiness_and_loses_no_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_dropped_and_made_again_fails_readiness_and_loses_no_row() {
     operator_makes_it_again(Fault::TableRecreated).await;
+}
+
+/// Aggregates written both ways while the table is out of the publication (the slot can still be
+/// read): the table-less events are published during the fallback too, each before the rows of its
+/// aggregate written after it, and none again once the relay streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_write_forms_keep_their_order_while_the_table_is_out_of_the_publication() {
+    let Running {
+        pool,
+        table,
+        wal,
+        publisher,
+        shutdown,
+        store,
+        task,
+    } = Running::start(false).await;
+    let mut committed = write_rows(&pool, &table, 0).await;
+    delivered(&publisher, &committed).await;
+    wal.unpublish(&pool, &table).await;
+    wait_until(Duration::from_secs(30), "the reader falls back", || async {
+        store.progress().fallback.reason.is_some()
+    })
+    .await;
+    // Each round: a table-less event of agg-0 and agg-3, then a row of every aggregate.
+    for n in 1..6 {
+        committed.push(write_message_of(&pool, &table, "agg-0", n).await);
+        committed.push(write_message_of(&pool, &table, "agg-3", n).await);
+        committed.extend(write_rows(&pool, &table, n).await);
+    }
+    // Published from the table and the slot while the table is still out of the publication.
+    delivered(&publisher, &committed).await;
+    assert!(store.progress().fallback.reason.is_some());
+    wal.slot.setup(&pool).await.unwrap();
+    wait_until(Duration::from_secs(60), "streaming again", || async {
+        store.progress().fallback.reason.is_none() && store.check().await.is_ok()
+    })
+    .await;
+    for n in 6..8 {
+        committed.push(write_message_of(&pool, &table, "agg-0", n).await);
+        committed.extend(write_rows(&pool, &table, n).await);
+    }
+    delivered(&publisher, &committed).await;
+    shutdown.cancel();
+    task.await.unwrap();
+    // In order per aggregate across both forms, each once (the stream skips what the fallback
+    // took from the slot).
+    assert_clean_verdict(&verdict(&publisher, &committed));
 }
 
 /// The table removed from the publication and added again at once (between two looks of the

@@ -141,7 +141,7 @@ async fn writer_run(
     });
     let writer = Writer::new(table.clone());
     // A prefix of the benchmark's own: no outbox's reader takes these messages.
-    let messages = txoutbox_postgres::wal::MessageWriter::new(prefix);
+    let messages = txoutbox_postgres::wal::MessageWriter::new(prefix, table);
     let started = Instant::now();
     let deadline = started + o.writer_duration;
     let mut tasks = Vec::new();

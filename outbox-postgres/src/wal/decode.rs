@@ -9,7 +9,8 @@
 //!   content is a JSON object:
 //!
 //!   ```json
-//!   {"id": "0192...",                 // optional: by default derived from the message's position
+//!   {"seq": 4211,                     // optional: its place among its aggregate's rows (MessageWriter::emit)
+//!    "id": "0192...",                 // optional: by default derived from the message's position
 //!    "aggregate_type": "order", "aggregate_id": "42", "event_type": "order.created",
 //!    "payload": {"total": 99},        // any JSON; or "payload_base64": "..." for bytes
 //!    "content_type": "application/json",       // optional (JSON payloads default to it)
@@ -326,6 +327,19 @@ pub(crate) struct Decoder {
     /// A transaction is handed over in parts of at most this many items or payload bytes.
     part_events: usize,
     part_bytes: usize,
+    /// With [`Decoder::recording`]: the `seq` of each table-less event read that has one, and the
+    /// positions of the messages that could not be events (a fallback's window needs both).
+    recorded: Option<Recorded>,
+}
+
+/// What a [`Decoder`] records of the table-less events it reads, for a fallback's window.
+#[derive(Debug, Default)]
+pub(crate) struct Recorded {
+    /// The `seq` of each table-less event that carries one, by event id.
+    pub(crate) seqs: HashMap<Uuid, i64>,
+    /// The positions of messages that could not be events (their dead letters' ids derive from
+    /// them), as opposed to rows that could not.
+    pub(crate) undecodable_messages: std::collections::HashSet<u64>,
 }
 
 impl Decoder {
@@ -344,7 +358,24 @@ impl Decoder {
             open_commit_lsn: 0,
             part_events: usize::MAX,
             part_bytes: usize::MAX,
+            recorded: None,
         }
+    }
+
+    /// Records what a fallback's window needs of the table-less events read (see [`Recorded`]).
+    pub(crate) fn recording(mut self) -> Decoder {
+        self.recorded = Some(Recorded::default());
+        self
+    }
+
+    /// What was recorded (empty without [`Decoder::recording`]).
+    pub(crate) fn take_recorded(&mut self) -> Recorded {
+        self.recorded.take().unwrap_or_default()
+    }
+
+    /// The position of the commit record of the transaction read last (from its Begin message).
+    pub(crate) fn commit_lsn(&self) -> u64 {
+        self.open_commit_lsn
     }
 
     /// Hands a transaction over in parts ([`Piece::Part`], then [`Piece::Last`]) once it has
@@ -479,12 +510,27 @@ impl Decoder {
         let origin = self.origin;
         match self.open.as_mut() {
             Some((commit_time, items)) if flags & 1 == 1 => {
-                let item = message_event(lsn, content, *commit_time, origin);
+                let (item, seq) = message_event(lsn, content, *commit_time, origin);
+                if let Some(r) = self.recorded.as_mut() {
+                    match (&item, seq) {
+                        (WalItem::Event(e), Some(seq)) => {
+                            r.seqs.insert(e.id, seq);
+                        }
+                        (WalItem::Undecodable { .. }, _) => {
+                            r.undecodable_messages.insert(lsn);
+                        }
+                        (WalItem::Event(_), None) => {}
+                    }
+                }
                 self.open_bytes += item_bytes(&item);
                 items.push(item);
                 None
             }
-            _ => Some(WalTransaction {
+            _ => {
+                if let Some(r) = self.recorded.as_mut() {
+                    r.undecodable_messages.insert(lsn);
+                }
+                Some(WalTransaction {
                 end_lsn: lsn,
                 commit_time: Utc::now(),
                 row_ids: Vec::new(),
@@ -497,7 +543,8 @@ impl Decoder {
                     ),
                     raw: String::from_utf8_lossy(content).into_owned(),
                 }],
-            }),
+            })
+            }
         }
     }
 
@@ -615,13 +662,21 @@ pub(crate) struct Origin {
 /// A table-less message's fields; the payload kept as written (its exact JSON text).
 type MessageFields<'a> = TablelessMessage<&'a serde_json::value::RawValue>;
 
-/// The event a table-less message carries (see the module's documentation for the encoding).
-fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: Origin) -> WalItem {
+/// The event a table-less message carries (see the module's documentation for the encoding), and
+/// its `seq` when it has one.
+fn message_event(
+    lsn: u64,
+    content: &[u8],
+    commit_time: DateTime<Utc>,
+    origin: Origin,
+) -> (WalItem, Option<i64>) {
     let raw = || String::from_utf8_lossy(content).into_owned();
+    let mut seq = None;
     let event = (|| -> Result<Event, String> {
         let fields: MessageFields<'_> = serde_json::from_slice(content).map_err(|e| {
             format!("the message is not a JSON object of the event's fields ({e}); expected aggregate_type, aggregate_id, event_type and payload")
         })?;
+        seq = fields.seq;
         let required = |v: Option<String>, k: &str| -> Result<String, String> {
             v.filter(|s| !s.is_empty())
                 .ok_or_else(|| format!("the message has no {k} (a non-empty string)"))
@@ -663,7 +718,7 @@ fn message_event(lsn: u64, content: &[u8], commit_time: DateTime<Utc>, origin: O
         };
         Ok(event)
     })();
-    WalItem::new(lsn, event, raw)
+    (WalItem::new(lsn, event, raw), seq)
 }
 
 /// Whether PostgreSQL can store `e` in the held table: its text fields with no NUL character, and
@@ -776,7 +831,7 @@ mod tests {
         assert!(storable_json(br#"{"a":"\ud83dx"}"#).is_err());
         assert!(storable_json(br#"{"a":"\ude00"}"#).is_err());
         let here = Origin::default();
-        let message = |json: &str| message_event(1, json.as_bytes(), Utc::now(), here);
+        let message = |json: &str| message_event(1, json.as_bytes(), Utc::now(), here).0;
         let refused = |json: &str| match message(json) {
             WalItem::Undecodable { error, .. } => error,
             WalItem::Event(e) => panic!("decoded {e:?} from {json}"),
@@ -859,7 +914,7 @@ mod tests {
     #[test]
     fn a_message_payload_keeps_its_exact_text() {
         let content = br#"{"aggregate_type":"o","aggregate_id":"1","event_type":"e","payload":{"z": 12345678901234567890123.10, "a": [1, 2]}}"#;
-        match message_event(1, content, Utc::now(), Origin::default()) {
+        match message_event(1, content, Utc::now(), Origin::default()).0 {
             WalItem::Event(e) => {
                 assert_eq!(
                     e.payload,
@@ -871,16 +926,30 @@ mod tests {
     }
 
     #[test]
+    fn a_message_carries_its_seq_when_written_with_one() {
+        let with =
+            br#"{"seq":41,"aggregate_type":"o","aggregate_id":"1","event_type":"e","payload":{}}"#;
+        let without = br#"{"aggregate_type":"o","aggregate_id":"1","event_type":"e","payload":{}}"#;
+        let (item, seq) = message_event(1, with, Utc::now(), Origin::default());
+        assert!(matches!(item, WalItem::Event(_)));
+        assert_eq!(seq, Some(41));
+        assert_eq!(
+            message_event(1, without, Utc::now(), Origin::default()).1,
+            None
+        );
+    }
+
+    #[test]
     fn messages_name_what_is_missing() {
         let now = Utc::now();
-        let bad = |content: &str| match message_event(1, content.as_bytes(), now, Origin::default())
-        {
-            WalItem::Undecodable { error, raw, .. } => {
-                assert_eq!(raw, content);
-                error
-            }
-            WalItem::Event(e) => panic!("decoded {e:?}"),
-        };
+        let bad =
+            |content: &str| match message_event(1, content.as_bytes(), now, Origin::default()).0 {
+                WalItem::Undecodable { error, raw, .. } => {
+                    assert_eq!(raw, content);
+                    error
+                }
+                WalItem::Event(e) => panic!("decoded {e:?}"),
+            };
         assert!(bad("not json").contains("not a JSON object"));
         assert!(bad(r#"{"aggregate_type":"o","aggregate_id":"1","event_type":"e","payload":{},"payload_base64":"AA=="}"#)
             .contains("both payload and payload_base64"));
@@ -904,7 +973,9 @@ mod tests {
             MessageWriter::encode(&e).as_bytes(),
             now,
             Origin::default(),
-        ) {
+        )
+        .0
+        {
             WalItem::Event(got) => {
                 assert_eq!(got.id, e.id);
                 assert_eq!(got.payload, br#"{"total":9}"#);

@@ -21,10 +21,13 @@ use txoutbox_core::Error;
 
 use super::check::{check_slot, Identity, SlotProblem};
 use super::confirm::{delete_published, refusal};
-use super::held::held_changed;
-use super::mark::Mark;
+use super::decode::Origin;
+use super::held::{held_changed, STATE_COLUMNS};
+use super::mark::FallbackMark;
 use super::progress::FallbackReason;
+use super::replay::Taken;
 use super::shared::Inner;
+use super::tableless::round;
 use crate::error::map_sqlx;
 use crate::row::INSERT_COLUMNS;
 use crate::table::OutboxTable;
@@ -54,8 +57,9 @@ pub(super) async fn fall_back(
     conn: &mut PgConnection,
     problem: Option<SlotProblem>,
     mark: Option<FallbackMark>,
+    origin: Origin,
     stop: &CancellationToken,
-) -> Result<Option<Identity>, Error> {
+) -> Result<Option<(Identity, Taken)>, Error> {
     if problem.is_none() && !inner.settings.delete_published {
         // The table keeps published rows: rows before the slot cannot be told from the others.
         FallbackMark::clear(conn, inner.held.table()).await?;
@@ -63,7 +67,10 @@ pub(super) async fn fall_back(
             table = %inner.source.qualified(),
             "rows written before the slot was made are not moved to the held table: with wal.delete_published = false the table keeps published rows too; publish those you need yourself"
         );
-        return Ok(Some(check_slot(inner, conn).await?.identity));
+        return Ok(Some((
+            check_slot(inner, conn).await?.identity,
+            Taken::default(),
+        )));
     }
     announce(inner, problem);
     // With wal.delete_published = false the table keeps published rows: the reader cannot tell
@@ -75,15 +82,23 @@ pub(super) async fn fall_back(
     let mut fence = if problem.is_some() {
         None
     } else {
-        mark.and_then(|m| m.fence)
+        mark.as_ref().and_then(|m| m.fence)
     };
-    if from_table && (mark.is_none() || (problem.is_some() && mark.and_then(|m| m.fence).is_some()))
-    {
+    // What an earlier reading took of the slot's table-less events (its slot still there).
+    let mut taken = match (&mark, problem) {
+        (Some(m), None | Some(SlotProblem::TableNotPublished)) => m.taken.clone(),
+        _ => Taken::default(),
+    };
+    let mark_fence = mark.as_ref().and_then(|m| m.fence);
+    if from_table && (mark.is_none() || (problem.is_some() && mark_fence.is_some())) {
         // A fence is valid only for the slot it was read after: one for a slot that is gone now
         // must not survive a relay that dies while making the next.
-        FallbackMark { fence: None }
-            .save(conn, inner.held.table(), inner.reader.slot().slot())
-            .await?;
+        FallbackMark {
+            fence: None,
+            taken: taken.clone(),
+        }
+        .save(conn, inner.held.table(), inner.reader.slot().slot())
+        .await?;
     }
     let mut repair = Repair::new(inner, problem);
     let mut identity = None;
@@ -93,16 +108,22 @@ pub(super) async fn fall_back(
                 fence = Some(f);
                 identity = Some(i);
                 if from_table {
-                    FallbackMark { fence }
-                        .save(conn, inner.held.table(), inner.reader.slot().slot())
-                        .await?;
+                    FallbackMark {
+                        fence,
+                        taken: taken.clone(),
+                    }
+                    .save(conn, inner.held.table(), inner.reader.slot().slot())
+                    .await?;
                 }
             }
         }
-        let moved = if from_table {
-            move_rows(inner, conn, fence).await?
-        } else {
+        let moved = if !from_table {
             0
+        } else if repair.readable || fence.is_some() {
+            // The slot can be read: its table-less events go to the held table among the rows.
+            round(inner, conn, origin, fence, MOVE_CHUNK, &mut taken).await?
+        } else {
+            move_rows(inner, conn, fence).await?
         };
         if moved > 0 {
             held_changed(inner);
@@ -112,7 +133,7 @@ pub(super) async fn fall_back(
             continue;
         }
         if fence.is_some() {
-            return leave(inner, conn, identity).await.map(Some);
+            return leave(inner, conn, identity).await.map(|i| Some((i, taken)));
         }
         tokio::select! {
             _ = inner.reader_wake.notified() => {}
@@ -210,6 +231,9 @@ struct Repair {
     next: Instant,
     last_failure: Option<String>,
     running: Option<Running>,
+    /// Whether the slot can be read (peeked) now, as the last look found it: there, not lost, its
+    /// publication there (with or without the table).
+    readable: bool,
 }
 
 impl Repair {
@@ -223,6 +247,7 @@ impl Repair {
             next: Instant::now(),
             last_failure: None,
             running: None,
+            readable: matches!(problem, None | Some(SlotProblem::TableNotPublished)),
         }
     }
 
@@ -239,10 +264,12 @@ impl Repair {
         match restore(inner, conn, self.slot_lost, &mut self.running).await {
             Ok(Restored::NotYet(p)) => {
                 self.slot_lost |= p.loses_messages();
+                self.readable = p == SlotProblem::TableNotPublished;
                 self.next = Instant::now() + FALLBACK_POLL;
                 Ok(None)
             }
             Ok(Restored::Waiting) => {
+                self.readable = true;
                 self.next = Instant::now() + FALLBACK_POLL;
                 Ok(None)
             }
@@ -257,6 +284,8 @@ impl Repair {
                 Ok(Some((fence, identity)))
             }
             Err(e) => {
+                // What the slot is now is not known: the rows alone until a look tells.
+                self.readable = false;
                 let message = e.to_string();
                 if self.last_failure.as_deref() != Some(message.as_str()) {
                     error!(error = %e, slot = inner.reader.slot().slot(), retry_s = REPAIR_RETRY.as_secs(), "the relay cannot make the slot again; it keeps publishing from the outbox table and tries again every retry_s");
@@ -468,9 +497,6 @@ fn report_gap(inner: &Inner, from: Option<u64>, to: u64) {
     }
 }
 
-/// The columns of a row's delivery state, kept when it moves to the held table.
-const STATE_COLUMNS: &str = "created_at, attempts, retry_after, last_error, dead_lettered_at";
-
 /// Moves up to [`MOVE_CHUNK`] unpublished rows of the outbox table (with `seq` up to `fence`, when
 /// set) to the held table, in `seq` order, and deletes them from the outbox table, in one
 /// statement. Rows whose id is in the held table already are not moved twice. Returns how many
@@ -555,50 +581,10 @@ async fn run_move(
     Ok(ids)
 }
 
-/// A fallback to the outbox table that has not finished, kept in the held table (one row, already
-/// processed, never claimed; `outbox cleanup` leaves it): `fence` is `None` while no slot can be
-/// streamed, then the largest `seq` that may have committed before the slot's consistent point.
-/// A reader that finds it moves the rows up to the fence before it streams, whichever relay wrote
-/// it; `outbox wal setup` writes one when it makes the slot ([`mark_new_slot`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct FallbackMark {
-    pub(super) fence: Option<i64>,
-}
-
-impl FallbackMark {
-    /// The held table's mark, if any.
-    pub(super) async fn load(
-        conn: &mut PgConnection,
-        held: &OutboxTable,
-    ) -> Result<Option<FallbackMark>, Error> {
-        Ok(Mark::Fallback
-            .load(conn, held)
-            .await?
-            .map(|p| FallbackMark {
-                fence: p.get("fence").and_then(serde_json::Value::as_i64),
-            }))
-    }
-
-    async fn save(
-        &self,
-        conn: &mut PgConnection,
-        held: &OutboxTable,
-        slot: &str,
-    ) -> Result<(), Error> {
-        Mark::Fallback
-            .save(conn, held, slot, serde_json::json!({ "fence": self.fence }))
-            .await
-    }
-
-    async fn clear(conn: &mut PgConnection, held: &OutboxTable) -> Result<(), Error> {
-        Mark::Fallback.clear(conn, held).await
-    }
-}
-
 /// Records a fallback to finish before the next stream (the publication changed under the running
 /// one): the reader then moves the rows up to a new fence first.
 pub(super) async fn mark_unfinished(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error> {
-    FallbackMark { fence: None }
+    FallbackMark::default()
         .save(conn, inner.held.table(), inner.reader.slot().slot())
         .await
 }
@@ -629,7 +615,10 @@ pub async fn mark_new_slot(
         // An empty table: nothing to move.
         return Ok(());
     }
-    FallbackMark { fence: Some(fence) }
-        .save(&mut conn, held, slot)
-        .await
+    FallbackMark {
+        fence: Some(fence),
+        ..FallbackMark::default()
+    }
+    .save(&mut conn, held, slot)
+    .await
 }

@@ -24,7 +24,7 @@ use crate::row::{Columns, INSERT_ARRAYS, INSERT_COLUMNS, INSERT_UNNESTED};
 pub const UNDECODABLE_AGGREGATE_TYPE: &str = "(undecodable)";
 
 /// One row for the held table.
-struct HeldRow {
+pub(super) struct HeldRow {
     event: Event,
     attempts: i32,
     retry_in: Option<f64>,
@@ -33,7 +33,7 @@ struct HeldRow {
 }
 
 impl HeldRow {
-    fn waiting(event: Event) -> Self {
+    pub(super) fn waiting(event: Event) -> Self {
         HeldRow {
             event,
             attempts: 0,
@@ -45,7 +45,13 @@ impl HeldRow {
 
     /// The dead letter of a change that is not an event (a NUL in what is wrong, which quotes the
     /// change, is written as `\0`: PostgreSQL's text cannot hold it).
-    fn undecodable(id: Uuid, lsn: u64, error: String, raw: String, at: DateTime<Utc>) -> Self {
+    pub(super) fn undecodable(
+        id: Uuid,
+        lsn: u64,
+        error: String,
+        raw: String,
+        at: DateTime<Utc>,
+    ) -> Self {
         let error = error.replace('\0', "\\0");
         warn!(lsn = format!("{lsn:X}"), error = %error, "a change of the slot is not an event: dead-lettered");
         HeldRow {
@@ -116,44 +122,85 @@ async fn insert_rows(
     if rows.is_empty() {
         return Ok(());
     }
-    let n = rows.len();
-    let mut columns = Columns::with_capacity(n);
-    let mut created = Vec::with_capacity(n);
-    let mut attempts = Vec::with_capacity(n);
-    let mut retry_in: Vec<Option<f64>> = Vec::with_capacity(n);
-    let mut errors: Vec<Option<String>> = Vec::with_capacity(n);
-    let mut dead = Vec::with_capacity(n);
-    for r in rows {
-        columns.push_event(&r.event);
-        created.push(r.event.created_at);
-        attempts.push(r.attempts);
-        retry_in.push(r.retry_in);
-        errors.push(r.error.clone());
-        dead.push(r.dead);
-    }
     let sql = format!(
-        "INSERT INTO {} ({INSERT_COLUMNS}, created_at, attempts, retry_after, last_error, dead_lettered_at)
-         SELECT {INSERT_UNNESTED}, u.c, u.n,
-                CASE WHEN u.r IS NULL THEN NULL ELSE now() + u.r * interval '1 second' END,
-                u.err, CASE WHEN u.dead THEN now() END
-         FROM UNNEST({INSERT_ARRAYS},
-                     $10::timestamptz[], $11::int4[], $12::float8[], $13::text[], $14::bool[])
-              WITH ORDINALITY AS u({INSERT_COLUMNS}, c, n, r, err, dead, ord)
+        "INSERT INTO {} ({INSERT_COLUMNS}, {STATE_COLUMNS})
+         SELECT {INSERT_UNNESTED}, {HELD_STATE} FROM {}
          ORDER BY u.ord
          ON CONFLICT (id) DO NOTHING",
-        inner.held.table().qualified()
+        inner.held.table().qualified(),
+        held_unnest()
     );
-    columns
+    let arrays = HeldArrays::of(rows.iter());
+    arrays
         .bind(sqlx::query(&sql))
-        .bind(&created)
-        .bind(&attempts)
-        .bind(&retry_in)
-        .bind(&errors)
-        .bind(&dead)
         .execute(&mut *conn)
         .await
         .map_err(|e| map_sqlx("wal move to the held table", e))?;
     Ok(())
+}
+
+/// The columns of a row's delivery state, kept when it moves to the held table.
+pub(super) const STATE_COLUMNS: &str =
+    "created_at, attempts, retry_after, last_error, dead_lettered_at";
+
+/// The rows [`HeldArrays::bind`] binds (as `$1` to `$14`), unnested as `u`, in order (`u.ord`).
+pub(super) fn held_unnest() -> String {
+    format!(
+        "UNNEST({INSERT_ARRAYS}, $10::timestamptz[], $11::int4[], $12::float8[], $13::text[], $14::bool[])
+         WITH ORDINALITY AS u({INSERT_COLUMNS}, c, n, r, err, dead, ord)"
+    )
+}
+
+/// The values of [`STATE_COLUMNS`] from [`held_unnest`].
+pub(super) const HELD_STATE: &str = "u.c, u.n,
+    CASE WHEN u.r IS NULL THEN NULL ELSE now() + u.r * interval '1 second' END,
+    u.err, CASE WHEN u.dead THEN now() END";
+
+/// Held rows as the arrays of an INSERT (see [`held_unnest`]).
+pub(super) struct HeldArrays {
+    columns: Columns,
+    created: Vec<DateTime<Utc>>,
+    attempts: Vec<i32>,
+    retry_in: Vec<Option<f64>>,
+    errors: Vec<Option<String>>,
+    dead: Vec<bool>,
+}
+
+impl HeldArrays {
+    pub(super) fn of<'a>(rows: impl ExactSizeIterator<Item = &'a HeldRow>) -> Self {
+        let n = rows.len();
+        let mut a = HeldArrays {
+            columns: Columns::with_capacity(n),
+            created: Vec::with_capacity(n),
+            attempts: Vec::with_capacity(n),
+            retry_in: Vec::with_capacity(n),
+            errors: Vec::with_capacity(n),
+            dead: Vec::with_capacity(n),
+        };
+        for r in rows {
+            a.columns.push_event(&r.event);
+            a.created.push(r.event.created_at);
+            a.attempts.push(r.attempts);
+            a.retry_in.push(r.retry_in);
+            a.errors.push(r.error.clone());
+            a.dead.push(r.dead);
+        }
+        a
+    }
+
+    /// Binds the arrays as `$1` to `$14`; further parameters follow.
+    pub(super) fn bind<'q>(
+        &'q self,
+        q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        self.columns
+            .bind(q)
+            .bind(&self.created)
+            .bind(&self.attempts)
+            .bind(&self.retry_in)
+            .bind(&self.errors)
+            .bind(&self.dead)
+    }
 }
 
 /// Moves each failed event, with the later events of its aggregate in hand, to the held table.
@@ -332,11 +379,13 @@ pub(super) async fn spill(
         _ => (0, SpillMark::load(inner, conn, commit_lsn).await?),
     };
     // Rows a reading before this one dealt with (published, or moved by a fallback): not again.
-    let dealt_with = if guard.covers(commit_lsn) {
+    let mut dealt_with = if guard.covers(commit_lsn) {
         guard.dealt_with(inner, conn, &part.row_ids).await?
     } else {
         HashSet::new()
     };
+    // Table-less events the fallback before this reading took.
+    dealt_with.extend(guard.taken_in(part));
     // Every event of the buffer not yet settled goes first, marked moving (claims skip them).
     let Some((mut rows, moving)) = unsettled_marked_moving(inner) else {
         return Ok(false);
@@ -454,6 +503,7 @@ pub(super) async fn take_in(
         .flat_map(|t| t.row_ids.iter().copied())
         .collect();
     let mut skip = guard.dealt_with(inner, conn, &replayed).await?;
+    skip.extend(new.iter().flat_map(|t| guard.taken_in(t)));
     let in_held = if check_held {
         InHeld::of(inner, conn, &new).await?
     } else {

@@ -1,7 +1,7 @@
 //! The held table's marks: work a reader has not finished, kept across a crash in a row of the held
 //! table (already processed, so never claimed; `outbox cleanup` leaves it), one per kind, written
 //! and read the same way whatever the kind. A fallback not finished ([`Mark::Fallback`],
-//! `fallback::FallbackMark`) and a large transaction handed over in parts ([`Mark::Spill`],
+//! [`FallbackMark`]) and a large transaction handed over in parts ([`Mark::Spill`],
 //! `held::SpillMark`) each keep a small JSON object there.
 
 use sqlx::PgConnection;
@@ -9,6 +9,7 @@ use uuid::Uuid;
 
 use txoutbox_core::Error;
 
+use super::replay::Taken;
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;
 
@@ -110,6 +111,57 @@ impl Mark {
             .await
             .map_err(|e| map_sqlx("wal held table mark", e))?;
         Ok(())
+    }
+}
+
+/// A fallback to the outbox table that has not finished, kept in the held table (one row, already
+/// processed, never claimed; `outbox cleanup` leaves it): `fence` is `None` while no slot can be
+/// streamed, then the largest `seq` that may have committed before the slot's consistent point.
+/// A reader that finds it moves the rows up to the fence before it streams, whichever relay wrote
+/// it; `outbox wal setup` writes one when it makes the slot ([`mark_new_slot`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct FallbackMark {
+    pub(super) fence: Option<i64>,
+    /// The slot's transactions whose table-less events are in the held table already, beyond its
+    /// confirmed position (see `wal::tableless`).
+    pub(super) taken: Taken,
+}
+
+impl FallbackMark {
+    /// The held table's mark, if any.
+    pub(super) async fn load(
+        conn: &mut PgConnection,
+        held: &OutboxTable,
+    ) -> Result<Option<FallbackMark>, Error> {
+        Ok(Mark::Fallback
+            .load(conn, held)
+            .await?
+            .map(|p| FallbackMark {
+                fence: p.get("fence").and_then(serde_json::Value::as_i64),
+                taken: p
+                    .get("taken")
+                    .and_then(|t| serde_json::from_value(t.clone()).ok())
+                    .unwrap_or_default(),
+            }))
+    }
+
+    /// Writes the mark; in the caller's transaction when `conn` is one.
+    pub(super) async fn save(
+        &self,
+        conn: &mut PgConnection,
+        held: &OutboxTable,
+        slot: &str,
+    ) -> Result<(), Error> {
+        let content = if self.taken.is_empty() {
+            serde_json::json!({ "fence": self.fence })
+        } else {
+            serde_json::json!({ "fence": self.fence, "taken": self.taken })
+        };
+        Mark::Fallback.save(conn, held, slot, content).await
+    }
+
+    pub(super) async fn clear(conn: &mut PgConnection, held: &OutboxTable) -> Result<(), Error> {
+        Mark::Fallback.clear(conn, held).await
     }
 }
 

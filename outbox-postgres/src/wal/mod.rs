@@ -78,6 +78,7 @@ mod slot;
 mod status;
 mod store;
 mod stream;
+mod tableless;
 
 pub use crate::writer::message::{MessageWriter, DEFAULT_MESSAGE_PREFIX};
 pub use config::{WalConfig, DEFAULT_RETAINED_WAL_WARNING};

@@ -18,9 +18,11 @@ use super::buffer::EntryState;
 use super::check::{check_slot, warn_unreadable, Identity};
 use super::confirm::{check_reader_privileges, confirm_settled, delete_published};
 use super::decode::{Origin, Piece, WalItem, WalTransaction};
-use super::fallback::{fall_back, mark_unfinished, FallbackMark};
+use super::fallback::{fall_back, mark_unfinished};
 use super::held::{move_failed, spill, take_in, Spilling};
+use super::mark::FallbackMark;
 use super::replay::ReplayGuard;
+use super::replay::Taken;
 use super::shared::Inner;
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
@@ -383,17 +385,20 @@ async fn read_slot(
     let check = check_slot(inner, conn).await?;
     let mark = FallbackMark::load(conn, inner.held.table()).await?;
     let fell_back = check.problem.is_some() || mark.is_some();
-    let identity = if fell_back {
-        match fall_back(inner, conn, check.problem, mark, stop).await? {
-            Some(identity) => identity,
+    let origin = origin(conn).await?;
+    let (identity, taken) = if fell_back {
+        match fall_back(inner, conn, check.problem, mark, origin, stop).await? {
+            Some(done) => done,
             None => return Ok(()),
         }
     } else {
-        check.identity
+        (check.identity, Taken::default())
     };
-    let origin = origin(conn).await?;
-    // After every move of the fallback: what the stream hands over again is told by its row.
-    let guard = ReplayGuard::at_start(inner, conn, fell_back).await?;
+    // After every move of the fallback: what the stream hands over again is told by its row, or
+    // (a table-less event) by the fallback's record of what it took.
+    let guard = ReplayGuard::at_start(inner, conn, fell_back)
+        .await?
+        .with_taken(taken);
     let mut stream = open_stream(inner, origin).await?;
     // However this ends (a panic, the task dropped), readiness stops counting this stream.
     let _streaming = inner.replication_health.streaming();
