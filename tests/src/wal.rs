@@ -292,6 +292,24 @@ impl WalSource {
         .unwrap();
     }
 
+    /// Whether the slot's publication holds `table`.
+    ///
+    /// # Panics
+    /// When the database is unreachable (this is test support).
+    #[allow(clippy::unwrap_used)]
+    pub async fn published(&self, pg: &sqlx::PgPool, table: &OutboxTable) -> bool {
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables
+                            WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+        )
+        .bind(self.slot.publication())
+        .bind(table.schema())
+        .bind(table.table())
+        .fetch_one(pg)
+        .await
+        .unwrap()
+    }
+
     /// Puts `table` back into the slot's publication (what `outbox wal setup` would do).
     ///
     /// # Panics

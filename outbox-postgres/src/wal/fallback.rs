@@ -25,9 +25,9 @@ use super::decode::Origin;
 use super::held::{held_changed, STATE_COLUMNS};
 use super::mark::FallbackMark;
 use super::progress::FallbackReason;
-use super::replay::Taken;
 use super::shared::Inner;
 use super::tableless::round;
+use super::taken::Taken;
 use crate::error::map_sqlx;
 use crate::row::INSERT_COLUMNS;
 use crate::table::OutboxTable;
@@ -46,7 +46,8 @@ const FALLBACK_POLL: Duration = Duration::from_millis(500);
 /// documentation), or finishes a fallback the [`FallbackMark`] says is unfinished. Returns the
 /// publication's identity as it was when the fence was read once the slot can be streamed and every
 /// row written before its consistent point is in the held table (the stream must find it unchanged);
-/// `None` on `stop`. With `wal.delete_published = false` the table's published rows cannot be told
+/// `None` on `stop`. `left`: what a failed reading dealt with and did not confirm. With
+/// `wal.delete_published = false` the table's published rows cannot be told
 /// from the others: nothing is moved, and the reader only waits for the slot (and says which row
 /// events it could not publish).
 ///
@@ -58,6 +59,7 @@ pub(super) async fn fall_back(
     problem: Option<SlotProblem>,
     mark: Option<FallbackMark>,
     origin: Origin,
+    left: Taken,
     stop: &CancellationToken,
 ) -> Result<Option<(Identity, Taken)>, Error> {
     if problem.is_none() && !inner.settings.delete_published {
@@ -89,6 +91,10 @@ pub(super) async fn fall_back(
         (Some(m), None | Some(SlotProblem::TableNotPublished)) => m.taken.clone(),
         _ => Taken::default(),
     };
+    if matches!(problem, None | Some(SlotProblem::TableNotPublished)) {
+        // The slot a failed reading left (a slot lost since starts again without them).
+        taken.extend(left);
+    }
     let mark_fence = mark.as_ref().and_then(|m| m.fence);
     if from_table && (mark.is_none() || (problem.is_some() && mark_fence.is_some())) {
         // A fence is valid only for the slot it was read after: one for a slot that is gone now

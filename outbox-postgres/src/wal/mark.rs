@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use txoutbox_core::Error;
 
-use super::replay::Taken;
+use super::taken::Taken;
 use crate::error::map_sqlx;
 use crate::table::OutboxTable;
 

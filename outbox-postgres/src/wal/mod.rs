@@ -79,6 +79,7 @@ mod status;
 mod store;
 mod stream;
 mod tableless;
+mod taken;
 
 pub use crate::writer::message::{MessageWriter, DEFAULT_MESSAGE_PREFIX};
 pub use config::{WalConfig, DEFAULT_RETAINED_WAL_WARNING};

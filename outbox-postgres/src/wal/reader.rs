@@ -22,7 +22,6 @@ use super::fallback::{fall_back, mark_unfinished};
 use super::held::{move_failed, spill, take_in, Spilling};
 use super::mark::FallbackMark;
 use super::replay::ReplayGuard;
-use super::replay::Taken;
 use super::shared::Inner;
 use super::stream::{open_stream, Stream, CONFIRM_EVERY};
 use crate::error::map_sqlx;
@@ -188,10 +187,48 @@ async fn settle_before_leaving(inner: &Inner, conn: &mut PgConnection) {
     let settled = async {
         move_failed(inner, conn).await?;
         let ids = dealt_with_rows(inner);
+        note_settled(inner);
+        keep_in_mark(inner, conn).await?;
         delete_published(inner, conn, &ids).await
     };
     if let Err(e) = settled.await {
         debug!(error = %e, "the rows of events published before the reading failed are not deleted: they are read again");
+    }
+}
+
+/// With a fallback mark (the reading ends on a change of the publication), what the reading dealt
+/// with goes into it too: the relay that reads next may be another.
+async fn keep_in_mark(inner: &Inner, conn: &mut PgConnection) -> Result<(), Error> {
+    let Some(mut mark) = FallbackMark::load(conn, inner.held.table()).await? else {
+        return Ok(());
+    };
+    let left = inner
+        .left_taken
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    mark.taken.extend(left);
+    mark.save(conn, inner.held.table(), inner.reader.slot().slot())
+        .await
+}
+
+/// Table-less events have no row to tell that they are dealt with: the next reading is told which
+/// transactions of the buffer were (published, or in the held table).
+fn note_settled(inner: &Inner) {
+    let st = inner.state();
+    let settled: Vec<u64> = st
+        .txns
+        .iter()
+        .filter(|t| t.settled())
+        .map(|t| t.end_lsn)
+        .collect();
+    // Confirmed on the stream: the server may not have taken it before the stream ended.
+    let confirmed = st.confirmed;
+    drop(st);
+    let mut left = inner.left_taken.lock().unwrap_or_else(|p| p.into_inner());
+    left.add_through(confirmed);
+    for end in settled {
+        left.add_whole(end);
     }
 }
 
@@ -386,13 +423,15 @@ async fn read_slot(
     let mark = FallbackMark::load(conn, inner.held.table()).await?;
     let fell_back = check.problem.is_some() || mark.is_some();
     let origin = origin(conn).await?;
+    // What a failed reading before this one dealt with and did not confirm.
+    let left = std::mem::take(&mut *inner.left_taken.lock().unwrap_or_else(|p| p.into_inner()));
     let (identity, taken) = if fell_back {
-        match fall_back(inner, conn, check.problem, mark, origin, stop).await? {
+        match fall_back(inner, conn, check.problem, mark, origin, left, stop).await? {
             Some(done) => done,
             None => return Ok(()),
         }
     } else {
-        (check.identity, Taken::default())
+        (check.identity, left)
     };
     // After every move of the fallback: what the stream hands over again is told by its row, or
     // (a table-less event) by the fallback's record of what it took.
@@ -477,6 +516,9 @@ async fn read_stream(
             t = stream.rx.recv() => match t {
                 Some(t) => {
                     let t = taken(inner, conn, stream, t, identity).await?;
+                    if carries_tableless(&t) {
+                        verify_publication(inner, conn, identity).await?;
+                    }
                     if t.piece != Piece::Whole {
                         part = Some(t);
                     } else if take_in(inner, conn, vec![t], looks.held_may_have_rows, guard).await? {
@@ -612,5 +654,19 @@ async fn take_ready(
         }
         new.push(t);
     }
+    if new.iter().chain(part.iter()).any(carries_tableless) {
+        verify_publication(inner, conn, identity).await?;
+    }
     Ok(new)
+}
+
+/// Whether `t` carries table-less events. Before they are handed over the reader looks whether
+/// the publication still holds the table, unchanged: a row written after the table left it is not
+/// decoded, and a later table-less event of its aggregate would go out before it. The look fails
+/// the reading instead, and the fallback that follows reads both from where they are, in order.
+fn carries_tableless(t: &WalTransaction) -> bool {
+    t.items.iter().any(|item| match item {
+        WalItem::Event(e) => !t.row_ids.contains(&e.id),
+        WalItem::Undecodable { .. } => false,
+    })
 }

@@ -7,17 +7,17 @@
 //! gone (or processed) is not taken in again. Checked after a fallback and after a reading that
 //! ended early: those publish nothing twice without a crash.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
-use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
 use txoutbox_core::Error;
 
-use super::decode::{Piece, WalItem, WalTransaction};
+use super::decode::WalTransaction;
 use super::shared::Inner;
+use super::taken::Taken;
 use crate::error::map_sqlx;
 
 /// The WAL position at which a reading started: transactions that committed before it may have
@@ -102,44 +102,5 @@ impl ReplayGuard {
         .await
         .map_err(|e| map_sqlx("wal read", e))?;
         Ok(gone.into_iter().collect())
-    }
-}
-
-/// The slot's transactions whose table-less events a fallback put in the held table, beyond the
-/// position the slot was advanced to: by the position just past the commit (`end`) and of the
-/// commit record (`commit`, which names a transaction read in parts). Kept in the fallback's mark.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct Taken {
-    pub(super) ends: HashMap<u64, u64>,
-}
-
-impl Taken {
-    /// Whether the table-less events of transaction `t` (as the stream hands it over) were taken.
-    pub(super) fn has(&self, t: &WalTransaction) -> bool {
-        match t.piece {
-            Piece::Whole => self.ends.contains_key(&t.end_lsn),
-            Piece::Part { commit_lsn } | Piece::Last { commit_lsn } => {
-                self.ends.values().any(|c| *c == commit_lsn)
-            }
-        }
-    }
-
-    /// The ids of `t`'s table-less events that were taken (the stream leaves them out).
-    pub(super) fn taken_in(&self, t: &WalTransaction) -> Vec<Uuid> {
-        if self.ends.is_empty() || !self.has(t) {
-            return Vec::new();
-        }
-        let rows: HashSet<&Uuid> = t.row_ids.iter().collect();
-        t.items
-            .iter()
-            .filter_map(|item| match item {
-                WalItem::Event(e) if !rows.contains(&e.id) => Some(e.id),
-                _ => None,
-            })
-            .collect()
-    }
-
-    pub(super) fn is_empty(&self) -> bool {
-        self.ends.is_empty()
     }
 }

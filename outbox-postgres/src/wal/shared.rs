@@ -98,6 +98,9 @@ pub(super) struct Inner {
     /// seen confirmed: later readings check what they read again
     /// ([`super::replay::ReplayGuard`]).
     pub(super) left_unconfirmed: AtomicBool,
+    /// The transactions a failed reading had settled and not confirmed: their table-less events
+    /// (published or in the held table) are not taken again by the next reading.
+    pub(super) left_taken: Mutex<super::taken::Taken>,
 }
 
 impl Inner {

@@ -130,6 +130,7 @@ impl WalStore {
                 fallbacks: Fallbacks::default(),
                 last_claim: Mutex::new(Instant::now()),
                 left_unconfirmed: AtomicBool::new(false),
+                left_taken: Mutex::new(Default::default()),
             }),
         })
     }

@@ -31,8 +31,8 @@ use super::confirm::{delete_published, refusal};
 use super::decode::{Decoder, Origin, WalItem, WalTransaction, PROTO_VERSION};
 use super::held::{held_unnest, HeldArrays, HeldRow, HELD_STATE, STATE_COLUMNS};
 use super::mark::FallbackMark;
-use super::replay::Taken;
 use super::shared::Inner;
+use super::taken::Taken;
 use crate::error::map_sqlx;
 use crate::row::{INSERT_COLUMNS, INSERT_UNNESTED};
 
