@@ -665,8 +665,11 @@ async fn take_ready(
 /// decoded, and a later table-less event of its aggregate would go out before it. The look fails
 /// the reading instead, and the fallback that follows reads both from where they are, in order.
 fn carries_tableless(t: &WalTransaction) -> bool {
-    t.items.iter().any(|item| match item {
-        WalItem::Event(e) => !t.row_ids.contains(&e.id),
-        WalItem::Undecodable { .. } => false,
-    })
+    // `row_ids` holds the ids of exactly its events that are rows.
+    let events = t
+        .items
+        .iter()
+        .filter(|item| matches!(item, WalItem::Event(_)))
+        .count();
+    events > t.row_ids.len()
 }
