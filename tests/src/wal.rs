@@ -261,7 +261,21 @@ impl WalSource {
     ) -> (Vec<(String, uuid::Uuid)>, Verdict) {
         let written = load.stop().await;
         let committed = committed_in_db(pg, table, &written).await;
-        sink.wait_all(&committed, Duration::from_secs(180)).await;
+        let verdict = self.finish_with(sink, &committed, relays).await;
+        (committed, verdict)
+    }
+
+    /// As [`WalSource::finish`], for what a load of the scenario's own committed.
+    ///
+    /// # Panics
+    /// As [`WalSource::finish`].
+    pub async fn finish_with(
+        &self,
+        sink: &Sink,
+        committed: &[(String, uuid::Uuid)],
+        relays: Vec<RelayProcess>,
+    ) -> Verdict {
+        sink.wait_all(committed, Duration::from_secs(180)).await;
         for r in relays {
             assert_eq!(r.terminate(Duration::from_secs(60)), Some(0));
         }
@@ -269,8 +283,7 @@ impl WalSource {
             self.held_unpublished().await == 0
         })
         .await;
-        let verdict = sink.judge(&committed).await;
-        (committed, verdict)
+        sink.judge(committed).await
     }
 }
 

@@ -548,15 +548,7 @@ async fn both_write_forms_through_every_fallback() {
         before = sink.received_count().await;
     }
     let committed = load.stop(&pg, &table).await;
-    sink.wait_all(&committed, Duration::from_secs(180)).await;
-    for r in relays {
-        assert_eq!(r.terminate(Duration::from_secs(60)), Some(0));
-    }
-    wait_until(Duration::from_secs(30), "the held table empty", || async {
-        wal.held_unpublished().await == 0
-    })
-    .await;
-    let verdict = sink.judge(&committed).await;
+    let verdict = wal.finish_with(&sink, &committed, relays).await;
     let fallbacks = logged(&table, "falls back to the outbox table");
     report_with(
         "wal-both-forms-unpublished-and-dropped-x2",

@@ -43,6 +43,20 @@ impl HeldRow {
         }
     }
 
+    /// The held row of a transaction's `item`: its event, waiting, or the dead letter of a change
+    /// that is not one (its transaction committed `at`).
+    pub(super) fn of_item(item: &WalItem, at: DateTime<Utc>) -> Self {
+        match item {
+            WalItem::Event(e) => HeldRow::waiting(e.clone()),
+            WalItem::Undecodable {
+                id,
+                lsn,
+                error,
+                raw,
+            } => HeldRow::undecodable(*id, *lsn, error.clone(), raw.clone(), at),
+        }
+    }
+
     /// The dead letter of a change that is not an event (a NUL in what is wrong, which quotes the
     /// change, is written as `\0`: PostgreSQL's text cannot hold it).
     pub(super) fn undecodable(
@@ -464,13 +478,7 @@ fn part_rows(part: &WalTransaction, skip: usize, dealt_with: &HashSet<Uuid>) -> 
         rows.push(match item {
             WalItem::Event(e) if dealt_with.contains(&e.id) => continue,
             WalItem::Undecodable { id, .. } if dealt_with.contains(id) => continue,
-            WalItem::Event(e) => HeldRow::waiting(e.clone()),
-            WalItem::Undecodable {
-                id,
-                lsn,
-                error,
-                raw,
-            } => HeldRow::undecodable(*id, *lsn, error.clone(), raw.clone(), part.commit_time),
+            item => HeldRow::of_item(item, part.commit_time),
         });
     }
     rows

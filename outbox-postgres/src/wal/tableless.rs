@@ -328,7 +328,7 @@ fn place(
             };
             these.push(Placed {
                 seq: at,
-                row: held_row(item, t),
+                row: HeldRow::of_item(item, t.commit_time),
             });
         }
         if these.len() == events.len() {
@@ -352,18 +352,6 @@ fn tableless_items<'a>(window: &Window, t: &'a WalTransaction) -> Vec<&'a WalIte
             WalItem::Undecodable { lsn, .. } => window.undecodable_messages.contains(lsn),
         })
         .collect()
-}
-
-fn held_row(item: &WalItem, t: &WalTransaction) -> HeldRow {
-    match item {
-        WalItem::Event(e) => HeldRow::waiting(e.clone()),
-        WalItem::Undecodable {
-            id,
-            lsn,
-            error,
-            raw,
-        } => HeldRow::undecodable(*id, *lsn, error.clone(), raw.clone(), t.commit_time),
-    }
 }
 
 /// Puts the rows `ids` of the outbox table (with their delivery state) and the table-less events
