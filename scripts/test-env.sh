@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Ensures what the test suite needs, idempotently (safe to run any number of times):
 # - the README's build prerequisites (build-essential, cmake, pkg-config, libssl-dev,
-#   libcurl4-openssl-dev), iptables (a test cuts a connection without a reset) and mold (a faster
-#   linker, see scripts/linker), installed if missing;
+#   libcurl4-openssl-dev), and iptables
+#   (a test cuts a connection without a reset), installed if missing;
 # - PostgreSQL (started if down; wal_level = logical for the WAL source, one restart when it is not;
 #   database created if missing);
 # - RabbitMQ (started if down);
@@ -226,9 +226,6 @@ ensure_build_deps() {
   command -v make >/dev/null 2>&1 || missing+=(make)
   command -v curl >/dev/null 2>&1 || missing+=(curl)
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)
-  # The suite's ~60 test and example binaries link several times faster with mold (scripts/linker
-  # uses it when it is there, and the system's linker otherwise).
-  command -v mold >/dev/null 2>&1 || missing+=(mold)
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing build tools (librdkafka, PgBouncer) and test tools: ${missing[*]}"
     apt_install "${missing[@]}"
