@@ -23,7 +23,7 @@
 //! message, a row missing a column) is returned as [`WalItem::Undecodable`] in its place, with what is
 //! wrong, so that the reader dead-letters it rather than losing it or stopping on it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
@@ -38,6 +38,12 @@ use super::slot::WalSlot;
 use crate::error::map_sqlx;
 use crate::row::{event_from_text, parse_headers};
 use crate::writer::message::TablelessMessage;
+
+/// The settings a peek of the slot fixes for its transaction, as `set_config` columns: pgoutput
+/// writes the columns as the calling session's output functions do, so whatever the role's or
+/// database's settings, the decoder reads the same text.
+pub(crate) const PGOUTPUT_SETTINGS: &str = "set_config('bytea_output', 'hex', true) AS b,
+    set_config('DateStyle', 'ISO, YMD', true) AS d, set_config('TimeZone', 'UTC', true) AS z";
 
 /// The pgoutput protocol version read (1: whole transactions only, no streaming of transactions in
 /// progress, so a peek never returns part of one).
@@ -200,25 +206,24 @@ impl WalReader {
         let mut origin = Origin::default();
         let mut flushed = 0i64;
         {
-            let mut stream = sqlx::query_as::<_, (i64, i64, i32, Option<i64>, Option<Vec<u8>>)>(
+            let sql = format!(
                 "WITH s AS MATERIALIZED (
-                     SELECT $1::name AS slot,
-                            set_config('bytea_output', 'hex', true) AS b,
-                            set_config('DateStyle', 'ISO, YMD', true) AS d,
-                            set_config('TimeZone', 'UTC', true) AS z,
+                     SELECT $1::name AS slot, {PGOUTPUT_SETTINGS},
                             (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint AS flushed,
                             (SELECT system_identifier FROM pg_control_system()) AS system,
                             (SELECT timeline_id FROM pg_control_checkpoint()) AS timeline)
                  SELECT s.flushed, s.system, s.timeline, (c.lsn - '0/0'::pg_lsn)::bigint, c.data
                  FROM s LEFT JOIN LATERAL pg_logical_slot_peek_binary_changes(
                      s.slot, NULL, $2,
-                     'proto_version', $3, 'publication_names', $4, 'messages', 'true') c ON true",
-            )
-            .bind(self.slot.slot())
-            .bind(max_changes)
-            .bind(PROTO_VERSION)
-            .bind(self.slot.publication())
-            .fetch(&mut *conn);
+                     'proto_version', $3, 'publication_names', $4, 'messages', 'true') c ON true"
+            );
+            let mut stream =
+                sqlx::query_as::<_, (i64, i64, i32, Option<i64>, Option<Vec<u8>>)>(&sql)
+                    .bind(self.slot.slot())
+                    .bind(max_changes)
+                    .bind(PROTO_VERSION)
+                    .bind(self.slot.publication())
+                    .fetch(&mut *conn);
             let mut bytes = 0usize;
             while let Some((f, system, timeline, lsn, data)) =
                 stream.try_next().await.map_err(map)?
@@ -339,7 +344,7 @@ pub(crate) struct Recorded {
     pub(crate) seqs: HashMap<Uuid, i64>,
     /// The positions of messages that could not be events (their dead letters' ids derive from
     /// them), as opposed to rows that could not.
-    pub(crate) undecodable_messages: std::collections::HashSet<u64>,
+    pub(crate) undecodable_messages: HashSet<u64>,
 }
 
 impl Decoder {

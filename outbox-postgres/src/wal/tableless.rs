@@ -28,7 +28,7 @@ use uuid::Uuid;
 use txoutbox_core::Error;
 
 use super::confirm::{delete_published, refusal};
-use super::decode::{Decoder, Origin, WalItem, WalTransaction, PROTO_VERSION};
+use super::decode::{Decoder, Origin, WalItem, WalTransaction, PGOUTPUT_SETTINGS, PROTO_VERSION};
 use super::held::{held_unnest, HeldArrays, HeldRow, HELD_STATE, STATE_COLUMNS};
 use super::mark::FallbackMark;
 use super::shared::Inner;
@@ -76,21 +76,19 @@ async fn read_window(
     {
         // pgoutput writes the columns as the calling session's output functions do: fixed here,
         // for this transaction, whatever the role's or database's settings.
-        let mut rows = sqlx::query_as::<_, (Option<i64>, Option<i64>, Option<Vec<u8>>)>(
-            "WITH s AS MATERIALIZED (
-                 SELECT set_config('bytea_output', 'hex', true) AS b,
-                        set_config('DateStyle', 'ISO, YMD', true) AS d,
-                        set_config('TimeZone', 'UTC', true) AS z)
+        let sql = format!(
+            "WITH s AS MATERIALIZED (SELECT {PGOUTPUT_SETTINGS})
              SELECT (c.lsn - '0/0'::pg_lsn)::bigint, c.xid::text::bigint, c.data
              FROM s LEFT JOIN LATERAL pg_logical_slot_peek_binary_changes(
                  $1, '0/0'::pg_lsn + $2::numeric, NULL,
-                 'proto_version', $3, 'publication_names', $4, 'messages', 'true') c ON true",
-        )
-        .bind(slot.slot())
-        .bind(upto)
-        .bind(PROTO_VERSION)
-        .bind(slot.publication())
-        .fetch(&mut *conn);
+                 'proto_version', $3, 'publication_names', $4, 'messages', 'true') c ON true"
+        );
+        let mut rows = sqlx::query_as::<_, (Option<i64>, Option<i64>, Option<Vec<u8>>)>(&sql)
+            .bind(slot.slot())
+            .bind(upto)
+            .bind(PROTO_VERSION)
+            .bind(slot.publication())
+            .fetch(&mut *conn);
         while let Some((lsn, xid, data)) = rows.try_next().await.map_err(map)? {
             let (Some(lsn), Some(xid), Some(data)) = (lsn, xid, data) else {
                 continue;
